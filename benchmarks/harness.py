@@ -1,0 +1,190 @@
+"""The measuring helper every benchmark uses.
+
+``measure(fn)`` runs ``fn`` a few times to warm up, then times ``iters`` calls: with CUDA events on a
+GPU (so host overhead between launches is not hidden), with ``time.perf_counter`` after a full
+synchronisation on the CPU. It reports the median and the 20th/80th percentiles in seconds and the
+peak memory the calls added above what was allocated before (CUDA: ``max_memory_allocated``; CPU:
+``ru_maxrss`` growth of the process, a coarse upper bound).
+
+``Report`` collects rows and writes ``<name>.json`` and ``<name>.md`` (with hardware, versions and the
+exact command) under ``$OUT`` if set, else ``benchmarks/results/local/``; GPU runs are committed by
+hand as ``benchmarks/results/<bench>_h200_<yyyy-mm-dd>.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    median_s: float
+    p20_s: float
+    p80_s: float
+    peak_mem_bytes: int
+    iters: int
+
+    @property
+    def median_ms(self) -> float:
+        return self.median_s * 1e3
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _quantile(xs: Sequence[float], q: float) -> float:
+    xs = sorted(xs)
+    if len(xs) == 1:
+        return xs[0]
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def synchronize(device: torch.device | str | None = None) -> None:
+    if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
+        torch.cuda.synchronize()
+
+
+def measure(
+    fn: Callable[[], object],
+    *,
+    warmup: int = 3,
+    iters: int = 10,
+    device: torch.device | str | None = None,
+) -> Measurement:
+    """Time ``fn()``; ``device`` picks CUDA events (cuda) or perf_counter (cpu, the default off-GPU)."""
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"measure needs iters >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}")
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        for _ in range(iters):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+    else:
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024
+    return Measurement(
+        median_s=statistics.median(times),
+        p20_s=_quantile(times, 0.2),
+        p80_s=_quantile(times, 0.8),
+        peak_mem_bytes=int(max(peak, 0)),
+        iters=iters,
+    )
+
+
+def environment() -> dict:
+    """Hardware and versions, recorded with every result."""
+    env = {
+        "date": _dt.date.today().isoformat(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception:  # triton is optional for some benchmarks
+        env["triton"] = None
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    else:
+        env["gpu"] = None
+    return env
+
+
+def results_dir() -> Path:
+    out = os.environ.get("OUT")
+    path = Path(out) if out else Path(__file__).resolve().parent / "results" / "local"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        if v == 0:
+            return "0"
+        if abs(v) >= 100:
+            return f"{v:,.1f}"
+        if abs(v) >= 1:
+            return f"{v:.3f}"
+        return f"{v:.4g}"
+    return str(v)
+
+
+class Report:
+    """Rows of one benchmark, printed as a table and written as JSON + Markdown."""
+
+    def __init__(self, name: str, title: str | None = None):
+        self.name = name
+        self.title = title or name
+        self.rows: list[dict] = []
+        self.notes: list[str] = []
+        self.env = environment()
+
+    def add(self, **row) -> dict:
+        self.rows.append(row)
+        return row
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+    def markdown(self) -> str:
+        lines = [f"# {self.title}", ""]
+        lines += [f"- {k}: {v}" for k, v in self.env.items()]
+        lines.append("")
+        if self.rows:
+            cols: list[str] = []
+            for r in self.rows:
+                cols += [c for c in r if c not in cols]
+            lines.append("| " + " | ".join(cols) + " |")
+            lines.append("|" + "---|" * len(cols))
+            for r in self.rows:
+                lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |")
+        if self.notes:
+            lines.append("")
+            lines += [f"- {n}" for n in self.notes]
+        return "\n".join(lines) + "\n"
+
+    def save(self) -> Path:
+        out = results_dir()
+        md = self.markdown()
+        print(md)
+        (out / f"{self.name}.md").write_text(md)
+        (out / f"{self.name}.json").write_text(
+            json.dumps({"name": self.name, "env": self.env, "rows": self.rows, "notes": self.notes}, indent=2)
+        )
+        return out / f"{self.name}.md"

@@ -1,0 +1,183 @@
+// Host side of the copy engine: bounds validation and a persistent thread pool doing strided memcpy.
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "copy_engine.h"
+
+namespace llamarl {
+
+void validate_ops(const CopyOp* ops, size_t n, int64_t src_nbytes, int64_t dst_nbytes) {
+  for (size_t i = 0; i < n; ++i) {
+    const CopyOp& op = ops[i];
+    auto fail = [&](const std::string& what) {
+      throw std::invalid_argument("copy op " + std::to_string(i) + ": " + what +
+                                  " (src_offset=" + std::to_string(op.src_offset) +
+                                  ", dst_offset=" + std::to_string(op.dst_offset) +
+                                  ", rows=" + std::to_string(op.rows) +
+                                  ", row_bytes=" + std::to_string(op.row_bytes) +
+                                  ", src_stride=" + std::to_string(op.src_stride) +
+                                  ", dst_stride=" + std::to_string(op.dst_stride) + ")");
+    };
+    if (op.rows < 0 || op.row_bytes < 0) fail("negative rows or row_bytes");
+    if (op.src_offset < 0 || op.dst_offset < 0) fail("negative offset");
+    if (op.rows == 0 || op.row_bytes == 0) continue;
+    if (op.rows > 1 && (op.src_stride < op.row_bytes || op.dst_stride < op.row_bytes))
+      fail("stride smaller than row_bytes: rows would overlap");
+    const int64_t src_end = op.src_offset + (op.rows - 1) * op.src_stride + op.row_bytes;
+    const int64_t dst_end = op.dst_offset + (op.rows - 1) * op.dst_stride + op.row_bytes;
+    if (src_end > src_nbytes)
+      fail("reads past the end of the source buffer (" + std::to_string(src_end) + " > " +
+           std::to_string(src_nbytes) + " bytes)");
+    if (dst_end > dst_nbytes)
+      fail("writes past the end of the destination buffer (" + std::to_string(dst_end) + " > " +
+           std::to_string(dst_nbytes) + " bytes)");
+  }
+}
+
+namespace {
+
+// A fixed pool of workers; run() hands each worker one task and blocks until all are done.
+class ThreadPool {
+ public:
+  explicit ThreadPool(int n) {
+    for (int i = 0; i < n; ++i) workers_.emplace_back([this, i] { loop(i); });
+  }
+  ~ThreadPool() {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : workers_) t.join();
+  }
+  int size() const { return static_cast<int>(workers_.size()); }
+
+  // Runs task(i) for i in [0, n) with n <= size(); the caller runs task(0) itself.
+  void run(int n, const std::function<void(int)>& task) {
+    std::unique_lock<std::mutex> lk(run_mu_);  // one batch at a time
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      task_ = &task;
+      active_ = n - 1;
+      pending_ = n - 1;
+      ++generation_;
+    }
+    cv_.notify_all();
+    task(0);
+    std::unique_lock<std::mutex> g(mu_);
+    done_cv_.wait(g, [this] { return pending_ == 0; });
+    task_ = nullptr;
+  }
+
+ private:
+  void loop(int idx) {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* task;
+      {
+        std::unique_lock<std::mutex> g(mu_);
+        cv_.wait(g, [&] { return stop_ || generation_ != seen; });
+        if (stop_) return;
+        seen = generation_;
+        if (idx >= active_) continue;
+        task = task_;
+      }
+      (*task)(idx + 1);
+      std::lock_guard<std::mutex> g(mu_);
+      if (--pending_ == 0) done_cv_.notify_all();
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex mu_, run_mu_;
+  std::condition_variable cv_, done_cv_;
+  const std::function<void(int)>* task_ = nullptr;
+  int active_ = 0, pending_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+};
+
+// The pool grows to the largest thread count asked for; a replaced pool stays alive while in use.
+std::shared_ptr<ThreadPool> pool_for(int threads) {
+  static std::mutex mu;
+  static std::shared_ptr<ThreadPool> pool;
+  std::lock_guard<std::mutex> g(mu);
+  if (!pool || pool->size() < threads - 1) pool = std::make_shared<ThreadPool>(threads - 1);
+  return pool;
+}
+
+struct Piece {  // a row range of one op
+  size_t op;
+  int64_t row_begin, row_end;
+};
+
+}  // namespace
+
+void copy_ops_cpu(const uint8_t* src, uint8_t* dst, const CopyOp* ops, size_t n, int num_threads) {
+  int64_t total = 0;
+  for (size_t i = 0; i < n; ++i) total += ops[i].rows * ops[i].row_bytes;
+  if (total == 0) return;
+  constexpr int64_t kMinBytesPerThread = 1 << 20;
+  const int threads = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(num_threads, (total + kMinBytesPerThread - 1) / kMinBytesPerThread)));
+
+  // Cut the byte stream into `threads` contiguous shares, splitting ops on row boundaries.
+  std::vector<std::vector<Piece>> shares(threads);
+  const int64_t per = (total + threads - 1) / threads;
+  int share = 0;
+  int64_t filled = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const CopyOp& op = ops[i];
+    int64_t r = 0;
+    while (r < op.rows && op.row_bytes > 0) {
+      int64_t room_rows = std::max<int64_t>(1, (per - filled) / op.row_bytes);
+      int64_t take = std::min(op.rows - r, room_rows);
+      shares[share].push_back({i, r, r + take});
+      filled += take * op.row_bytes;
+      r += take;
+      if (filled >= per && share + 1 < threads) {
+        ++share;
+        filled = 0;
+      }
+    }
+  }
+  auto work = [&](int t) {
+    for (const Piece& p : shares[t]) {
+      const CopyOp& op = ops[p.op];
+      if (op.src_stride == op.row_bytes && op.dst_stride == op.row_bytes) {
+        std::memcpy(dst + op.dst_offset + p.row_begin * op.row_bytes,
+                    src + op.src_offset + p.row_begin * op.row_bytes,
+                    static_cast<size_t>((p.row_end - p.row_begin) * op.row_bytes));
+        continue;
+      }
+      for (int64_t r = p.row_begin; r < p.row_end; ++r)
+        std::memcpy(dst + op.dst_offset + r * op.dst_stride, src + op.src_offset + r * op.src_stride,
+                    static_cast<size_t>(op.row_bytes));
+    }
+  };
+  if (threads == 1) {
+    work(0);
+    return;
+  }
+  pool_for(threads)->run(threads, work);
+}
+
+std::string compiler_info() {
+#if defined(__clang__)
+  return std::string("clang ") + __clang_version__;
+#elif defined(__GNUC__)
+  return "gcc " + std::to_string(__GNUC__) + "." + std::to_string(__GNUC_MINOR__) + "." +
+         std::to_string(__GNUC_PATCHLEVEL__);
+#else
+  return "unknown";
+#endif
+}
+
+}  // namespace llamarl

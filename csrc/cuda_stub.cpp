@@ -1,0 +1,25 @@
+// Compiled instead of cuda_copy.cu when the CUDA part is not built: every CUDA entry point raises.
+#include <stdexcept>
+
+#include "copy_engine.h"
+
+namespace llamarl {
+
+namespace {
+[[noreturn]] void no_cuda(const char* fn) {
+  throw std::runtime_error(std::string(fn) +
+                           ": llamarl._C was built without CUDA (nvcc was not found or "
+                           "LLAMARL_BUILD_CUDA=0). Reinstall on a machine with nvcc: "
+                           "pip install --no-build-isolation -e .");
+}
+}  // namespace
+
+bool cuda_compiled() { return false; }
+int cuda_runtime_version() { no_cuda("cuda_runtime_version"); }
+int cuda_device_count() { return 0; }
+void copy_ops_cuda(uint64_t, uint64_t, const CopyOp*, size_t, int, uint64_t, int) {
+  no_cuda("copy_ops_cuda");
+}
+void cuda_synchronize(int) { no_cuda("cuda_synchronize"); }
+
+}  // namespace llamarl

@@ -1,0 +1,115 @@
+"""The native copy engine (llamarl._C) against numpy slicing, byte for byte."""
+
+import numpy as np
+import pytest
+import torch
+
+from llamarl._native import as_ops, build_info, copy_ops, native
+
+
+def reference_copy(dst: np.ndarray, src: np.ndarray, ops: np.ndarray) -> None:
+    for so, do, rows, rb, ss, ds in ops.tolist():
+        for r in range(rows):
+            dst[do + r * ds : do + r * ds + rb] = src[so + r * ss : so + r * ss + rb]
+
+
+def random_schedule(rng, n_ops, src_nbytes, dst_nbytes):
+    """Ops with disjoint destinations: the destination is cut into one strided block per op."""
+    ops, cursor = [], 0
+    for _ in range(n_ops):
+        rows = int(rng.integers(1, 9))
+        rb = int(rng.integers(1, 300))
+        ds = rb + int(rng.integers(0, 5))
+        ss = rb + int(rng.integers(0, 7))
+        need_dst = (rows - 1) * ds + rb
+        need_src = (rows - 1) * ss + rb
+        if cursor + need_dst > dst_nbytes:
+            break
+        so = int(rng.integers(0, src_nbytes - need_src + 1))
+        ops.append((so, cursor, rows, rb, ss, ds))
+        cursor += need_dst
+    return as_ops(ops)
+
+
+def test_build_info_reports_what_was_compiled():
+    info = build_info()
+    assert set(info) >= {"cuda", "cuda_version", "compiler"}
+    assert isinstance(info["cuda"], bool)
+    assert (info["cuda_version"] is None) == (not info["cuda"])
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_strided_copy_matches_numpy(threads, seed):
+    rng = np.random.default_rng(seed)
+    src = torch.from_numpy(rng.integers(0, 256, size=50_000, dtype=np.uint8))
+    dst = torch.zeros(40_000, dtype=torch.uint8)
+    ops = random_schedule(rng, 200, src.numel(), dst.numel())
+    expected = dst.numpy().copy()
+    reference_copy(expected, src.numpy(), ops)
+    copy_ops(dst, src, ops, num_threads=threads)
+    assert np.array_equal(dst.numpy(), expected)
+
+
+def test_large_multithreaded_copy_splits_ops_and_is_exact():
+    # One 24 MiB op plus strided ones: big enough that every thread gets a share of a split op.
+    src = torch.randint(0, 256, (24 << 20,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    ops = as_ops([(0, 0, 3 << 10, 8 << 10, 8 << 10, 8 << 10)])  # 3072 rows of 8 KiB, contiguous
+    copy_ops(dst, src, ops, num_threads=4)
+    assert torch.equal(dst, src)
+    # transposed-ish gather: every other 4 KiB block of src into a dense dst
+    dst2 = torch.zeros(12 << 20, dtype=torch.uint8)
+    ops2 = as_ops([(0, 0, 3 << 10, 4 << 10, 8 << 10, 4 << 10)])
+    copy_ops(dst2, src, ops2, num_threads=3)
+    assert torch.equal(dst2.view(-1, 4 << 10), src.view(-1, 8 << 10)[:, : 4 << 10])
+
+
+@pytest.mark.parametrize(
+    "op, message",
+    [
+        ((0, 0, 2, 10, 10, 10), "reads past the end of the source"),
+        ((0, 15, 1, 10, 10, 10), "writes past the end of the destination"),
+        ((0, 0, 2, 10, 5, 10), "stride smaller than row_bytes"),
+        ((-1, 0, 1, 1, 1, 1), "negative offset"),
+    ],
+)
+def test_out_of_bounds_ops_raise_before_copying(op, message):
+    src = torch.arange(15, dtype=torch.uint8)
+    dst = torch.zeros(20, dtype=torch.uint8)
+    ok = (0, 0, 1, 5, 5, 5)
+    with pytest.raises(ValueError, match=message):
+        copy_ops(dst, src, [ok, op])
+    assert int(dst.sum()) == 0  # validation happens before any byte moves
+
+
+def test_bad_schedule_shape_and_devices_are_rejected():
+    with pytest.raises(ValueError, match=r"shape \[n, 6\]"):
+        as_ops([[1, 2, 3]])
+    with pytest.raises(ValueError, match="contiguous"):
+        copy_ops(torch.zeros(4, 4).t(), torch.zeros(16), [])
+
+
+def test_cuda_entry_points_raise_clearly_without_cuda():
+    if build_info()["cuda"] and native().cuda_device_count() > 0:
+        pytest.skip("a CUDA device is present")
+    if not build_info()["cuda"]:
+        with pytest.raises(RuntimeError, match="built without CUDA"):
+            native().copy_ops_cuda(1, 1, 1, 1, as_ops([]))
+    else:
+        assert native().cuda_device_count() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("streams", [1, 4])
+def test_cuda_copy_moves_bytes_exactly(streams):
+    assert build_info()["cuda"], "llamarl._C was built without CUDA on a CUDA machine"
+    rng = np.random.default_rng(7)
+    src_h = torch.from_numpy(rng.integers(0, 256, size=1 << 20, dtype=np.uint8))
+    dst = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    ops = random_schedule(rng, 300, src_h.numel(), dst.numel())
+    expected = np.zeros(1 << 20, dtype=np.uint8)
+    reference_copy(expected, src_h.numpy(), ops)
+    copy_ops(dst, src_h.cuda(), ops, num_streams=streams)
+    torch.cuda.synchronize()
+    assert np.array_equal(dst.cpu().numpy(), expected)
