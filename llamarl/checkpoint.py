@@ -1,0 +1,375 @@
+"""Atomic training checkpoints: policy (HF format), optimizer, policy version, data cursor, RNG states.
+
+On-disk layout of a run directory::
+
+    run_dir/checkpoints/
+        step_000123/                   one complete checkpoint (never modified after it appears)
+            policy/                    Hugging Face directory (config.json + *.safetensors), or absent
+            optimizer.pt               torch.save of the optimizer state (optional; any other files
+                                       written into the checkpoint directory are kept too, e.g.
+                                       per-rank shards "optimizer.rank1.pt")
+            rng.pt                     RNG states (torch.save, loadable with weights_only=True)
+            state.json                 step, policy_version, data_cursor, extra (JSON)
+            MANIFEST.json              written last: every file with its size
+        latest                         text "step_000123": the last committed checkpoint
+        .tmp-step_000124-<host>-<pid>-<rand>/   a checkpoint being written (or torn by a crash)
+
+Atomicity: everything is written into a temporary directory inside ``checkpoints/`` (same filesystem),
+every file and directory is fsynced, ``MANIFEST.json`` is written and fsynced last, and only then is the
+directory renamed to ``step_XXXXXX`` with ``os.replace`` (atomic), its parent fsynced and the ``latest``
+pointer replaced atomically. A crash at any point leaves either the old set of checkpoints or the old
+set plus the complete new one; never a half-written ``step_*``. Readers trust the manifest, not the
+pointer: ``load_latest`` returns the highest-step checkpoint whose manifest matches its files, so a
+crash between the rename and the pointer update still resumes from the newest complete state.
+Temporary directories left by dead writers on this host are removed by the next save or load; old
+checkpoints beyond ``keep`` are renamed away (atomic) and then deleted. History is linear: committing step N
+also removes checkpoints with a step above N (left by a continuation abandoned when resuming from an older
+checkpoint), so "newest complete" and the ``latest`` pointer agree.
+
+Writers from other processes (e.g. FSDP trainer ranks writing their shards) can fill
+``CheckpointWriter.path`` before the owner commits; the commit fsyncs whatever is there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1
+MANIFEST = "MANIFEST.json"
+STATE = "state.json"
+RNG = "rng.pt"
+OPTIMIZER = "optimizer.pt"
+POLICY = "policy"
+LATEST = "latest"
+_STEP_RE = re.compile(r"^step_(\d{6,})$")
+_TMP_RE = re.compile(r"^\.(?:tmp|trash)-.*-(?P<host>[^-]+)-(?P<pid>\d+)-[0-9a-f]+$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read; the message names the directory and what is wrong."""
+
+
+# -------------------------------------------------------------------- RNG states
+def capture_rng_state() -> dict:
+    """RNG states of Python ``random``, NumPy's global generator, torch CPU and (if initialised) CUDA."""
+    np_state = np.random.get_state(legacy=True)
+    state = {
+        "python": random.getstate(),
+        "numpy": {"kind": np_state[0], "key": torch.from_numpy(np_state[1].astype(np.int64)),
+                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    """Inverse of ``capture_rng_state``: afterwards the generators produce the same streams again."""
+    missing = {"python", "numpy", "torch"} - set(state)
+    if missing:
+        raise CheckpointError(f"RNG state lacks {sorted(missing)}; it must come from capture_rng_state()")
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# -------------------------------------------------------------------- reading
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint. ``optimizer_state()`` and ``policy_dir`` are read lazily."""
+
+    path: Path
+    step: int
+    policy_version: int
+    data_cursor: Any
+    rng_state: dict | None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def policy_dir(self) -> Path | None:
+        """The Hugging Face policy directory (``Llama.from_pretrained``-loadable), if one was saved."""
+        p = self.path / POLICY
+        return p if p.is_dir() else None
+
+    def optimizer_state(self, name: str = OPTIMIZER, map_location: str | torch.device = "cpu") -> Any:
+        """Load ``name`` (default ``optimizer.pt``) from this checkpoint with ``weights_only=True``."""
+        p = self.path / name
+        if not p.is_file():
+            raise CheckpointError(f"checkpoint {self.path} has no '{name}'")
+        return torch.load(p, map_location=map_location, weights_only=True)
+
+
+def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints of ``run_dir`` as (step, path), ascending; torn ones are skipped."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        m = _STEP_RE.match(entry.name)
+        if m and entry.is_dir() and _verify(entry) is None:
+            found.append((int(m.group(1)), entry))
+    return sorted(found)
+
+
+def latest_checkpoint_dir(run_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint directory of ``run_dir`` (or ``run_dir`` itself if it is one)."""
+    run_dir = Path(run_dir)
+    if (run_dir / MANIFEST).is_file() and _verify(run_dir) is None:
+        return run_dir
+    found = list_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Read one checkpoint directory; raises ``CheckpointError`` if it is incomplete or corrupt."""
+    path = Path(path)
+    problem = _verify(path)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
+    state = json.loads((path / STATE).read_text())
+    rng = torch.load(path / RNG, weights_only=True) if (path / RNG).is_file() else None
+    return Checkpoint(path=path, step=int(state["step"]), policy_version=int(state["policy_version"]),
+                      data_cursor=state.get("data_cursor"), rng_state=rng, extra=state.get("extra") or {})
+
+
+def load_latest(run_dir: str | os.PathLike) -> Checkpoint | None:
+    """The newest complete checkpoint of ``run_dir`` (None if there is none); cleans dead temp dirs."""
+    _clean_stale(checkpoints_dir(run_dir))
+    path = latest_checkpoint_dir(run_dir)
+    return load_checkpoint(path) if path is not None else None
+
+
+def _verify(path: Path) -> str | None:
+    """None if ``path`` is a complete checkpoint, else what is wrong with it."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return f"no {MANIFEST} (the write did not finish)"
+    except (OSError, ValueError) as exc:
+        return f"unreadable {MANIFEST}: {exc}"
+    if manifest.get("format") != FORMAT_VERSION:
+        return f"format {manifest.get('format')!r}, this code reads format {FORMAT_VERSION}"
+    for rel, size in manifest.get("files", {}).items():
+        f = path / rel
+        if not f.is_file():
+            return f"missing file {rel}"
+        if f.stat().st_size != size:
+            return f"file {rel} has {f.stat().st_size} bytes, manifest says {size}"
+    return None
+
+
+# -------------------------------------------------------------------- writing
+class CheckpointWriter:
+    """Write one checkpoint atomically: fill ``path`` (a temp dir), then ``commit()``.
+
+    As a context manager it commits on normal exit and removes the temp dir on an exception::
+
+        with CheckpointWriter(run_dir, step) as ckpt:
+            model.save_pretrained(ckpt.policy_dir)
+            ckpt.save_optimizer(optimizer.state_dict())
+            ckpt.write_state(policy_version=v, data_cursor=cursor)
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, step: int, *, keep: int = 3):
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"checkpoint step must be an integer >= 0, got {step!r}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise CheckpointError(f"keep must be an integer >= 1 (checkpoints to retain), got {keep!r}")
+        self.run_dir, self.step, self.keep = Path(run_dir), step, keep
+        self.root = checkpoints_dir(run_dir)
+        self.root.mkdir(parents=True, exist_ok=True)
+        _clean_stale(self.root)
+        self.name = f"step_{step:06d}"
+        self.path = self.root / f".tmp-{self.name}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.path.mkdir()
+        self._state_written = False
+        self._done = False
+
+    @property
+    def policy_dir(self) -> Path:
+        """Where the HF-format policy goes (created on first access)."""
+        p = self.path / POLICY
+        p.mkdir(exist_ok=True)
+        return p
+
+    def save_policy(self, writer: Callable[[Path], Any]) -> None:
+        """Call ``writer(dir)`` (e.g. ``model.save_pretrained``); it must leave a config.json there."""
+        writer(self.policy_dir)
+        if not (self.policy_dir / "config.json").is_file():
+            raise CheckpointError(f"policy writer {writer!r} left no config.json in {self.policy_dir}; it must "
+                                  f"write a Hugging Face model directory (e.g. model.save_pretrained)")
+
+    def save_optimizer(self, state: Any, name: str = OPTIMIZER) -> None:
+        torch.save(state, self.path / name)
+
+    def write_state(self, *, policy_version: int, data_cursor: Any = None, rng_state: dict | None = None,
+                    extra: dict | None = None) -> None:
+        """Record the scalar state; ``rng_state`` defaults to this process's ``capture_rng_state()``."""
+        if isinstance(policy_version, bool) or not isinstance(policy_version, int) or policy_version < 0:
+            raise CheckpointError(f"policy_version must be an integer >= 0, got {policy_version!r}")
+        doc = {"step": self.step, "policy_version": policy_version, "data_cursor": data_cursor,
+               "extra": extra or {}}
+        try:
+            text = json.dumps(doc, indent=1, sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"data_cursor and extra must be JSON-serialisable (dicts, lists, str, "
+                                  f"int, finite float, bool, None): {exc}") from None
+        (self.path / STATE).write_text(text)
+        torch.save(rng_state if rng_state is not None else capture_rng_state(), self.path / RNG)
+        self._state_written = True
+
+    def commit(self) -> Path:
+        """Make the checkpoint visible atomically, update ``latest``, prune old ones; returns its path."""
+        if self._done:
+            raise CheckpointError(f"checkpoint {self.name} was already committed or aborted")
+        if not self._state_written:
+            raise CheckpointError(f"checkpoint {self.name}: call write_state(policy_version=...) before commit")
+        files = {}
+        for f in sorted(p for p in self.path.rglob("*") if p.is_file()):
+            _fsync_file(f)
+            files[f.relative_to(self.path).as_posix()] = f.stat().st_size
+        for d in sorted((p for p in self.path.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            _fsync_dir(d)
+        manifest = {"format": FORMAT_VERSION, "step": self.step, "files": files}
+        _write_atomic(self.path / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True), fsync_parent=True)
+        final = self.root / self.name
+        if final.exists():  # re-saving a step (e.g. after resuming from an older checkpoint)
+            trash = self.root / f".trash-{self.name}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+            os.replace(final, trash)
+            os.replace(self.path, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(self.path, final)
+        _fsync_dir(self.root)
+        _write_atomic(self.root / LATEST, self.name + "\n", fsync_parent=True)
+        self._done = True
+        self._prune(final)
+        return final
+
+    def abort(self) -> None:
+        """Discard the temp dir (nothing visible changes)."""
+        if not self._done:
+            self._done = True
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def _prune(self, just_written: Path) -> None:
+        """Drop checkpoints beyond the newest ``keep``, and any with a higher step than ``just_written``:
+        the run's history is linear, so those belong to a continuation that was abandoned by resuming
+        from an older checkpoint."""
+        found = list_checkpoints(self.run_dir)
+        superseded = [p for s, p in found if s > self.step]
+        kept = [p for s, p in found if s <= self.step]
+        for path in superseded + kept[:-self.keep]:
+            if path == just_written:
+                continue
+            trash = self.root / f".trash-{path.name}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+            os.replace(path, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+def save_checkpoint(run_dir: str | os.PathLike, step: int, *, policy_state: Callable[[Path], Any] | None,
+                    optimizer_state: Any = None, policy_version: int, data_cursor: Any = None,
+                    rng_state: dict | None = None, extra: dict | None = None, keep: int = 3) -> Path:
+    """Write ``run_dir/checkpoints/step_{step:06d}`` atomically and return its path.
+
+    ``policy_state(dir)`` writes the HF-format policy (e.g. ``model.save_pretrained``); ``optimizer_state``
+    is saved with ``torch.save``; ``data_cursor``/``extra`` must be JSON-serialisable; ``rng_state``
+    defaults to ``capture_rng_state()``. Keeps the newest ``keep`` checkpoints.
+    """
+    with CheckpointWriter(run_dir, step, keep=keep) as ckpt:
+        if policy_state is not None:
+            ckpt.save_policy(policy_state)
+        if optimizer_state is not None:
+            ckpt.save_optimizer(optimizer_state)
+        ckpt.write_state(policy_version=policy_version, data_cursor=data_cursor, rng_state=rng_state, extra=extra)
+    return ckpt.root / ckpt.name
+
+
+# -------------------------------------------------------------------- filesystem helpers
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9]", "", socket.gethostname()) or "host"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _clean_stale(root: Path) -> None:
+    """Remove trash, and temp files/dirs whose writer (a process on this host) no longer exists."""
+    if not root.is_dir():
+        return
+    for entry in root.iterdir():
+        m = _TMP_RE.match(entry.name)
+        if not m or m.group("host") != _host():
+            continue
+        pid = int(m.group("pid"))
+        if entry.name.startswith(".tmp") and (pid == os.getpid() or _pid_alive(pid)):
+            continue  # a writer that may still be working
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str, *, fsync_parent: bool) -> None:
+    tmp = path.with_name(f".tmp-{path.name}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if fsync_parent:
+        _fsync_dir(path.parent)

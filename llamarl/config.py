@@ -1,0 +1,631 @@
+"""Run configuration: one small frozen dataclass per component, named presets, YAML files, CLI overrides.
+
+    TrainConfig(policy, generator, trainer, reward, data, warm_start, run)
+
+Sources, lowest to highest precedence::
+
+    PRESETS[--preset]  <  --config FILE.yaml  <  named flags (--out, --mode, ...)  <  --set section.key=value
+
+The YAML file mirrors the dataclasses (``trainer: {lr: 3.0e-4}``); ``--set`` may repeat. Values given as
+text (CLI, or YAML strings such as ``3e-4``) are parsed by the field's type.
+
+Validation happens before any process starts, and every message starts with the field it is about
+("trainer.lr: must be > 0, got -1"):
+* construction (``__post_init__``): unknown keys (with a did-you-mean), types, ranges, choices, and
+  cross-field rules (below); pure, no filesystem access, so presets and tests can build configs freely;
+* ``TrainConfig.check_environment()`` (called by ``load_config``): files and directories exist, CUDA is
+  there when asked for, a ``module:function`` reward imports, ``--out`` is not an earlier run.
+
+Mode and staleness: ``mode="sync"`` if and only if ``max_staleness == 0`` (sync is async with no run-ahead,
+the baseline of every speed-up). When the command line / YAML sets only one of the two, the other
+follows (``--mode sync`` implies staleness 0; ``--max-staleness 0`` implies sync; ``--mode async`` keeps the
+preset's staleness if >= 1, else 1). Setting both inconsistently is an error.
+
+Placement: ``trainer.ranks``/``trainer.parallel``, ``generator.tp``/``generator.replicas`` and
+``reward.workers`` define the ``Layout``; ``run.layout`` ("trainer=2,generator=2x1,reward=2") is a shorthand
+that sets the items it names, and must agree with those fields if both are given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import yaml
+
+from llamarl.runtime.placement import GeneratorSpec, Layout, LayoutError, RewardSpec, TrainerSpec
+
+# Names checked without importing the modules that define them (llamarl.models.config.LLAMA_CONFIGS,
+# llamarl.rewards.BUILTIN_REWARDS, llamarl.data): validating a command line must stay cheap.
+BUILTIN_MODELS = ("tiny",)  # more names are looked up in LLAMA_CONFIGS when needed
+SYNTHETIC_DATASETS = ("arithmetic",)  # "synthetic:arithmetic[:options]"
+REWARD_NAMES = ("exact", "gsm8k", "math")
+DATASET_SUFFIXES = (".jsonl", ".parquet")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message starts with the dotted field name."""
+
+
+def _fail(path: str, what: str, value: Any = dataclasses.MISSING) -> None:
+    got = "" if value is dataclasses.MISSING else f", got {value!r}"
+    raise ConfigError(f"{path}: {what}{got}")
+
+
+class _Section:
+    """Base of every config section: type coercion and validation after construction."""
+
+    SECTION: typing.ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = _coerce(f"{self.SECTION}.{f.name}", getattr(self, f.name), hints[f.name])
+            object.__setattr__(self, f.name, value)
+        self.check()
+
+    def check(self) -> None:
+        """Range and consistency checks of this section (override)."""
+
+    def _positive(self, name: str, strict: bool = True) -> None:
+        v = getattr(self, name)
+        if (v <= 0 if strict else v < 0) or (isinstance(v, float) and not math.isfinite(v)):
+            _fail(f"{self.SECTION}.{name}", "must be > 0" if strict else "must be >= 0", v)
+
+
+@dataclass(frozen=True)
+class PolicyConfig(_Section):
+    SECTION = "policy"
+    model: str = "tiny"  # a built-in model name or a Hugging Face Llama directory
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    tokenizer: str | None = None  # tokenizer dir/file; None: the model's own
+
+    def check(self) -> None:
+        if not self.model.strip():
+            _fail("policy.model", f"must be a built-in model ({', '.join(BUILTIN_MODELS)}) or a model directory",
+                  self.model)
+
+
+@dataclass(frozen=True)
+class GeneratorConfig(_Section):
+    SECTION = "generator"
+    replicas: int = 1
+    tp: int = 1
+    prompts_per_step: int = 16
+    samples_per_prompt: int = 8
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    quantization: Literal["none", "int8", "fp8"] = "none"
+
+    def check(self) -> None:
+        for name in ("replicas", "tp", "prompts_per_step", "samples_per_prompt", "max_new_tokens"):
+            self._positive(name)
+        if not self.temperature > 0 or not math.isfinite(self.temperature):
+            _fail("generator.temperature", "must be > 0 (RL needs sampling; 0 would make every sample of a "
+                  "prompt identical)", self.temperature)
+        if not 0 < self.top_p <= 1:
+            _fail("generator.top_p", "must be in (0, 1]", self.top_p)
+
+
+@dataclass(frozen=True)
+class TrainerConfig(_Section):
+    SECTION = "trainer"
+    ranks: int = 1
+    parallel: Literal["fsdp", "ddp", "none"] = "fsdp"
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    micro_batch_size: int = 16  # sequences per forward/backward on one rank
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    loss: Literal["auto", "fused", "reference"] = "auto"  # auto: fused Triton kernel where it runs
+    rho: float = 2.0  # AIPO one-sided truncation of pi/mu
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    advantage: Literal["mean", "grpo", "rloo"] = "mean"
+    norm: Literal["token", "sequence"] = "token"
+
+    def check(self) -> None:
+        self._positive("ranks")
+        self._positive("lr")
+        self._positive("micro_batch_size")
+        for name in ("weight_decay", "grad_clip", "kl_coef", "entropy_coef"):
+            self._positive(name, strict=False)
+        if self.parallel == "none" and self.ranks != 1:
+            _fail("trainer.parallel", f"'none' needs trainer.ranks=1 (got ranks={self.ranks}); use fsdp or ddp",
+                  self.parallel)
+        if not all(0 <= b < 1 for b in self.betas):
+            _fail("trainer.betas", "both must be in [0, 1)", self.betas)
+        if not (self.rho >= 1 and math.isfinite(self.rho)):
+            _fail("trainer.rho", "must be >= 1 (AIPO truncates pi/mu at rho; typical 2-10)", self.rho)
+
+
+@dataclass(frozen=True)
+class RewardConfig(_Section):
+    SECTION = "reward"
+    reward: str = "exact"  # a built-in name or "module:function" taking (completion, answer) -> float
+    workers: int = 2  # reward executor processes; 0 scores in the controller
+    timeout_s: float = 5.0  # per completion
+
+    def check(self) -> None:
+        self._positive("workers", strict=False)
+        self._positive("timeout_s")
+        module, sep, fn = self.reward.rpartition(":")
+        if self.reward not in REWARD_NAMES and not (sep and module.strip() and fn.strip()):
+            _fail("reward.reward", f"must be one of {', '.join(REWARD_NAMES)}, 'module:function' or "
+                  f"'path/to/file.py:function'", self.reward)
+
+
+@dataclass(frozen=True)
+class DataConfig(_Section):
+    SECTION = "data"
+    dataset: str = "synthetic:arithmetic"  # "synthetic:NAME[:options]" or a .jsonl/.parquet file
+    prompt_field: str = "question"
+    answer_field: str = "answer"
+    template: str = "{prompt}"
+    few_shot: int = 0
+    eval_size: int = 64
+
+    def check(self) -> None:
+        self._positive("few_shot", strict=False)
+        self._positive("eval_size", strict=False)
+        for name in ("prompt_field", "answer_field"):
+            if not getattr(self, name):
+                _fail(f"data.{name}", "must name a field of the dataset records", getattr(self, name))
+        if self.dataset.startswith("synthetic:") and self.dataset.split(":")[1] not in SYNTHETIC_DATASETS:
+            _fail("data.dataset", f"unknown synthetic dataset; known: "
+                  f"{', '.join('synthetic:' + n for n in SYNTHETIC_DATASETS)}", self.dataset)
+        try:
+            self.template.format(prompt="")
+        except (KeyError, IndexError, ValueError) as exc:
+            _fail("data.template", f"must use only {{prompt}} (write literal braces as {{{{ }}}}); "
+                  f"formatting failed with {type(exc).__name__}: {exc}", self.template)
+        if "{prompt}" not in self.template:
+            _fail("data.template", "must contain {prompt}", self.template)
+
+
+@dataclass(frozen=True)
+class WarmStartConfig(_Section):
+    """Supervised warm start of the policy on the task's answers before RL (0 steps: none)."""
+
+    SECTION = "warm_start"
+    steps: int = 200
+    lr: float = 1e-3
+    batch_size: int = 32
+    cache_dir: str | None = None  # reuse warm-started weights across runs
+
+    def check(self) -> None:
+        self._positive("steps", strict=False)
+        self._positive("lr")
+        self._positive("batch_size")
+
+
+@dataclass(frozen=True)
+class RunConfig(_Section):
+    SECTION = "run"
+    mode: Literal["async", "sync"] = "async"
+    max_staleness: int = 1  # policy versions the generator may run ahead of the trainer
+    max_steps: int = 50
+    seed: int = 0
+    eval_every: int = 10  # steps; 0: evaluate only before and after
+    checkpoint_every: int = 25  # steps; 0: only at the end
+    keep_checkpoints: int = 3
+    out: str | None = None
+    resume: str | None = None
+    layout: str | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    def check(self) -> None:
+        self._positive("max_steps")
+        self._positive("keep_checkpoints")
+        for name in ("max_staleness", "seed", "eval_every", "checkpoint_every"):
+            self._positive(name, strict=False)
+        if self.mode == "sync" and self.max_staleness != 0:
+            _fail("run.max_staleness", "must be 0 in sync mode (sync means no run-ahead); drop it or use "
+                  "--mode async", self.max_staleness)
+        if self.mode == "async" and self.max_staleness == 0:
+            _fail("run.max_staleness", "must be >= 1 in async mode (0 is sync mode: use --mode sync)",
+                  self.max_staleness)
+        if self.layout is not None:
+            try:
+                Layout.parse(self.layout)
+            except LayoutError as exc:
+                _fail("run.layout", str(exc))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                _fail(name, f"must be a {cls.__name__}", getattr(self, name))
+        g, t = self.generator, self.trainer
+        if g.samples_per_prompt < 2:
+            _fail("generator.samples_per_prompt", f"must be >= 2: the '{t.advantage}' advantage compares the "
+                  f"samples of one prompt", g.samples_per_prompt)
+        batch = g.prompts_per_step * g.samples_per_prompt
+        if batch % t.ranks:
+            _fail("trainer.ranks", f"the step's {g.prompts_per_step}x{g.samples_per_prompt}={batch} sequences "
+                  f"must split evenly over the trainer ranks", t.ranks)
+        if self.run.layout is not None:
+            for key, value in _layout_fields(self.run.layout).items():
+                section, name = key.split(".")
+                actual = getattr(getattr(self, section), name)
+                if actual != value:
+                    _fail("run.layout", f"{self.run.layout!r} sets {key}={value} but {key}={actual}; "
+                          f"give one or make them agree")
+
+    # ---------------------------------------------------------------- derived views
+    @property
+    def device(self) -> str:
+        """``run.device`` with "auto" resolved ("cuda" if torch sees a GPU, else "cpu")."""
+        if self.run.device != "auto":
+            return self.run.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def layout(self) -> Layout:
+        """The process placement this config asks for."""
+        return Layout(trainer=TrainerSpec(self.trainer.ranks, self.trainer.parallel),
+                      generator=GeneratorSpec(self.generator.tp, self.generator.replicas),
+                      reward=RewardSpec(self.reward.workers), device=self.device)
+
+    def to_dict(self) -> dict:
+        """Nested plain dict (tuples as lists), the YAML file format."""
+        return {name: {f.name: _plain(getattr(getattr(self, name), f.name))
+                       for f in dataclasses.fields(getattr(self, name))} for name in SECTIONS}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, run_dir: str | Path) -> Path:
+        """Write ``run_dir/config.yaml`` (loadable with ``--config``)."""
+        path = Path(run_dir) / "config.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_yaml())
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TrainConfig:
+        """Build from a nested dict; missing keys keep their defaults, unknown keys are errors."""
+        return _build(_merge(TrainConfig().to_dict(), data, "config"))
+
+    # ---------------------------------------------------------------- environment
+    def check_environment(self) -> None:
+        """Check what depends on this machine: paths, CUDA, importable reward. Raises ConfigError."""
+        p = self.policy
+        if p.model not in BUILTIN_MODELS:
+            path = Path(p.model)
+            if path.is_dir():
+                if not (path / "config.json").is_file():
+                    _fail("policy.model", "directory has no config.json; is it a Hugging Face model directory?",
+                          p.model)
+            else:
+                from llamarl.models.config import LLAMA_CONFIGS
+
+                if p.model not in LLAMA_CONFIGS:
+                    _fail("policy.model", f"is neither a built-in model ({', '.join(LLAMA_CONFIGS)}) nor an "
+                          f"existing directory; pass a Hugging Face Llama directory (config.json + "
+                          f"*.safetensors)", p.model)
+        if p.tokenizer is not None and not Path(p.tokenizer).exists():
+            _fail("policy.tokenizer", "no such file or directory", p.tokenizer)
+        d = self.data.dataset
+        if not d.startswith("synthetic:"):
+            path = Path(d)
+            if not path.is_file():
+                _fail("data.dataset", "no such file (expected synthetic:NAME or a .jsonl/.parquet file)", d)
+            if path.suffix not in DATASET_SUFFIXES:
+                _fail("data.dataset", f"unsupported file type {path.suffix!r}; use {', '.join(DATASET_SUFFIXES)}", d)
+        if self.reward.reward not in REWARD_NAMES:
+            from llamarl.rewards.registry import RewardSpecError, load_reward
+
+            try:
+                load_reward(self.reward.reward)
+            except RewardSpecError as exc:
+                _fail("reward.reward", str(exc))
+        if self.run.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                _fail("run.device", "cuda requested but torch sees no CUDA device; use --set run.device=cpu")
+        if self.run.resume is not None:
+            from llamarl.checkpoint import latest_checkpoint_dir
+
+            if not Path(self.run.resume).is_dir():
+                _fail("run.resume", "no such directory", self.run.resume)
+            if latest_checkpoint_dir(self.run.resume) is None:
+                _fail("run.resume", "holds no complete checkpoint (expected DIR/checkpoints/step_*/ or a "
+                      "checkpoint directory); pass the --out directory of an earlier run", self.run.resume)
+        if self.run.out is not None:
+            out = Path(self.run.out)
+            if out.exists() and not out.is_dir():
+                _fail("run.out", "exists and is not a directory", self.run.out)
+            earlier = (out / "checkpoints").is_dir() or (out / "metrics.jsonl").is_file()
+            if earlier and self.run.resume is None:
+                _fail("run.out", "already holds a run; pass --resume with it to continue, or choose a new --out",
+                      self.run.out)
+
+
+SECTIONS: dict[str, type] = {
+    "policy": PolicyConfig, "generator": GeneratorConfig, "trainer": TrainerConfig, "reward": RewardConfig,
+    "data": DataConfig, "warm_start": WarmStartConfig, "run": RunConfig,
+}
+
+# Named flags: flag -> (dotted field, help).
+NAMED_FLAGS: dict[str, tuple[str, str]] = {
+    "--out": ("run.out", "run directory: metrics.jsonl, summary.json, config.yaml, checkpoints/"),
+    "--max-steps": ("run.max_steps", "RL steps to run"),
+    "--mode": ("run.mode", "async (generators run ahead, bounded staleness) or sync (lock step)"),
+    "--max-staleness": ("run.max_staleness", "policy versions a generator may run ahead (0 = sync)"),
+    "--model": ("policy.model", "built-in model name or Hugging Face Llama directory"),
+    "--dataset": ("data.dataset", "synthetic:NAME[:options] or a .jsonl/.parquet file"),
+    "--reward": ("reward.reward", f"{'|'.join(REWARD_NAMES)}, module:function or file.py:function"),
+    "--resume": ("run.resume", "run (or checkpoint) directory to continue from"),
+    "--layout": ("run.layout", "placement, e.g. trainer=2,generator=2x1,reward=2 (generator = TP x replicas)"),
+    "--seed": ("run.seed", "random seed"),
+    "--device": ("run.device", "auto, cpu or cuda"),
+}
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--preset``, ``--config``, ``--set`` and the named flags to ``parser`` (for entry points)."""
+    parser.add_argument("--preset", default="default", help=f"named preset: {', '.join(PRESETS)}")
+    parser.add_argument("--config", metavar="FILE.yaml", help="YAML file with sections as in TrainConfig")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one field, e.g. --set trainer.lr=3e-4 (repeatable; wins over all)")
+    for flag, (dotted, help_text) in NAMED_FLAGS.items():
+        parser.add_argument(flag, dest=_dest(flag), metavar=dotted.split(".")[1].upper(), help=help_text)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace, *, check_environment: bool = True) -> TrainConfig:
+    """The ``TrainConfig`` described by parsed ``add_config_args`` arguments (see module docstring)."""
+    if args.preset not in PRESETS:
+        _fail("--preset", f"unknown preset{_did_you_mean(args.preset, PRESETS)}; presets: {', '.join(PRESETS)}",
+              args.preset)
+    data = PRESETS[args.preset].to_dict()
+    explicit: set[str] = set()
+    if args.config:
+        path = Path(args.config)
+        if not path.is_file():
+            _fail("--config", "no such file", args.config)
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            _fail("--config", f"{path} is not valid YAML: {exc}")
+        if not isinstance(loaded, dict):
+            _fail("--config", f"{path} must hold a mapping of sections (policy:, trainer:, ...)")
+        data = _merge(data, _as_text(loaded), str(path))
+        explicit |= {f"{s}.{k}" for s, sec in loaded.items() for k in (sec or {})}
+    overrides: list[tuple[str, str]] = []
+    for flag, (dotted, _) in NAMED_FLAGS.items():
+        value = getattr(args, _dest(flag))
+        if value is not None:
+            overrides.append((dotted, value))
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            _fail("--set", "expects SECTION.KEY=VALUE, e.g. --set trainer.lr=3e-4", item)
+        overrides.append((key.strip(), value.strip()))
+    for dotted, value in overrides:
+        section, _, name = dotted.partition(".")
+        data = _merge(data, {section: {name: _Text(value)}}, "command line")
+        explicit.add(dotted)
+    _apply_layout_shorthand(data, explicit)
+    _apply_mode_rule(data, explicit, PRESETS[args.preset])
+    run = data["run"]
+    if run.get("resume") is not None and run.get("out") is None:
+        resume = Path(str(run["resume"]))
+        run["out"] = str(resume.parent.parent if resume.parent.name == "checkpoints" else resume)
+    config = _build(data)
+    if check_environment:
+        config.check_environment()
+    return config
+
+
+def load_config(argv: Sequence[str] | None = None, *, check_environment: bool = True) -> TrainConfig:
+    """Parse a command line (``sys.argv[1:]`` if None) into a validated ``TrainConfig``."""
+    parser = add_config_args(argparse.ArgumentParser(prog="llamarl.train", allow_abbrev=False,
+                                                     description=__doc__.split("\n")[0]))
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flag = unknown[0].split("=")[0]
+        flags = [a for action in parser._actions for a in action.option_strings]
+        _fail(flag, f"unknown option{_did_you_mean(flag, flags)}; see --help")
+    return config_from_args(args, check_environment=check_environment)
+
+
+# -------------------------------------------------------------------- internals
+class _Text(str):
+    """A value given as text (CLI, YAML strings): parsed according to the field's type.
+
+    Plain ``str`` values (Python callers) are not parsed, so ``GeneratorConfig(tp="2")`` is an error."""
+
+
+def _as_text(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _as_text(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_as_text(v) for v in obj]
+    return _Text(obj) if isinstance(obj, str) else obj
+
+
+def _dest(flag: str) -> str:
+    return "flag_" + flag.lstrip("-").replace("-", "_")
+
+
+def _did_you_mean(word: str, options) -> str:
+    hint = difflib.get_close_matches(word, list(options), n=1, cutoff=0.5)
+    return f" (did you mean '{hint[0]}'?)" if hint else ""
+
+
+def _merge(base: dict, update: dict, source: str) -> dict:
+    """Copy of ``base`` with ``update``'s sections/keys applied; unknown names raise with a suggestion."""
+    out = {name: dict(section) for name, section in base.items()}
+    for section, values in update.items():
+        if section not in SECTIONS:
+            _fail(str(section), f"unknown config section in {source}{_did_you_mean(str(section), SECTIONS)}; "
+                  f"sections: {', '.join(SECTIONS)}")
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            _fail(section, f"must be a mapping of keys in {source}", values)
+        names = [f.name for f in dataclasses.fields(SECTIONS[section])]
+        for key, value in values.items():
+            if key not in names:
+                hint = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+                did = f" (did you mean '{section}.{hint[0]}'?)" if hint else ""
+                _fail(f"{section}.{key}", f"unknown key in {source}{did}; "
+                      f"'{section}' has: {', '.join(names)}")
+            out[section][key] = value
+    return out
+
+
+def _build(data: dict) -> TrainConfig:
+    return TrainConfig(**{name: cls(**data[name]) for name, cls in SECTIONS.items()})
+
+
+def _layout_fields(spec: str) -> dict[str, Any]:
+    """Fields set by a layout shorthand, only for the items the string names."""
+    try:
+        layout = Layout.parse(spec)
+    except LayoutError as exc:
+        raise ConfigError(f"run.layout: {exc}") from None
+    named = {part.partition("=")[0].strip() for part in spec.split(",")}
+    fields: dict[str, Any] = {}
+    if "trainer" in named:
+        fields.update({"trainer.ranks": layout.trainer.ranks, "trainer.parallel": layout.trainer.parallel})
+    if "generator" in named:
+        fields.update({"generator.tp": layout.generator.tp, "generator.replicas": layout.generator.replicas})
+    if "reward" in named:
+        fields["reward.workers"] = layout.reward.workers
+    if "device" in named:
+        fields["run.device"] = layout.device
+    return fields
+
+
+def _apply_layout_shorthand(data: dict, explicit: set[str]) -> None:
+    spec = data["run"].get("layout")
+    if spec is None:
+        return
+    for key, value in _layout_fields(str(spec)).items():
+        if key not in explicit:
+            section, name = key.split(".")
+            data[section][name] = value
+
+
+def _apply_mode_rule(data: dict, explicit: set[str], preset: TrainConfig) -> None:
+    run = data["run"]
+    mode_set, stale_set = "run.mode" in explicit, "run.max_staleness" in explicit
+    if mode_set and not stale_set:
+        mode = str(run["mode"])
+        run["max_staleness"] = 0 if mode == "sync" else max(1, preset.run.max_staleness)
+    elif stale_set and not mode_set:
+        try:
+            stale = int(str(run["max_staleness"]))
+        except ValueError:
+            return  # the type check reports it with the field name
+        run["mode"] = "sync" if stale == 0 else "async"
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _coerce(path: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against annotation ``tp``; parse it first if it is ``_Text`` for a non-text type."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, _Text) and value.lower() in ("none", "null", "~", "")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(path, value, inner[0])
+    if origin is Literal:
+        if value not in args:
+            _fail(path, f"must be one of {', '.join(repr(a) for a in args)}{_did_you_mean(str(value), args)}", value)
+        return str(value)
+    if origin is tuple:
+        if isinstance(value, _Text):
+            value = [v for v in value.strip("[]() ").split(",") if v.strip()]
+        fixed_length = Ellipsis not in args
+        if not isinstance(value, (list, tuple)) or (fixed_length and len(value) != len(args)):
+            _fail(path, f"must be a list of {len(args)} numbers" if fixed_length else "must be a list", value)
+        return tuple(_coerce(f"{path}[{i}]", _Text(v) if isinstance(v, str) else v, args[0])
+                     for i, v in enumerate(value))
+    if tp is bool:
+        if isinstance(value, _Text):
+            lowered = value.lower()
+            if lowered in ("true", "yes", "on", "1"):
+                return True
+            if lowered in ("false", "no", "off", "0"):
+                return False
+        if not isinstance(value, bool):
+            _fail(path, "must be true or false", value)
+        return value
+    if tp is int:
+        if isinstance(value, _Text):
+            try:
+                return int(value.strip())
+            except ValueError:
+                _fail(path, "must be an integer", str(value))
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(path, "must be an integer", value)
+        return value
+    if tp is float:
+        if isinstance(value, _Text):
+            try:
+                return float(value.strip())
+            except ValueError:
+                _fail(path, "must be a number", str(value))
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(path, "must be a number", value)
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            _fail(path, "must be a string", value)
+        return str(value)
+    raise TypeError(f"{path}: unsupported annotation {tp!r} in config dataclass")
+
+
+# Named presets. Numbers are plausible starting points for the tiny CPU model; the integrator tunes them.
+PRESETS: dict[str, TrainConfig] = {
+    "default": TrainConfig(
+        policy=PolicyConfig(model="tiny"),
+        generator=GeneratorConfig(prompts_per_step=16, samples_per_prompt=8, max_new_tokens=8),
+        trainer=TrainerConfig(lr=3e-4, micro_batch_size=32),
+        reward=RewardConfig(reward="exact", workers=2),
+        data=DataConfig(dataset="synthetic:arithmetic", eval_size=64),
+        warm_start=WarmStartConfig(steps=200, lr=1e-3, batch_size=32),
+        run=RunConfig(mode="async", max_staleness=1, max_steps=50, eval_every=10, checkpoint_every=25),
+    ),
+}
+PRESETS["sync"] = dataclasses.replace(PRESETS["default"],
+                                      run=dataclasses.replace(PRESETS["default"].run, mode="sync", max_staleness=0))
+PRESETS["smoke"] = TrainConfig(
+    generator=GeneratorConfig(prompts_per_step=4, samples_per_prompt=2, max_new_tokens=4),
+    trainer=TrainerConfig(lr=3e-4, micro_batch_size=8),
+    reward=RewardConfig(workers=1),
+    data=DataConfig(eval_size=8),
+    warm_start=WarmStartConfig(steps=5, batch_size=8),
+    run=RunConfig(max_steps=3, eval_every=0, checkpoint_every=2),
+)

@@ -1,0 +1,545 @@
+"""Controller-side handles to executor groups: commands as futures, failure detection, clean shutdown.
+
+An ``ExecutorGroup`` is R ranks running the same executor class (see ``server.py``). Commands::
+
+    group.call("step", batch)          -> Future[list]   every rank runs step(batch); results by rank
+    group.call_rank(0, "state_dict")   -> Future          one rank
+    group.call_each("score", [(a,), (b,)]) -> Future[list] rank r runs score(*per_rank[r])
+    await group.acall("step", batch)   # the same, awaitable from asyncio (also acall_rank / acall_each)
+
+Ordering invariant: calls are sent under one lock per group, so every rank of a group sees the group's
+calls in the same order (collectives inside commands cannot cross) and runs them one at a time in that
+order. Different groups run concurrently.
+
+Failures: a command that raises fails its future with ``ExecutorError`` (group, rank, method, remote
+traceback); for a group call the lowest failing rank is reported and the others are listed. A rank whose
+process exits or whose connection drops is noticed by the group's monitor thread (it waits on process
+sentinels and connections, so detection is immediate, not polled); then every pending and later call
+of the group fails with ``ExecutorDied``, the group's surviving ranks are terminated (a group with a dead
+member cannot run collectives), ``group.failed`` raises, and ``on_failure`` callbacks run (on the monitor
+thread: keep them short and thread-safe; use ``loop.call_soon_threadsafe`` to reach asyncio).
+
+Shutdown (``shutdown()``, context exit, or the atexit hook for groups still alive at interpreter exit):
+queued commands finish, each rank gets ``__close__`` (its ``close()`` runs), processes are joined with a
+timeout, then terminated, then killed; no child process outlives the group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import itertools
+import multiprocessing as mp
+import os
+import pickle
+import sys
+import threading
+import time
+import weakref
+from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any, Callable, Iterable, Sequence
+
+from llamarl.runtime import server
+from llamarl.runtime.net import free_port
+from llamarl.runtime.rpc import (
+    BOOTSTRAP_ID,
+    CLOSE,
+    Bootstrap,
+    Call,
+    ExecutorDied,
+    ExecutorError,
+    RemoteFailure,
+    Reply,
+    recv,
+)
+
+FailureCallback = Callable[["ExecutorGroup", ExecutorDied], None]
+_LIVE_GROUPS: "weakref.WeakSet[ExecutorGroup]" = weakref.WeakSet()
+
+
+@dataclass
+class RankLink:
+    """The controller's end of one rank: its connection and, for local ranks, its process."""
+
+    conn: Connection
+    process: BaseProcess | None = None
+    pending: dict[int, tuple[str, Future]] = field(default_factory=dict)
+    open: bool = True
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+
+class ExecutorGroup:
+    """Handle to one group of executor ranks. Build with ``spawn`` (local) or via ``Runtime``."""
+
+    def __init__(self, name: str, links: Sequence[RankLink], *, role: str = "",
+                 on_failure: FailureCallback | None = None):
+        self.name, self.role = name, role or name
+        self._links = list(links)
+        self._lock = threading.RLock()
+        self._ids = itertools.count(BOOTSTRAP_ID + 1)
+        self._closing = False
+        self._closed = False
+        self._start_failed = False
+        self._death: ExecutorDied | None = None
+        self._callbacks: list[FailureCallback] = [on_failure] if on_failure else []
+        self.failed: Future = Future()  # raises ExecutorDied when a rank dies; result None after shutdown
+        self._ready: Future | None = None
+        self._wake_r, self._wake_w = mp.Pipe(duplex=False)
+        self._monitor = threading.Thread(target=self._monitor_loop, name=f"llamarl-monitor-{name}", daemon=True)
+        self._monitor.start()
+        _LIVE_GROUPS.add(self)
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def spawn(cls, name: str, target: str, world_size: int = 1, *, init_kwargs: dict | None = None,
+              env: dict[str, str] | None = None, backend: str = "gloo", devices: Sequence[str] | None = None,
+              role: str = "", global_ranks: Sequence[int] | None = None, dist_timeout_s: float = 600.0,
+              start_timeout_s: float = 600.0, on_failure: FailureCallback | None = None,
+              wait_ready: bool = True) -> ExecutorGroup:
+        """Start ``world_size`` local processes (``spawn`` context) running ``target`` ("pkg.module:Class").
+
+        Each rank joins this group's own process group (``backend`` over 127.0.0.1 and a free port) and
+        constructs ``Class(**init_kwargs, rank_info=RankInfo)``. ``devices`` (one per rank, default "cpu")
+        says where each rank should work; ``global_ranks`` (default 0..R-1) are the ranks a ``Layout``
+        gave them; ``env`` is in the child's environment from its start (e.g. ``OMP_NUM_THREADS``). With
+        ``wait_ready`` (default) this returns once every rank is constructed, raising ``ExecutorError``
+        (with the remote traceback) if a constructor failed; otherwise call ``wait_ready()`` later.
+        """
+        _check_spawn_args(name, target, world_size, init_kwargs, env, backend, devices)
+        devices = list(devices) if devices is not None else ["cpu"] * world_size
+        global_ranks = list(global_ranks) if global_ranks is not None else list(range(world_size))
+        if len(global_ranks) != world_size:
+            raise ValueError(f"executor group '{name}': got {len(global_ranks)} global ranks for {world_size} ranks")
+        ctx = mp.get_context("spawn")
+        port = free_port("127.0.0.1")
+        links: list[RankLink] = []
+        boots: list[Bootstrap] = []
+        child_env = {str(k): str(v) for k, v in (env or {}).items()}
+        try:
+            for rank in range(world_size):
+                parent_conn, child_conn = ctx.Pipe(duplex=True)
+                process = ctx.Process(target=server.child_main, args=(child_conn,),
+                                      name=f"llamarl-{name}-{rank}", daemon=False)
+                with _environment(child_env):  # the child starts with it: before it imports anything
+                    process.start()
+                child_conn.close()  # keep only the child's copy, so its death reads as EOF here
+                links.append(RankLink(parent_conn, process))
+                boots.append(Bootstrap(group=name, role=role or name, target=target,
+                                       init_kwargs=dict(init_kwargs or {}), rank=rank, world_size=world_size,
+                                       global_rank=global_ranks[rank], master_addr="127.0.0.1",
+                                       master_port=port, backend=backend, device=devices[rank],
+                                       dist_timeout_s=dist_timeout_s, env=child_env))
+        except BaseException:
+            _kill_all(links)
+            raise
+        group = cls(name, links, role=role, on_failure=on_failure)
+        try:
+            group._bootstrap(boots)
+        except BaseException:
+            group.shutdown(timeout=2.0)
+            raise
+        if wait_ready:
+            group.wait_ready(start_timeout_s)
+        return group
+
+    def _bootstrap(self, boots: Sequence[Bootstrap]) -> None:
+        """Send each rank its bootstrap (call id 0); ``wait_ready`` waits for the answers."""
+        try:
+            blobs = [pickle.dumps(Call(BOOTSTRAP_ID, "__bootstrap__", (boot,), {}), protocol=pickle.HIGHEST_PROTOCOL)
+                     for boot in boots]
+        except Exception as exc:
+            raise TypeError(f"init_kwargs/env of executor group '{self.name}' cannot be pickled: {exc}") from exc
+        futures = []
+        with self._lock:
+            for rank, link in enumerate(self._links):
+                fut: Future = Future()
+                futures.append(fut)
+                if self._death is not None:  # a rank died before we got here
+                    fut.set_exception(self._died_for("__init__"))
+                    continue
+                link.pending[BOOTSTRAP_ID] = ("__init__", fut)
+                self._send_bytes(link, blobs[rank])
+        self._ready = _gather(futures)
+
+    def wait_ready(self, timeout: float | None = 600.0) -> list[int]:
+        """Block until every rank constructed its executor; returns the ranks' pids.
+
+        On a constructor error, a death or a timeout the group is shut down and the error raised.
+        """
+        assert self._ready is not None, "wait_ready() on a group that was not bootstrapped"
+        done, _ = wait_futures([self._ready], timeout=timeout)
+        if not done:
+            missing = [r for r, link in enumerate(self._links) if BOOTSTRAP_ID in link.pending]
+            self.shutdown(timeout=2.0)
+            raise TimeoutError(f"executor group '{self.name}': ranks {missing} did not start within {timeout} s "
+                               f"(process group rendezvous or the executor constructor is stuck)")
+        try:
+            return self._ready.result()
+        except BaseException:
+            self.shutdown(timeout=2.0)
+            raise
+
+    # ---------------------------------------------------------------- commands
+    @property
+    def world_size(self) -> int:
+        return len(self._links)
+
+    @property
+    def pids(self) -> list[int | None]:
+        """Process ids of local ranks (None for remote torchrun ranks)."""
+        return [link.pid for link in self._links]
+
+    @property
+    def alive(self) -> bool:
+        return not (self._closed or self._closing or self._death is not None)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Future:
+        """Run ``method(*args, **kwargs)`` on every rank; the future gives the list of results by rank."""
+        return self._submit(method, [(args, kwargs)] * self.world_size, range(self.world_size))
+
+    def call_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Future:
+        """Run ``method`` on one rank; the future gives its result."""
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise IndexError(f"executor group '{self.name}' has ranks 0..{self.world_size - 1}, got rank {rank!r}")
+        return _first(self._submit(method, [(args, kwargs)], [rank]))
+
+    def call_each(self, method: str, per_rank_args: Sequence[Sequence[Any]], **kwargs: Any) -> Future:
+        """Rank r runs ``method(*per_rank_args[r], **kwargs)``; the future gives the results by rank."""
+        if len(per_rank_args) != self.world_size:
+            raise ValueError(f"call_each('{method}') on group '{self.name}': got {len(per_rank_args)} argument "
+                             f"tuples for {self.world_size} ranks; pass exactly one per rank")
+        return self._submit(method, [(tuple(a), kwargs) for a in per_rank_args], range(self.world_size))
+
+    def acall(self, method: str, *args: Any, **kwargs: Any) -> asyncio.Future:
+        return asyncio.wrap_future(self.call(method, *args, **kwargs))
+
+    def acall_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> asyncio.Future:
+        return asyncio.wrap_future(self.call_rank(rank, method, *args, **kwargs))
+
+    def acall_each(self, method: str, per_rank_args: Sequence[Sequence[Any]], **kwargs: Any) -> asyncio.Future:
+        return asyncio.wrap_future(self.call_each(method, per_rank_args, **kwargs))
+
+    def add_failure_callback(self, callback: FailureCallback) -> None:
+        """Call ``callback(group, ExecutorDied)`` once if a rank of this group dies (now, if it already has)."""
+        with self._lock:
+            if self._death is None:
+                self._callbacks.append(callback)
+                return
+        callback(self, self._death)
+
+    def _submit(self, method: str, calls: Sequence[tuple[tuple, dict]], ranks: Iterable[int]) -> Future:
+        if not isinstance(method, str) or not method or method.startswith("_"):
+            raise ValueError(f"command name must be a public method name, got {method!r}")
+        ranks = list(ranks)
+        blobs: dict[int, bytes] = {}
+        with self._lock:
+            call_id = next(self._ids)
+            for i, (args, kwargs) in enumerate(calls):
+                if i and calls[i - 1] is calls[i]:
+                    blobs[i] = blobs[i - 1]  # broadcast: pickle once
+                    continue
+                try:
+                    blobs[i] = pickle.dumps(Call(call_id, method, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+                except Exception as exc:
+                    raise TypeError(f"arguments of {method}() for executor group '{self.name}' cannot be "
+                                    f"pickled: {exc}") from exc
+            futures = []
+            for i, rank in enumerate(ranks):
+                fut: Future = Future()
+                futures.append(fut)
+                link = self._links[rank]
+                if self._death is not None:
+                    fut.set_exception(self._died_for(method))
+                elif self._closed or self._closing:
+                    fut.set_exception(ExecutorError(self.name, rank, method, "ShutDown",
+                                                    "the executor group was shut down"))
+                else:
+                    link.pending[call_id] = (method, fut)
+                    self._send_bytes(link, blobs[i])
+        return _gather(futures, self.name, method)
+
+    def _send(self, link: RankLink, message: Any) -> None:
+        self._send_bytes(link, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _send_bytes(self, link: RankLink, blob: bytes) -> None:
+        try:
+            link.conn.send_bytes(blob)
+        except (OSError, EOFError, ValueError):
+            pass  # the rank is gone; the monitor fails its pending calls with ExecutorDied
+
+    # ---------------------------------------------------------------- monitoring
+    def _monitor_loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                links = [link for link in self._links if link.open]
+            waitables: list[Any] = [self._wake_r]
+            for link in links:
+                waitables.append(link.conn)
+                if link.process is not None:
+                    waitables.append(link.process.sentinel)
+            ready = set(wait(waitables))
+            if self._wake_r in ready:
+                return
+            for rank, link in enumerate(self._links):
+                if not link.open:
+                    continue
+                lost = False
+                if link.conn in ready:
+                    lost = self._drain(rank, link)
+                if link.process is not None and link.process.sentinel in ready:
+                    self._drain(rank, link)
+                    lost = True
+                if lost:
+                    self._on_lost(rank, link)
+
+    def _drain(self, rank: int, link: RankLink) -> bool:
+        """Read every reply available on ``link``; returns True if the connection has closed."""
+        try:
+            while link.conn.poll():
+                self._resolve(rank, link, recv(link.conn))
+        except (EOFError, OSError):
+            return True
+        return False
+
+    def _resolve(self, rank: int, link: RankLink, reply: Reply) -> None:
+        with self._lock:
+            method, fut = link.pending.pop(reply.call_id, ("?", None))
+        if fut is None:
+            return
+        if reply.ok:
+            _settle(fut, result=reply.payload)
+        else:
+            if reply.call_id == BOOTSTRAP_ID:
+                self._start_failed = True  # that rank now exits on purpose; wait_ready shuts the group down
+            failure: RemoteFailure = reply.payload
+            _settle(fut, exc=ExecutorError(self.name, rank, method, failure.exc_type, failure.message,
+                                           failure.traceback))
+
+    def _on_lost(self, rank: int, link: RankLink) -> None:
+        link.open = False
+        exitcode = None
+        if link.process is not None:
+            link.process.join(timeout=2.0)
+            exitcode = link.process.exitcode
+        with self._lock:
+            expected = self._closing or self._closed or self._start_failed or self._death is not None
+            if expected:  # an exit we asked for, or a group that already failed: settle this rank's calls
+                leftovers = list(link.pending.values())
+                link.pending.clear()
+            else:
+                pending_method = next(iter(link.pending.values()), ("", None))[0]
+                self._death = ExecutorDied(self.name, rank, exitcode, pending_method)
+                leftovers = [entry for lk in self._links for entry in lk.pending.values()]
+                for lk in self._links:
+                    lk.pending.clear()
+        for method, fut in leftovers:
+            _settle(fut, exc=self._died_for(method) if self._death else ExecutorDied(self.name, rank, exitcode, method))
+        if expected:
+            return
+        failure = self._death
+        _kill_all(self._links, grace_s=1.0)  # the survivors, and the lost rank if it only dropped its connection
+        for lk in self._links:
+            lk.open = False
+            if lk.process is None:
+                lk.conn.close()  # a remote (torchrun) rank exits when its controller connection drops
+        _settle(self.failed, exc=failure)
+        for callback in list(self._callbacks):
+            try:
+                callback(self, failure)
+            except Exception as exc:  # noqa: BLE001 - a callback bug must not kill the monitor silently
+                print(f"llamarl.runtime: on_failure callback for '{self.name}' raised {exc!r}", file=sys.stderr)
+
+    def _died_for(self, method: str) -> ExecutorDied:
+        d = self._death
+        assert d is not None
+        return ExecutorDied(d.group, d.rank, d.exitcode, method)
+
+    # ---------------------------------------------------------------- shutdown
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Finish queued commands, close every rank, and make sure every process has exited.
+
+        Ranks get ``timeout`` seconds in total to answer ``__close__`` and exit; stragglers are sent
+        SIGTERM, then SIGKILL. Idempotent; safe to call from any thread but the monitor's callbacks.
+        """
+        with self._lock:
+            if self._closed or self._closing:
+                return
+            self._closing = True
+            closes = []
+            for rank, link in enumerate(self._links):
+                if link.open:
+                    fut: Future = Future()
+                    call_id = next(self._ids)
+                    link.pending[call_id] = (CLOSE, fut)
+                    self._send(link, Call(call_id, CLOSE, (), {}))
+                    closes.append(fut)
+        deadline = time.monotonic() + timeout
+        wait_futures(closes, timeout=timeout)
+        for link in self._links:
+            if link.process is not None:
+                link.process.join(timeout=max(0.0, deadline - time.monotonic()))
+        _kill_all(self._links, grace_s=2.0)
+        with self._lock:
+            self._closed = True
+        try:
+            self._wake_w.send_bytes(b"x")
+        except OSError:
+            pass
+        if threading.current_thread() is not self._monitor:
+            self._monitor.join(timeout=5.0)
+        with self._lock:
+            leftovers = [(m, f) for lk in self._links for m, f in lk.pending.values()]
+            for lk in self._links:
+                lk.pending.clear()
+        for method, fut in leftovers:
+            _settle(fut, exc=ExecutorError(self.name, -1, method, "ShutDown",
+                                           "the executor group was shut down before the call finished"))
+        for link in self._links:
+            link.open = False
+            link.conn.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        _settle(self.failed, result=None)
+        _LIVE_GROUPS.discard(self)
+
+    def __enter__(self) -> ExecutorGroup:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        state = "dead" if self._death else "closed" if self._closed else "alive"
+        return f"ExecutorGroup({self.name!r}, world_size={self.world_size}, {state})"
+
+
+# -------------------------------------------------------------------- helpers
+def _check_spawn_args(name, target, world_size, init_kwargs, env, backend, devices) -> None:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"executor group name must be a non-empty string, got {name!r}")
+    if not isinstance(target, str) or ":" not in target:
+        raise ValueError(f"executor group '{name}': target must be 'package.module:ClassName', got {target!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"executor group '{name}': world_size must be an integer >= 1, got {world_size!r}")
+    if init_kwargs is not None and not isinstance(init_kwargs, dict):
+        raise TypeError(f"executor group '{name}': init_kwargs must be a dict, got {type(init_kwargs).__name__}")
+    if env is not None and not isinstance(env, dict):
+        raise TypeError(f"executor group '{name}': env must be a dict of strings, got {type(env).__name__}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"executor group '{name}': backend must be 'gloo' or 'nccl', got {backend!r}")
+    if devices is not None and len(devices) != world_size:
+        raise ValueError(f"executor group '{name}': got {len(devices)} devices for {world_size} ranks")
+    try:  # fail before starting any process
+        pickle.dumps(init_kwargs, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise TypeError(f"init_kwargs/env of executor group '{name}' cannot be pickled: {exc}") from exc
+
+
+_ENVIRON_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """Temporarily add ``env`` to ``os.environ`` (a spawned child inherits it at exec time).
+
+    Passing it this way, rather than setting it inside the child, makes it visible even to modules the
+    child imports before our code runs (multiprocessing re-imports the parent's ``__main__`` module, which
+    may import torch, and OpenMP reads ``OMP_NUM_THREADS`` when torch loads)."""
+    with _ENVIRON_LOCK:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def _settle(fut: Future, *, result: Any = None, exc: BaseException | None = None) -> None:
+    """Complete ``fut`` unless it is already done (e.g. cancelled by its caller)."""
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass
+
+
+def _gather(futures: Sequence[Future], group: str = "", method: str = "") -> Future:
+    """One future for the list of results; fails with the lowest-rank error, naming the other failures."""
+    out: Future = Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def done(_: Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        errors = [(i, f.exception()) for i, f in enumerate(futures) if f.cancelled() or f.exception()]
+        if not errors:
+            _settle(out, result=[f.result() for f in futures])
+            return
+        first = errors[0][1]
+        if len(errors) > 1 and isinstance(first, ExecutorError) and not isinstance(first, ExecutorDied):
+            others = [i for i, _ in errors[1:]]
+            first = ExecutorError(first.group, first.rank, first.method, first.exc_type, first.remote_message,
+                                  first.remote_traceback, note=f"(ranks {others} of the call failed too)")
+        _settle(out, exc=first)
+
+    if not futures:
+        out.set_result([])
+    for f in futures:
+        f.add_done_callback(done)
+    return out
+
+
+def _first(fut: Future) -> Future:
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        if f.exception() is not None:
+            _settle(out, exc=f.exception())
+        else:
+            _settle(out, result=f.result()[0])
+
+    fut.add_done_callback(done)
+    return out
+
+
+def _kill_all(links: Sequence[RankLink], grace_s: float = 2.0) -> None:
+    """SIGTERM every live local process, wait ``grace_s``, SIGKILL what is left, reap all."""
+    procs = [lk.process for lk in links if lk.process is not None and lk.process.exitcode is None]
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5.0)
+
+
+@atexit.register
+def _shutdown_live_groups() -> None:
+    for group in list(_LIVE_GROUPS):
+        try:
+            group.shutdown(timeout=5.0)
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            _kill_all(group._links, grace_s=1.0)

@@ -1,0 +1,388 @@
+"""Starting executors: the ``Runtime`` the controller holds, for local spawn and for torchrun.
+
+Two ways to get processes, one way to use them::
+
+    async def main(rt: Runtime):
+        trainer, = rt.spawn_role("trainer", "llamarl.executors.trainer:TrainerExecutor", init_kwargs=...)
+        gens = rt.spawn_role("generator", "llamarl.executors.generator:GeneratorExecutor", init_kwargs=...)
+        ...                                   # await trainer.acall(...), etc.
+    result = run(layout, main)                # what train.py does
+
+* Local (default): the controller is this process; ``spawn_role`` starts each group of the layout with
+  ``ExecutorGroup.spawn`` (multiprocessing "spawn", never fork).
+* torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set): every process runs the same
+  script. ``run`` on global rank 0 becomes the controller: it opens a ``Listener`` (TCP, random authkey)
+  and publishes ``host:port:authkey`` under ``llamarl/controller`` in the ``TCPStore`` at
+  MASTER_ADDR:MASTER_PORT (hosted by rank 0, or by the torchrun agent when
+  ``TORCHELASTIC_USE_AGENT_STORE=True``). Every other rank reads its role from the same ``Layout``,
+  connects back, says hello (global rank, layout, a free port for its group's rendezvous) and waits;
+  ``spawn_role`` then sends each waiting rank its bootstrap, exactly what a local rank receives. ``run``
+  on those ranks serves commands until the controller closes them and then exits the process, so code
+  after ``run`` executes on the controller only. A layout that disagrees with WORLD_SIZE, or with
+  another rank's layout, is rejected before any executor starts.
+
+Faults: ``Runtime.supervise`` runs the controller coroutine against every group's ``failed`` future; the
+first dead executor cancels the coroutine, the other groups are shut down and ``ExecutorDied`` (naming
+the group, rank and exit status) is raised, so the entry point can exit non-zero with that message.
+Nothing outlives the Runtime: ``shutdown`` runs on context exit, in ``run``'s ``finally`` and at exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import queue
+import secrets
+import socket
+import sys
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any, Awaitable, Callable, TypeVar
+
+from llamarl.runtime import server
+from llamarl.runtime.executor import ExecutorGroup, FailureCallback, RankLink
+from llamarl.runtime.net import free_port, routable_address
+from llamarl.runtime.placement import CONTROLLER, GroupPlacement, Layout, LayoutError
+from llamarl.runtime.rpc import BOOTSTRAP_ID, CLOSE, Bootstrap, Call, ExecutorDied, recv, send
+
+T = TypeVar("T")
+STORE_KEY = "llamarl/controller"
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """The variables torchrun sets for every rank."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def detect(cls, environ: dict[str, str] | None = None) -> TorchrunEnv | None:
+        """The torchrun environment of this process, or None when not launched by torchrun."""
+        env = os.environ if environ is None else environ
+        keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        if not all(k in env for k in keys):
+            return None
+        try:
+            return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0")),
+                       env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+        except ValueError as exc:
+            raise RuntimeError(f"malformed torchrun environment (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_PORT must be "
+                               f"integers): {exc}") from None
+
+
+@dataclass(frozen=True)
+class Hello:
+    """First message of a torchrun executor rank to the controller."""
+
+    global_rank: int
+    local_rank: int
+    layout: str
+    hostname: str
+    rendezvous_port: int
+    num_cuda_devices: int
+
+
+class Runtime:
+    """Owns every executor group of a run; the controller's single handle to processes.
+
+    ``Runtime(layout)`` in this process spawns locally; ``Runtime(layout, torchrun=env)`` (what ``run``
+    does on global rank 0 under torchrun) attaches to the ranks torchrun started.
+    """
+
+    def __init__(self, layout: Layout | None = None, *, torchrun: TorchrunEnv | None = None,
+                 env: dict[str, str] | None = None, dist_timeout_s: float = 600.0,
+                 start_timeout_s: float = 600.0, on_failure: FailureCallback | None = None):
+        self.layout = layout
+        self.env = dict(env or {})
+        self.dist_timeout_s, self.start_timeout_s = dist_timeout_s, start_timeout_s
+        self.groups: dict[str, ExecutorGroup] = {}
+        self.failed: Future = Future()  # raises the first ExecutorDied of any group
+        self._on_failure = on_failure
+        self._lock = threading.Lock()
+        self._torchrun = torchrun
+        self._waiting: dict[int, tuple[Connection, Hello, str]] = {}
+        self._listener: Listener | None = None
+        self._store = None
+        if torchrun is not None:
+            if layout is None:
+                raise LayoutError("a torchrun Runtime needs the Layout that assigns roles to ranks")
+            self._attach(torchrun)
+
+    # ---------------------------------------------------------------- groups
+    def spawn(self, name: str, target: str, world_size: int = 1, **kwargs: Any) -> ExecutorGroup:
+        """Start an ad-hoc local group (see ``ExecutorGroup.spawn``); not available under torchrun."""
+        if self._torchrun is not None:
+            raise LayoutError(f"under torchrun only the layout's groups exist ({self._group_names()}); "
+                              f"use spawn_role/spawn_group instead of spawn('{name}')")
+        self._check_new(name)
+        kwargs.setdefault("env", self.env)
+        kwargs.setdefault("dist_timeout_s", self.dist_timeout_s)
+        kwargs.setdefault("start_timeout_s", self.start_timeout_s)
+        group = ExecutorGroup.spawn(name, target, world_size, on_failure=self._record_failure, **kwargs)
+        self.groups[name] = group
+        return group
+
+    def spawn_role(self, role: str, target: str, *, init_kwargs: dict | None = None,
+                   env: dict[str, str] | None = None, wait: bool = True) -> list[ExecutorGroup]:
+        """Start every group of ``role`` in the layout (all replicas at once); returns them in order.
+
+        With ``wait=False`` it returns at once, so several roles can start in parallel; then call
+        ``wait_ready()`` before using them.
+        """
+        placements = self._require_layout().groups_of(role)
+        started = [self._start_group(p, target, init_kwargs, env) for p in placements]
+        if wait:
+            self.wait_ready(started)
+        return started
+
+    def wait_ready(self, groups: list[ExecutorGroup] | None = None) -> None:
+        """Wait until ``groups`` (default: all) have constructed their executors; on any error stop them
+        all and raise it."""
+        groups = list(self.groups.values()) if groups is None else groups
+        try:
+            for group in groups:
+                group.wait_ready(self.start_timeout_s)
+        except BaseException:
+            for group in groups:
+                group.shutdown(timeout=2.0)
+            raise
+
+    def spawn_group(self, name: str, target: str, *, init_kwargs: dict | None = None,
+                    env: dict[str, str] | None = None) -> ExecutorGroup:
+        """Start the layout's group ``name`` (e.g. "generator.1")."""
+        group = self._start_group(self._require_layout().group(name), target, init_kwargs, env)
+        self.wait_ready([group])
+        return group
+
+    def _start_group(self, p: GroupPlacement, target: str, init_kwargs: dict | None,
+                     env: dict[str, str] | None) -> ExecutorGroup:
+        self._check_new(p.name)
+        layout = self._require_layout()
+        merged_env = {**self.env, **(env or {})}
+        if self._torchrun is None:
+            devices = self._local_devices(p)
+            group = ExecutorGroup.spawn(p.name, target, p.world_size, init_kwargs=init_kwargs, env=merged_env,
+                                        backend=p.backend, devices=devices, role=p.role,
+                                        global_ranks=p.global_ranks,
+                                        dist_timeout_s=self.dist_timeout_s, on_failure=self._record_failure,
+                                        wait_ready=False)
+        else:
+            links, boots = [], []
+            with self._lock:
+                members = [self._waiting.pop(r) for r in p.global_ranks]
+            master_addr, master_port = members[0][2], members[0][1].rendezvous_port
+            for rank, (conn, hello, _) in enumerate(members):
+                cuda = layout.cuda_device(hello.global_rank, hello.num_cuda_devices, hello.local_rank)
+                links.append(RankLink(conn))
+                boots.append(Bootstrap(group=p.name, role=p.role, target=target, init_kwargs=dict(init_kwargs or {}),
+                                       rank=rank, world_size=p.world_size, global_rank=hello.global_rank,
+                                       master_addr=master_addr, master_port=master_port, backend=p.backend,
+                                       device="cpu" if cuda is None else f"cuda:{cuda}",
+                                       dist_timeout_s=self.dist_timeout_s, env=merged_env))
+            group = ExecutorGroup(p.name, links, role=p.role, on_failure=self._record_failure)
+            try:
+                group._bootstrap(boots)
+            except BaseException:
+                group.shutdown(timeout=2.0)
+                raise
+        self.groups[p.name] = group
+        return group
+
+    def _local_devices(self, p: GroupPlacement) -> list[str]:
+        if not p.on_accelerator:
+            return ["cpu"] * p.world_size
+        import torch
+
+        n = torch.cuda.device_count()
+        layout = self._require_layout()
+        idx = [layout.cuda_device(r, n) for r in p.global_ranks]
+        if p.backend == "nccl" and len(set(idx)) < len(idx):
+            raise LayoutError(f"group '{p.name}' needs {p.world_size} distinct GPUs for NCCL but only {n} are "
+                              f"visible; shrink the layout ({layout.spec}) or use more GPUs")
+        return [f"cuda:{i}" for i in idx]
+
+    def _check_new(self, name: str) -> None:
+        if name in self.groups:
+            raise ValueError(f"an executor group named '{name}' already exists in this runtime")
+
+    def _require_layout(self) -> Layout:
+        if self.layout is None:
+            raise LayoutError("this Runtime has no Layout; pass Runtime(layout) to use spawn_role/spawn_group")
+        return self.layout
+
+    def _group_names(self) -> str:
+        return ", ".join(g.name for g in self._require_layout().groups)
+
+    # ---------------------------------------------------------------- failures
+    def _record_failure(self, group: ExecutorGroup, death: ExecutorDied) -> None:
+        try:
+            self.failed.set_exception(death)
+        except Exception:  # noqa: BLE001 - only the first failure is recorded
+            return
+        if self._on_failure is not None:
+            self._on_failure(group, death)
+
+    async def supervise(self, main: Awaitable[T]) -> T:
+        """Await ``main``; if an executor dies first, cancel it, stop every group and raise ExecutorDied."""
+        loop = asyncio.get_running_loop()
+        died: asyncio.Future = loop.create_future()
+
+        def forward(f: Future) -> None:
+            if f.exception() is not None:
+                try:
+                    loop.call_soon_threadsafe(lambda: died.done() or died.set_exception(f.exception()))
+                except RuntimeError:
+                    pass  # the loop has finished: nobody is supervising any more
+
+        self.failed.add_done_callback(forward)
+        task = asyncio.ensure_future(main)
+        try:
+            await asyncio.wait({task, died}, return_when=asyncio.FIRST_COMPLETED)
+            if died.done() and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            if died.done():
+                self.shutdown(timeout=2.0)  # in-flight commands of the others are abandoned, not awaited
+                raise died.exception()
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            if not died.done():
+                died.cancel()
+
+    # ---------------------------------------------------------------- shutdown
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop every group (in parallel), release the listener; idempotent."""
+        groups = list(self.groups.values())
+        threads = [threading.Thread(target=g.shutdown, args=(timeout,)) for g in groups]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        with self._lock:
+            waiting = list(self._waiting.values())
+            self._waiting.clear()
+        for conn, _, _ in waiting:  # torchrun ranks never given a role: tell them to exit cleanly
+            try:
+                send(conn, Call(BOOTSTRAP_ID, CLOSE, (), {}))
+            except OSError:
+                pass
+            conn.close()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if not self.failed.done():
+            self.failed.set_result(None)
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
+    # ---------------------------------------------------------------- torchrun attach (rank 0)
+    def _attach(self, tr: TorchrunEnv) -> None:
+        layout = self._require_layout()
+        if layout.world_size != tr.world_size:
+            raise LayoutError(f"layout {layout.spec} needs {layout.world_size} processes (1 controller + "
+                              f"{layout.world_size - 1} executors) but torchrun started WORLD_SIZE={tr.world_size}")
+        if tr.rank != 0:
+            raise LayoutError(f"the controller runs on global rank 0, not rank {tr.rank}")
+        authkey = secrets.token_bytes(32)
+        self._listener = Listener(("", 0), family="AF_INET", authkey=authkey)
+        host = routable_address(tr.master_addr)
+        port = self._listener.address[1]
+        self._store = _store(tr, self.start_timeout_s)
+        self._store.set(STORE_KEY, f"{host}:{port}:{authkey.hex()}")
+        expected = set(range(1, layout.world_size))
+        arrivals: queue.SimpleQueue = queue.SimpleQueue()
+        listener = self._listener
+
+        def accept_loop() -> None:
+            for _ in expected:
+                try:
+                    conn = listener.accept()
+                    peer = listener.last_accepted[0]
+                    arrivals.put((conn, recv(conn), peer))
+                except Exception as exc:  # noqa: BLE001 - reported by the waiting side
+                    arrivals.put(exc)
+                    return
+
+        threading.Thread(target=accept_loop, name="llamarl-accept", daemon=True).start()
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.start_timeout_s)
+        try:
+            while expected - set(self._waiting):
+                left = (deadline - datetime.datetime.now()).total_seconds()
+                try:
+                    item = arrivals.get(timeout=max(0.01, left))
+                except queue.Empty:
+                    missing = sorted(expected - set(self._waiting))
+                    raise TimeoutError(f"torchrun ranks {missing} did not connect to the controller within "
+                                       f"{self.start_timeout_s} s") from None
+                if isinstance(item, Exception):
+                    raise RuntimeError(f"accepting torchrun executor ranks failed: {item}") from item
+                conn, hello, peer = item
+                if not isinstance(hello, Hello) or hello.global_rank not in expected or hello.global_rank in self._waiting:
+                    conn.close()
+                    raise RuntimeError(f"unexpected hello from {peer}: {hello!r}")
+                if hello.layout != layout.spec:
+                    conn.close()
+                    raise LayoutError(f"rank {hello.global_rank} runs layout {hello.layout} but the controller "
+                                      f"runs {layout.spec}; start every rank with the same --layout")
+                self._waiting[hello.global_rank] = (conn, hello, peer)
+        except BaseException:
+            self.shutdown()
+            raise
+
+
+def _store(tr: TorchrunEnv, timeout_s: float):
+    """The job's TCPStore at MASTER_ADDR:MASTER_PORT (rank 0 hosts it unless the torchrun agent does)."""
+    from torch.distributed import TCPStore
+
+    host_it = tr.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+    return TCPStore(tr.master_addr, tr.master_port, world_size=None, is_master=host_it,
+                    timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def serve_torchrun(layout: Layout, tr: TorchrunEnv, *, timeout_s: float = 600.0) -> int:
+    """Executor side under torchrun: connect to the controller, get a bootstrap, serve; returns exit code."""
+    assignment = layout.assignment(tr.rank)
+    if assignment.role == CONTROLLER:
+        raise LayoutError("global rank 0 is the controller; call run() rather than serve_torchrun()")
+    store = _store(tr, timeout_s)
+    store.wait([STORE_KEY], datetime.timedelta(seconds=timeout_s))
+    host, port, key = store.get(STORE_KEY).decode().rsplit(":", 2)
+    conn = Client((host, int(port)), family="AF_INET", authkey=bytes.fromhex(key))
+    import torch
+
+    send(conn, Hello(tr.rank, tr.local_rank, layout.spec, socket.gethostname(), free_port(),
+                     torch.cuda.device_count() if torch.cuda.is_available() else 0))
+    del store
+    return server.serve(conn)
+
+
+def run(layout: Layout, main: Callable[[Runtime], Awaitable[T]], *, env: dict[str, str] | None = None,
+        dist_timeout_s: float = 600.0, start_timeout_s: float = 600.0, torchrun: bool | None = None) -> T:
+    """Run the controller ``main(runtime)`` (async) with executors placed by ``layout``; return its result.
+
+    ``torchrun=None`` detects torchrun from the environment. Under torchrun, ranks other than 0 serve
+    and then exit the process (``SystemExit``) with 0 after a clean close, 1 otherwise.
+    """
+    tr = TorchrunEnv.detect() if torchrun in (None, True) else None
+    if torchrun is True and tr is None:
+        raise RuntimeError("torchrun=True but RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT are not set")
+    if tr is not None and tr.rank != 0:
+        sys.exit(serve_torchrun(layout, tr, timeout_s=start_timeout_s))
+    with Runtime(layout, torchrun=tr, env=env, dist_timeout_s=dist_timeout_s,
+                 start_timeout_s=start_timeout_s) as rt:
+        return asyncio.run(rt.supervise(main(rt)))
+

@@ -1,0 +1,215 @@
+"""The executor side of the runtime: one process = one rank = one executor object serving commands.
+
+Life of a rank (identical for locally spawned ranks and torchrun ranks; only how ``conn`` was obtained
+differs):
+
+1. receive ``Call(0, "__bootstrap__", (Bootstrap,), {})``; apply its ``env`` (a locally spawned rank
+   already has it: the launcher puts it in the child's environment at exec time);
+2. create this group's own torch.distributed process group (group-local rank/world size, ``gloo`` on
+   CPU, ``nccl`` on CUDA, rendezvous at the bootstrap's master address); ``RANK``/``WORLD_SIZE``/
+   ``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` are set to the group-local values so library code that
+   reads them sees this group (``LOCAL_RANK`` is the CUDA device index, so code that picks its GPU
+   from it gets the right one; the launcher's originals are kept as ``LLAMARL_GLOBAL_*``);
+3. import ``"pkg.module:Class"`` and construct ``Class(**init_kwargs, rank_info=RankInfo(...))``;
+4. answer ``Reply(0, True, pid)`` (or the constructor's failure), then serve calls in arrival order:
+   every public method of the object is a command; ``__close__`` calls the object's ``close()`` if it
+   has one, destroys the process group and ends the loop.
+
+A reader thread receives messages while the main thread executes commands, so the controller never
+blocks sending to a busy rank, and a lost controller is noticed even mid-command: on EOF without a
+prior close the process exits at once with code 1 (its work has no receiver any more). SIGINT is ignored
+in spawned ranks so that Ctrl-C reaches only the controller, which then shuts everything down in order.
+This module imports torch lazily (only once the bootstrap arrives), so importing it is cheap.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import queue
+import signal
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from llamarl.runtime.rpc import (
+    BOOTSTRAP_ID,
+    CLOSE,
+    Bootstrap,
+    Call,
+    RankInfo,
+    RemoteFailure,
+    Reply,
+    recv,
+    send,
+)
+
+_EOF = object()
+
+
+def child_main(conn: Connection) -> None:
+    """Entry point of a locally spawned rank (the ``target`` of its ``multiprocessing`` process)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    hard_exit(serve(conn))  # skip interpreter teardown: no atexit surprises from libraries in a finished rank
+
+
+def hard_exit(code: int) -> None:
+    """Flush stdio and end the process now (``os._exit``), without running atexit hooks."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not keep us alive
+            pass
+    os._exit(code)
+
+
+def import_target(target: str) -> Any:
+    """Resolve ``"pkg.module:Attr"`` to the attribute; raises ``ValueError``/``ImportError`` that say why."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"executor target {target!r} must look like 'package.module:ClassName'")
+    module = importlib.import_module(module_name)
+    try:
+        obj = module
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except AttributeError:
+        raise ImportError(f"module '{module_name}' has no attribute '{attr}' (executor target {target!r})") from None
+    return obj
+
+
+def failure_of(exc: BaseException) -> RemoteFailure:
+    """Flatten an exception (being handled) into a picklable ``RemoteFailure`` with its traceback text."""
+    cls = type(exc)
+    name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+    return RemoteFailure(name, str(exc), "".join(traceback.format_exception(exc)))
+
+
+def serve(conn: Connection) -> int:
+    """Bootstrap an executor from the first message on ``conn`` and serve commands; returns an exit code."""
+    try:
+        first = recv(conn)
+    except (EOFError, OSError):
+        print("llamarl executor: the controller went away before assigning this rank a role", file=sys.stderr)
+        return 1
+    if isinstance(first, Call) and first.method == CLOSE:
+        return 0  # the controller finished without needing this rank
+    if not (isinstance(first, Call) and first.call_id == BOOTSTRAP_ID and first.args
+            and isinstance(first.args[0], Bootstrap)):
+        raise RuntimeError(f"protocol error: the first message to an executor must be a bootstrap, got {first!r}")
+    boot: Bootstrap = first.args[0]
+    try:
+        executor = _start_executor(boot)
+    except Exception as exc:  # noqa: BLE001 - the controller gets the full remote error
+        _send_or_exit(conn, Reply(BOOTSTRAP_ID, False, failure_of(exc)))
+        return 1
+    _send_or_exit(conn, Reply(BOOTSTRAP_ID, True, os.getpid()))
+    return _serve_commands(conn, executor)
+
+
+def _start_executor(boot: Bootstrap) -> Any:
+    os.environ.update(boot.env)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if key in os.environ:
+            os.environ.setdefault(f"LLAMARL_GLOBAL_{key}", os.environ[key])
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device(boot.device)
+    local_rank = device.index if device.type == "cuda" and device.index is not None else boot.rank
+    os.environ.update(RANK=str(boot.rank), WORLD_SIZE=str(boot.world_size), LOCAL_RANK=str(local_rank),
+                      MASTER_ADDR=boot.master_addr, MASTER_PORT=str(boot.master_port))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    host = f"[{boot.master_addr}]" if ":" in boot.master_addr else boot.master_addr
+    dist.init_process_group(
+        boot.backend,
+        init_method=f"tcp://{host}:{boot.master_port}",
+        rank=boot.rank,
+        world_size=boot.world_size,
+        timeout=datetime.timedelta(seconds=boot.dist_timeout_s),
+    )
+    cls = import_target(boot.target)
+    if "rank_info" in boot.init_kwargs:
+        raise ValueError("init_kwargs must not contain 'rank_info': the runtime passes it to the executor")
+    info = RankInfo(group=boot.group, role=boot.role, rank=boot.rank, world_size=boot.world_size,
+                    global_rank=boot.global_rank, local_rank=local_rank, device=boot.device,
+                    backend=boot.backend)
+    return cls(**boot.init_kwargs, rank_info=info)
+
+
+def _serve_commands(conn: Connection, executor: Any) -> int:
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    closing = threading.Event()
+
+    def read_loop() -> None:
+        while True:
+            try:
+                message = recv(conn)
+            except (EOFError, OSError):
+                if not closing.is_set():
+                    hard_exit(1)  # the controller is gone: nobody will read our results
+                inbox.put(_EOF)
+                return
+            if isinstance(message, Call) and message.method == CLOSE:
+                closing.set()
+            inbox.put(message)
+            if closing.is_set():
+                return
+
+    threading.Thread(target=read_loop, name="llamarl-rpc-reader", daemon=True).start()
+    while True:
+        message = inbox.get()
+        if message is _EOF:
+            return 0
+        if message.method == CLOSE:
+            _send_or_exit(conn, _close(executor, message.call_id))
+            return 0
+        _send_or_exit(conn, _execute(executor, message))
+
+
+def _execute(executor: Any, call: Call) -> Reply:
+    try:
+        if call.method.startswith("_"):
+            raise AttributeError(f"'{call.method}' is not a command: names starting with '_' are private")
+        fn = getattr(executor, call.method, None)
+        if not callable(fn):
+            commands = sorted(n for n in dir(executor) if not n.startswith("_") and callable(getattr(executor, n)))
+            raise AttributeError(f"{type(executor).__name__} has no command '{call.method}'; "
+                                 f"its commands are: {', '.join(commands) or '(none)'}")
+        return Reply(call.call_id, True, fn(*call.args, **call.kwargs))
+    except Exception as exc:  # noqa: BLE001 - every failure goes back to the caller
+        return Reply(call.call_id, False, failure_of(exc))
+
+
+def _close(executor: Any, call_id: int) -> Reply:
+    reply = Reply(call_id, True, None)
+    close = getattr(executor, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception as exc:  # noqa: BLE001
+            reply = Reply(call_id, False, failure_of(exc))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return reply
+
+
+def _send_or_exit(conn: Connection, reply: Reply) -> None:
+    """Send a reply; if the result cannot be pickled, send that as the failure instead."""
+    try:
+        send(conn, reply)
+    except (EOFError, OSError):
+        hard_exit(1)  # controller gone
+    except Exception as exc:  # noqa: BLE001 - unpicklable result
+        failure = RemoteFailure(type(exc).__name__, f"the result could not be pickled: {exc}",
+                                "".join(traceback.format_exception(exc)))
+        try:
+            send(conn, Reply(reply.call_id, False, failure))
+        except (EOFError, OSError):
+            hard_exit(1)

@@ -1,0 +1,193 @@
+"""llamarl.config: presets, YAML, CLI precedence, the mode/staleness rule, layout shorthand, and that every
+validation error starts with the name of the field it is about."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+import yaml
+
+from llamarl.checkpoint import save_checkpoint
+from llamarl.config import (
+    PRESETS,
+    ConfigError,
+    GeneratorConfig,
+    RunConfig,
+    TrainConfig,
+    TrainerConfig,
+    load_config,
+)
+from llamarl.runtime import Layout
+
+
+def test_presets_are_valid_and_the_default_is_the_embedded_default():
+    assert {"default", "sync", "smoke"} <= set(PRESETS)
+    cfg = load_config([])
+    assert cfg == PRESETS["default"]
+    assert (cfg.policy.model, cfg.data.dataset, cfg.run.mode) == ("tiny", "synthetic:arithmetic", "async")
+    assert load_config(["--preset", "sync"]).run == dataclasses.replace(cfg.run, mode="sync", max_staleness=0)
+    for preset in PRESETS.values():
+        assert TrainConfig.from_dict(preset.to_dict()) == preset
+
+
+def test_precedence_preset_yaml_flags_set(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({
+        "trainer": {"lr": "3e-4", "betas": [0.8, 0.9]},  # "3e-4" is a YAML string: parsed by the field type
+        "generator": {"prompts_per_step": 4, "samples_per_prompt": 4},
+        "run": {"max_steps": 9, "seed": 5},
+    }))
+    cfg = load_config(["--preset", "smoke", "--config", str(path), "--max-steps", "7", "--set", "run.seed=6",
+                       "--set", "trainer.lr=5e-4"])
+    smoke = PRESETS["smoke"]
+    assert cfg.trainer.lr == 5e-4  # --set beats YAML
+    assert cfg.trainer.betas == (0.8, 0.9)  # YAML beats preset
+    assert cfg.run.max_steps == 7 and cfg.run.seed == 6  # named flag / --set beat YAML
+    assert cfg.generator.max_new_tokens == smoke.generator.max_new_tokens  # untouched: preset
+    assert cfg.generator.prompts_per_step == 4
+    both = load_config(["--max-steps", "7", "--set", "run.max_steps=8"])
+    assert both.run.max_steps == 8  # --set wins over a named flag
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = load_config(["--preset", "smoke", "--set", "trainer.betas=0.5,0.6", "--set", "policy.tokenizer=none",
+                       "--layout", "trainer=2,generator=1x2,reward=1"])
+    path = cfg.save(tmp_path / "run")
+    assert path.name == "config.yaml"
+    assert yaml.safe_load(path.read_text())["trainer"]["betas"] == [0.5, 0.6]
+    assert load_config(["--config", str(path)]) == cfg
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_mode_and_staleness_follow_each_other():
+    assert load_config(["--mode", "sync"]).run.max_staleness == 0
+    assert load_config(["--max-staleness", "0"]).run.mode == "sync"
+    assert load_config(["--max-staleness", "3"]).run.mode == "async"
+    assert load_config(["--preset", "sync", "--mode", "async"]).run.max_staleness == 1
+    assert load_config(["--mode", "async", "--max-staleness", "2"]).run.max_staleness == 2
+    with pytest.raises(ConfigError, match=r"^run.max_staleness: must be 0 in sync mode"):
+        RunConfig(mode="sync", max_staleness=1)
+    with pytest.raises(ConfigError, match=r"^run.max_staleness: must be >= 1 in async mode"):
+        load_config(["--mode", "async", "--max-staleness", "0"])
+
+
+def test_layout_shorthand_sets_and_checks_the_fields():
+    cfg = load_config(["--layout", "trainer=2:ddp,generator=2x3,reward=1"])
+    assert (cfg.trainer.ranks, cfg.trainer.parallel, cfg.generator.tp, cfg.generator.replicas,
+            cfg.reward.workers) == (2, "ddp", 2, 3, 1)
+    assert cfg.layout() == Layout.parse("trainer=2:ddp,generator=2x3,reward=1", device=cfg.device)
+    only_trainer = load_config(["--layout", "trainer=2", "--set", "generator.tp=2"])
+    assert (only_trainer.trainer.ranks, only_trainer.generator.tp) == (2, 2)  # unnamed items stay free
+    plain = load_config(["--set", "trainer.ranks=4", "--set", "reward.workers=0"])
+    assert plain.layout().world_size == 1 + 4 + 1 and plain.layout().groups_of("reward") == ()
+
+
+def test_resume_defaults_out_to_the_run_dir(tmp_path):
+    run = tmp_path / "run"
+    step = save_checkpoint(run, 4, policy_state=None, policy_version=4)
+    assert load_config(["--resume", str(run)]).run.out == str(run)
+    assert load_config(["--resume", str(step)]).run.out == str(run)  # a checkpoint dir names its run
+    assert load_config(["--resume", str(run), "--out", str(run)]).run.resume == str(run)
+
+
+def _messages(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "model").mkdir()
+    (tmp_path / "data.csv").write_text("a,b\n")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    (tmp_path / "typo.yaml").write_text("trainer:\n  lrate: 1\n")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "metrics.jsonl").write_text("{}\n")
+    t = str(tmp_path)
+    return [
+        (["--set", "trainer.lr=-1"], r"trainer.lr: must be > 0, got -1"),
+        (["--set", "trainer.lr=fast"], r"trainer.lr: must be a number, got 'fast'"),
+        (["--set", "trainer.lrr=1"], r"trainer.lrr: unknown key in command line \(did you mean 'trainer.lr'\?\)"),
+        (["--set", "trainr.lr=1"], r"trainr: unknown config section .*did you mean 'trainer'"),
+        ([f"--config={t}/typo.yaml"], r"trainer.lrate: unknown key in .*typo.yaml \(did you mean 'trainer.lr'\?\)"),
+        (["--mode", "asink"], r"run.mode: must be one of 'async', 'sync' \(did you mean 'async'\?\)"),
+        (["--max-steps", "0"], r"run.max_steps: must be > 0, got 0"),
+        (["--max-steps", "2.5"], r"run.max_steps: must be an integer, got '2.5'"),
+        (["--mode", "sync", "--max-staleness", "2"], r"run.max_staleness: must be 0 in sync mode"),
+        (["--set", "run.keep_checkpoints=0"], r"run.keep_checkpoints: must be > 0"),
+        (["--set", "run.eval_every=-1"], r"run.eval_every: must be >= 0"),
+        (["--set", "generator.top_p=1.5"], r"generator.top_p: must be in \(0, 1\]"),
+        (["--set", "generator.temperature=0"], r"generator.temperature: must be > 0"),
+        (["--set", "generator.quantization=int4"], r"generator.quantization: must be one of 'none', 'int8', 'fp8'"),
+        (["--set", "generator.samples_per_prompt=1"], r"generator.samples_per_prompt: must be >= 2"),
+        (["--set", "generator.tp=0"], r"generator.tp: must be > 0"),
+        (["--set", "trainer.ranks=3"], r"trainer.ranks: the step's 16x8=128 sequences must split evenly"),
+        (["--set", "trainer.parallel=none", "--set", "trainer.ranks=2"], r"trainer.parallel: 'none' needs"),
+        (["--set", "trainer.betas=0.9,1.2"], r"trainer.betas: both must be in \[0, 1\)"),
+        (["--set", "trainer.betas=0.9"], r"trainer.betas: must be a list of 2 numbers"),
+        (["--set", "trainer.rho=0.5"], r"trainer.rho: must be >= 1"),
+        (["--set", "trainer.kl_coef=-0.1"], r"trainer.kl_coef: must be >= 0"),
+        (["--set", "trainer.loss=fastest"], r"trainer.loss: must be one of 'auto', 'fused', 'reference'"),
+        (["--set", "trainer.advantage=ppo"], r"trainer.advantage: must be one of"),
+        (["--set", "policy.dtype=fp16"], r"policy.dtype: must be one of 'float32', 'bfloat16'"),
+        (["--set", "reward.timeout_s=0"], r"reward.timeout_s: must be > 0"),
+        (["--set", "warm_start.steps=-1"], r"warm_start.steps: must be >= 0"),
+        (["--set", "data.few_shot=-2"], r"data.few_shot: must be >= 0"),
+        (["--set", "data.template=Q:"], r"data.template: must contain \{prompt\}"),
+        (["--set", "data.template={question}"], r"data.template: must use only \{prompt\}"),
+        (["--dataset", "synthetic:poetry"], r"data.dataset: unknown synthetic dataset"),
+        (["--dataset", f"{t}/missing.jsonl"], r"data.dataset: no such file"),
+        (["--dataset", f"{t}/data.csv"], r"data.dataset: unsupported file type '.csv'; use .jsonl, .parquet"),
+        (["--model", f"{t}/missing"], r"policy.model: is neither a built-in model \(tiny, .*\) nor an existing"),
+        (["--model", f"{t}/model"], r"policy.model: directory has no config.json"),
+        (["--set", f"policy.tokenizer={t}/tok.json"], r"policy.tokenizer: no such file"),
+        (["--reward", "best"], r"reward.reward: must be one of exact, gsm8k, math, 'module:function' or"),
+        (["--reward", "os.path:no_such_fn"], r"reward.reward: reward spec 'os.path:no_such_fn': .*no attribute"),
+        (["--reward", f"{t}/missing.py:fn"], r"reward.reward: reward spec .*missing.py:fn.* does not exist"),
+        (["--resume", f"{t}/missing"], r"run.resume: no such directory"),
+        (["--resume", f"{t}/empty"], r"run.resume: holds no complete checkpoint"),
+        (["--out", f"{t}/old"], r"run.out: already holds a run; pass --resume"),
+        (["--layout", "trainer=x"], r"run.layout: layout: trainer='x'"),
+        (["--layout", "trainer=2", "--set", "trainer.ranks=4"], r"run.layout: 'trainer=2' sets trainer.ranks=2"),
+        (["--device", "tpu"], r"run.device: must be one of 'auto', 'cpu', 'cuda'"),
+        (["--preset", "smok"], r"--preset: unknown preset \(did you mean 'smoke'\?\)"),
+        (["--config", f"{t}/missing.yaml"], r"--config: no such file"),
+        (["--config", f"{t}/list.yaml"], r"--config: .*must hold a mapping of sections"),
+        (["--set", "trainer.lr"], r"--set: expects SECTION.KEY=VALUE"),
+        (["--max_steps", "3"], r"--max_steps: unknown option \(did you mean '--max-steps'\?\)"),
+    ]
+
+
+def test_every_validation_error_starts_with_its_field(tmp_path):
+    for argv, pattern in _messages(tmp_path):
+        with pytest.raises(ConfigError) as info:
+            load_config(argv)
+        assert re.match(pattern, str(info.value)), (argv, str(info.value))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given on a machine without CUDA")
+def test_cuda_requested_without_cuda():
+    with pytest.raises(ConfigError, match=r"^run.device: cuda requested but torch sees no CUDA device"):
+        load_config(["--device", "cuda"])
+
+
+def test_valid_paths_and_reward_function_are_accepted(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "train.jsonl").write_text('{"question": "1+1", "answer": "2"}\n')
+    (tmp_path / "my_reward.py").write_text("def score(completion, answer):\n    return float(completion == answer)\n")
+    cfg = load_config(["--model", str(tmp_path / "model"), "--dataset", str(tmp_path / "train.jsonl"),
+                       "--reward", f"{tmp_path}/my_reward.py:score", "--out", str(tmp_path / "new"),
+                       "--device", "cpu"])
+    assert (cfg.policy.model, cfg.device) == (str(tmp_path / "model"), "cpu")
+    assert load_config(["--reward", "operator:eq", "--dataset", "synthetic:arithmetic:digits=2"]).reward.reward == \
+        "operator:eq"
+
+
+def test_direct_construction_validates_too():
+    assert TrainerConfig(lr=1).lr == 1.0 and isinstance(TrainerConfig(lr=1).lr, float)
+    assert TrainerConfig(betas=[0.5, 0.6]).betas == (0.5, 0.6)
+    with pytest.raises(ConfigError, match=r"^generator.max_new_tokens: must be an integer, got '8'"):
+        GeneratorConfig(max_new_tokens="8")  # Python callers get no text parsing
+    with pytest.raises(ConfigError, match=r"^trainer.micro_batch_size: must be an integer, got True"):
+        TrainerConfig(micro_batch_size=True)
+    with pytest.raises(ConfigError, match=r"^run.max_staleness: must be >= 1 in async mode"):
+        TrainConfig(run=RunConfig(max_staleness=0))

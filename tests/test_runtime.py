@@ -1,0 +1,358 @@
+"""llamarl.runtime with real processes: commands, ordering, remote errors, deaths, shutdown, placement,
+and the torchrun path simulated with four subprocesses carrying torchrun's environment variables.
+
+Every group here runs ``llamarl.runtime.testing:ToyExecutor``. Process start-up (importing torch in each
+child) dominates the run time, so one two-rank group is shared by the tests that leave it healthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from llamarl.runtime import (
+    ExecutorDied,
+    ExecutorError,
+    ExecutorGroup,
+    GeneratorSpec,
+    Layout,
+    LayoutError,
+    RewardSpec,
+    Runtime,
+    TorchrunEnv,
+    TrainerSpec,
+)
+from llamarl.runtime.net import free_port
+from llamarl.runtime.rpc import describe_exit
+
+TOY = "llamarl.runtime.testing:ToyExecutor"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _pid_exists(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie (exited, not yet reaped by an init that never reaps) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _wait_gone(pids, timeout: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _pid_exists(p)]
+        if alive:
+            time.sleep(0.1)
+    return alive
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    marker = tmp_path_factory.mktemp("close") / "closed"
+    g = ExecutorGroup.spawn("toy", TOY, world_size=2, init_kwargs={"tag": "t"},
+                            env={"LLAMARL_TOY_ENV": "set-before-torch", "LLAMARL_TOY_CLOSE_MARKER": str(marker),
+                                 "OMP_NUM_THREADS": "1"},
+                            start_timeout_s=120, dist_timeout_s=60)
+    g.close_marker = marker
+    yield g
+    g.shutdown()
+
+
+# ------------------------------------------------------------------------------------------ one group
+def test_results_come_back_per_rank(group):
+    out = group.call("echo", 1, "two", k=[3]).result(timeout=30)
+    assert out == [{"tag": "t", "rank": r, "args": (1, "two"), "kwargs": {"k": [3]}} for r in range(2)]
+    assert group.call_rank(1, "echo", "x").result(timeout=30)["rank"] == 1
+    a, b = torch.randn(3, 5), torch.randn(7, dtype=torch.float64)
+    scaled = group.call_each("scale", [(a, 2.0), (b, -0.5)]).result(timeout=30)
+    assert torch.equal(scaled[0], a * 2.0) and torch.equal(scaled[1], b * -0.5)
+
+
+def test_each_group_has_its_own_process_group(group):
+    infos = group.call("info_dict").result(timeout=30)
+    for rank, info in enumerate(infos):
+        assert (info["rank"], info["dist_rank"], info["dist_world_size"], info["backend"]) == (rank, rank, 2, "gloo")
+        assert info["env"]["LLAMARL_TOY_ENV"] == "set-before-torch"
+        assert info["threads"] == 1  # OMP_NUM_THREADS was there when torch loaded
+        assert "LLAMARL_TOY_ENV" not in os.environ  # the controller's environment is unchanged
+        assert info["pid"] == group.pids[rank] != os.getpid()
+    # rank r contributes values * (r + 1): the sum over 2 ranks is values * 3
+    assert group.call("all_reduce", [1.0, -2.5]).result(timeout=30) == [[3.0, -7.5], [3.0, -7.5]]
+
+
+def test_remote_exception_carries_traceback_and_method(group):
+    with pytest.raises(ExecutorError) as info:
+        group.call_rank(1, "fail", "bad input").result(timeout=30)
+    err = info.value
+    assert (err.group, err.rank, err.method) == ("toy", 1, "fail")
+    assert err.exc_type == "llamarl.runtime.testing.ToyError"
+    assert "bad input on rank 1" in str(err) and "fail()" in str(err)
+    assert "testing.py" in err.remote_traceback and "raise ToyError" in err.remote_traceback
+    assert not isinstance(err, ExecutorDied)
+    # a group call reports the lowest failing rank and names the other failures
+    with pytest.raises(ExecutorError, match=r"rank 0: fail\(\).*ranks \[1\] of the call failed too"):
+        group.call("fail").result(timeout=30)
+    with pytest.raises(ExecutorError, match="boom on rank 1") as info:
+        group.call("fail_on_rank", 1).result(timeout=30)
+    assert info.value.rank == 1
+    assert group.call("echo").result(timeout=30)[0]["rank"] == 0  # the group is still healthy
+
+
+def test_bad_commands_are_reported(group):
+    with pytest.raises(ExecutorError, match="has no command 'nope'.*all_reduce, append"):
+        group.call_rank(0, "nope").result(timeout=30)
+    with pytest.raises(ExecutorError, match="could not be pickled"):
+        group.call_rank(0, "unpicklable").result(timeout=30)
+    with pytest.raises(ValueError, match="public method"):
+        group.call("_private")
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        group.call("echo", lambda: None)
+    with pytest.raises(IndexError, match="ranks 0..1"):
+        group.call_rank(2, "echo")
+    with pytest.raises(ValueError, match="one per rank"):
+        group.call_each("echo", [(1,)])
+
+
+def test_calls_run_in_the_same_order_on_every_rank(group):
+    before = group.call_rank(0, "items").result(timeout=30)
+    futures: list = []
+
+    def submit(thread: int) -> None:
+        for i in range(10):
+            futures.append(group.call("append", (thread, i)))
+
+    threads = [threading.Thread(target=submit, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for f in futures:
+        f.result(timeout=60)
+    items = group.call("items").result(timeout=30)
+    assert items[0] == items[1]  # the group-wide order is the same on both ranks
+    new = [tuple(x) for x in items[0][len(before):]]
+    assert sorted(new) == [(t, i) for t in range(4) for i in range(10)]
+    for t in range(4):  # and each submitting thread's calls kept their order
+        assert [i for th, i in new if th == t] == list(range(10))
+
+
+def test_acall_from_asyncio(group):
+    async def main():
+        a, b = await asyncio.gather(group.acall("echo", "a"), group.acall_rank(1, "sleep", 0.05))
+        return a, b, await group.acall_each("echo", [("x",), ("y",)])
+
+    a, b, c = asyncio.run(main())
+    assert [x["args"] for x in a] == [("a",), ("a",)] and b == 1
+    assert [x["args"] for x in c] == [("x",), ("y",)]
+
+
+def test_shutdown_closes_executors_and_leaves_no_process(group):
+    pids = group.pids
+    group.shutdown()
+    assert group.failed.result(timeout=1) is None
+    for rank in range(2):
+        assert Path(f"{group.close_marker}.toy.{rank}").read_text() == "closed"  # close() ran
+    assert _wait_gone(pids, timeout=1.0) == []
+    assert not any(p.pid in pids for p in mp.active_children())
+    with pytest.raises(ExecutorError, match="shut down"):
+        group.call("echo").result(timeout=5)
+
+
+# ------------------------------------------------------------------------------------------ failures
+def test_killed_rank_fails_pending_and_later_calls():
+    seen = []
+    g = ExecutorGroup.spawn("victim", TOY, world_size=2, start_timeout_s=120, dist_timeout_s=60,
+                            on_failure=lambda grp, err: seen.append((grp.name, err.rank, err.exitcode)))
+    try:
+        pending = g.call("sleep", 60)
+        os.kill(g.pids[1], signal.SIGKILL)
+        with pytest.raises(ExecutorDied) as info:
+            pending.result(timeout=15)
+        err = info.value
+        assert (err.group, err.rank, err.exitcode, err.method) == ("victim", 1, -signal.SIGKILL, "sleep")
+        assert "executor 'victim' rank 1 died (killed by SIGKILL) while running sleep()" in str(err)
+        with pytest.raises(ExecutorDied):
+            g.failed.result(timeout=5)
+        assert seen == [("victim", 1, -signal.SIGKILL)]
+        with pytest.raises(ExecutorDied, match="rank 1 died"):
+            g.call("echo").result(timeout=5)
+        assert _wait_gone(g.pids) == []  # the surviving rank was stopped too
+    finally:
+        g.shutdown()
+    assert not mp.active_children()
+
+
+def test_constructor_error_surfaces_at_spawn():
+    with pytest.raises(ExecutorError) as info:
+        ExecutorGroup.spawn("broken", TOY, world_size=1, init_kwargs={"fail_in_init": True}, start_timeout_s=120)
+    assert info.value.method == "__init__" and "constructor of toy asked to fail" in str(info.value)
+    assert "Traceback" in info.value.remote_traceback
+    with pytest.raises(TypeError, match="init_kwargs/env of executor group 'opaque' cannot be pickled"):
+        ExecutorGroup.spawn("opaque", TOY, world_size=1, init_kwargs={"tag": lambda: None}, start_timeout_s=120)
+    assert not mp.active_children()
+
+
+def test_runtime_supervise_stops_everything_when_an_executor_exits():
+    layout = Layout.parse("trainer=1,generator=1x1,reward=0")
+    with Runtime(layout, start_timeout_s=120, dist_timeout_s=60) as rt:
+        trainer, = rt.spawn_role("trainer", TOY, init_kwargs={"tag": "trainer"}, wait=False)
+        generator, = rt.spawn_role("generator", TOY, init_kwargs={"tag": "generator"}, wait=False)
+        rt.wait_ready()  # both roles started in parallel
+        assert rt.spawn_role("reward", TOY) == []  # reward=0: no reward group
+        pids = trainer.pids + generator.pids
+        assert trainer.call_rank(0, "info_dict").result(timeout=30)["global_rank"] == 1
+
+        async def controller():
+            assert (await generator.acall("echo"))[0]["tag"] == "generator"
+            generator.call("exit_hard", 3)
+            await trainer.acall("sleep", 60)  # cancelled when the generator dies
+            return "finished"
+
+        with pytest.raises(ExecutorDied) as info:
+            asyncio.run(rt.supervise(controller()))
+        assert (info.value.group, info.value.rank, info.value.exitcode) == ("generator", 0, 3)
+        assert "exit code 3" in str(info.value)
+        assert _wait_gone(pids) == []
+    assert not mp.active_children()
+
+
+def test_no_orphans_when_the_controller_raises_or_is_killed(tmp_path):
+    script = textwrap.dedent("""
+        import sys, time
+        from llamarl.runtime import ExecutorGroup
+        g = ExecutorGroup.spawn("orphan", "llamarl.runtime.testing:ToyExecutor", 1, start_timeout_s=120)
+        print("PIDS", g.pids[0], flush=True)
+        if sys.argv[1] == "raise":
+            raise RuntimeError("controller bug")
+        time.sleep(600)
+    """)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    procs = {mode: subprocess.Popen([sys.executable, "-c", script, mode], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for mode in ("raise", "sleep")}
+    children = {}
+    try:
+        for mode, proc in procs.items():
+            line = proc.stdout.readline()
+            assert line.startswith("PIDS"), proc.stderr.read() if proc.poll() is not None else line
+            children[mode] = int(line.split()[1])
+        os.kill(procs["sleep"].pid, signal.SIGKILL)  # the executor notices EOF on its control pipe
+        assert procs["raise"].wait(timeout=60) != 0
+        assert "controller bug" in procs["raise"].stderr.read()
+        procs["sleep"].wait(timeout=30)
+        assert _wait_gone(children.values(), timeout=20) == []
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+# ------------------------------------------------------------------------------------------ torchrun
+def test_torchrun_path_with_simulated_ranks():
+    spec = "trainer=1,generator=1x1,reward=0"
+    port = free_port("127.0.0.1")
+    code = f"from llamarl.runtime.testing import torchrun_demo; torchrun_demo({spec!r})"
+    procs = []
+    for rank in range(3):  # rank 0: controller; 1: the trainer; 2: the generator
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="3", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), PYTHONPATH=str(REPO))
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0, 0], outputs
+    line = next(x for x in outputs[0].splitlines() if x.startswith("TORCHRUN_DEMO "))
+    result = json.loads(line.split(" ", 1)[1])
+    assert set(result) == {"trainer", "generator"}
+    infos = [result[name]["info"][0] for name in ("trainer", "generator")]
+    # each torchrun rank became rank 0 of its own one-rank process group, with its layout global rank
+    assert [(i["group"], i["global_rank"], i["dist_rank"], i["dist_world_size"]) for i in infos] == [
+        ("trainer", 1, 0, 1), ("generator", 2, 0, 1)]
+    assert result["trainer"]["sum"] == [[1.0]] and result["generator"]["sum"] == [[1.0]]
+    assert len({i["pid"] for i in infos}) == 2  # executors are the torchrun processes themselves
+
+
+def test_torchrun_rejects_a_layout_that_does_not_fit_world_size():
+    tr = TorchrunEnv(rank=0, world_size=3, local_rank=0, master_addr="127.0.0.1", master_port=free_port())
+    with pytest.raises(LayoutError, match=r"needs 4 processes .* WORLD_SIZE=3"):
+        Runtime(Layout.parse("trainer=2,generator=1,reward=0"), torchrun=tr)
+
+
+def test_torchrun_env_detection():
+    assert TorchrunEnv.detect({}) is None
+    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
+    assert TorchrunEnv.detect(env) == TorchrunEnv(3, 8, 1, "node0", 29500)
+
+
+# ------------------------------------------------------------------------------------------ placement
+def test_layout_parse_and_rank_assignment():
+    layout = Layout.parse("trainer=2,generator=2x1,reward=2")
+    assert layout == Layout(TrainerSpec(2, "fsdp"), GeneratorSpec(tp=2, replicas=1), RewardSpec(2), "cpu")
+    assert layout.world_size == 7 and Layout.parse(layout.spec) == layout
+    assert [(g.name, g.global_ranks, g.backend) for g in layout.groups] == [
+        ("trainer", (1, 2), "gloo"), ("generator", (3, 4), "gloo"), ("reward", (5, 6), "gloo")]
+    assert layout.assignment(0).role == "controller"
+    a = layout.assignment(4)
+    assert (a.role, a.group.name, a.rank) == ("generator", "generator", 1)
+    with pytest.raises(LayoutError, match="outside layout"):
+        layout.assignment(7)
+
+    multi = Layout.parse("trainer=4:ddp, generator=1x3, reward=0", device="cuda")
+    assert [g.name for g in multi.groups] == ["trainer", "generator.0", "generator.1", "generator.2"]
+    assert {g.backend for g in multi.groups} == {"nccl"} and multi.world_size == 8
+    assert [g.global_ranks for g in multi.groups_of("generator")] == [(5,), (6,), (7,)]
+    # local GPUs are handed out round-robin over accelerator ranks; torchrun uses LOCAL_RANK
+    assert [multi.cuda_device(r, 4) for r in range(1, 8)] == [0, 1, 2, 3, 0, 1, 2]
+    assert multi.cuda_device(6, 8, local_rank=5) == 5
+    assert multi.cuda_device(0, 8) is None and layout.cuda_device(5, 8) is None
+    assert Layout.parse("generator=4").generator == GeneratorSpec(tp=4, replicas=1)
+    assert Layout.parse("reward=1,device=cuda").groups[-1].backend == "gloo"  # rewards stay on the CPU
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("trainr=2", r"unknown role 'trainr'.*did you mean 'trainer'"),
+    ("trainer=0", r"trainer.ranks: must be an integer >= 1, got 0"),
+    ("trainer=2:zero", r"trainer.parallel: must be one of fsdp, ddp, none"),
+    ("trainer=2:none", r"'none' needs exactly 1 rank"),
+    ("generator=2xq", r"generator='2xq': 'q' is not a number; expected TPxREPLICAS"),
+    ("reward=-1", r"reward.workers: must be an integer >= 0"),
+    ("trainer=1,trainer=2", r"'trainer' is given twice"),
+    ("trainer", r"not of the form key=value"),
+    ("device=tpu", r"layout.device: must be one of cpu, cuda"),
+])
+def test_layout_errors_name_the_part(spec, message):
+    with pytest.raises(LayoutError, match=message):
+        Layout.parse(spec)
+
+
+def test_exit_descriptions():
+    assert describe_exit(3) == "exit code 3"
+    assert describe_exit(-9) == "killed by SIGKILL"
+    assert describe_exit(None) == "connection lost"
+    err = ExecutorDied("g", 2, -15, "step")
+    assert str(err) == "executor 'g' rank 2 died (killed by SIGTERM) while running step()"
+    import pickle
+
+    again = pickle.loads(pickle.dumps(err))
+    assert (type(again), str(again), again.exitcode) == (ExecutorDied, str(err), -15)
