@@ -1,0 +1,74 @@
+"""Group-relative advantages: one scalar per sampled completion, from the rewards of its group.
+
+Layout: ``rewards`` is ``[B]`` laid out prompt-major — the ``n = group_size`` completions of prompt 0
+first, then the ``n`` of prompt 1, and so on, so ``rewards.view(B // n, n)`` puts one group per row.
+For a group with rewards ``r_1 .. r_n`` (mean ``r̄``):
+
+    method="mean"  (AIPO / LlamaRL baseline)   A_i = r_i − r̄
+    method="grpo"  (DeepSeekMath GRPO)         A_i = (r_i − r̄) / (s + eps),
+                                               s = sqrt(Σ_j (r_j − r̄)² / (n − 1))   (Bessel-corrected)
+    method="rloo"  (REINFORCE leave-one-out)   A_i = r_i − (Σ_{j≠i} r_j) / (n − 1) = n/(n − 1) · (r_i − r̄)
+
+Invariants: every method gives advantages that sum to zero within each group (so a group whose
+completions all earn the same reward contributes no gradient), and the result has the shape, dtype
+and device of ``rewards``. "grpo" and "rloo" need ``n ≥ 2``; "mean" with ``n = 1`` is defined and
+gives zeros. Arithmetic runs in float64 and is cast back, so the values do not depend on the order
+of the sums.
+"""
+
+from __future__ import annotations
+
+import torch
+
+METHODS = ("mean", "grpo", "rloo")
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    method: str = "mean",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Advantages ``[B]`` for prompt-major ``rewards [B]`` in consecutive groups of ``group_size``.
+
+    Integer or boolean rewards are accepted and give float32 advantages; floating rewards keep
+    their dtype. Raises ``ValueError`` on a bad shape, group size, method, eps or non-finite reward.
+    """
+    if not isinstance(rewards, torch.Tensor):
+        raise TypeError(f"group_advantages: rewards must be a torch.Tensor, got {type(rewards).__name__}")
+    if rewards.dim() != 1:
+        raise ValueError(
+            f"group_advantages: rewards must be 1-D [B] (prompt-major groups), got shape "
+            f"{tuple(rewards.shape)}; flatten [prompts, n] with rewards.reshape(-1)"
+        )
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_advantages: group_size must be a positive int, got {group_size!r}")
+    if method not in METHODS:
+        raise ValueError(f"group_advantages: method must be one of {METHODS}, got {method!r}")
+    if not (eps > 0.0):  # also rejects NaN
+        raise ValueError(f"group_advantages: eps must be > 0 (keeps grpo finite on constant groups), got {eps!r}")
+    batch = rewards.numel()
+    if batch == 0 or batch % group_size != 0:
+        raise ValueError(
+            f"group_advantages: rewards has {batch} entries, which is not a positive multiple of "
+            f"group_size={group_size}; pass all n completions of every prompt"
+        )
+    if method in ("grpo", "rloo") and group_size < 2:
+        raise ValueError(f"group_advantages: method={method!r} needs group_size >= 2, got {group_size}")
+
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    r = rewards.to(torch.float64).view(batch // group_size, group_size)
+    if not bool(torch.isfinite(r).all()):
+        bad = (~torch.isfinite(r)).flatten().nonzero()[0].item()
+        raise ValueError(f"group_advantages: rewards[{bad}] is {rewards[bad].item()}; rewards must be finite")
+
+    mean = r.mean(dim=1, keepdim=True)
+    centered = r - mean
+    if method == "mean":
+        adv = centered
+    elif method == "grpo":
+        std = r.std(dim=1, keepdim=True, unbiased=True)
+        adv = centered / (std + eps)
+    else:  # rloo
+        adv = centered * (group_size / (group_size - 1))
+    return adv.reshape(batch).to(out_dtype)

@@ -1,0 +1,217 @@
+"""AIPO — asynchronous importance-weighted policy optimisation: the eager specification of the loss.
+
+Every generated token t carries logπ_t (the trainer's log-prob of the sampled token, differentiable),
+logμ_t (the log-prob under the generator that sampled it, possibly several policy versions old),
+an advantage A_t and a mask m_t ∈ {0, 1} (1 = a generated token that is trained on). Then
+
+    r_t   = exp(logπ_t − logμ_t)                      importance ratio π/μ
+    w_t   = min(r_t, ρ)                               one-sided truncation, detached (no gradient)
+    ℓ_t   = − w_t · A_t · logπ_t                      so ∇ℓ_t = − w_t · A_t · ∇logπ_t
+          + β · k3_t,   k3_t = exp(logπ_ref,t − logπ_t) − (logπ_ref,t − logπ_t) − 1   (optional KL)
+          − γ · H_t                                   (optional entropy bonus, H_t = entropy of π at t)
+    loss  = Σ_t m_t ℓ_t / Σ_t m_t                                     norm="token"  (default)
+          = mean over non-empty rows b of Σ_t m_bt ℓ_bt / Σ_t m_bt      norm="sequence"
+
+k3 (Schulman's estimator) is an unbiased, non-negative estimate of KL(π‖π_ref) from tokens sampled
+from π. ``rho`` may be ``math.inf`` (no truncation); β ≥ 0; γ is any finite number.
+
+Layouts: ``logprobs``, ``behavior_logprobs``, ``mask``, ``ref_logprobs``, ``entropy`` are all ``[B, T]``
+(or all ``[N]`` flat, token normalisation only); ``advantages`` is ``[B, T]`` per token or ``[B]`` per
+sequence (broadcast over T), or ``[N]`` with flat inputs. Arithmetic runs in float32 (float64 inputs
+stay float64); the loss is a 0-d tensor of that dtype.
+
+Log-prob convention, shared with the generation engine and the fused kernels in ``llamarl_kernels``:
+``logπ_t = log_softmax(logits_t.float() / T)[y_t]`` over the full vocabulary, T the sampling
+temperature (1.0 for greedy). ``token_logprobs`` computes exactly this, plus the entropy of that
+distribution.
+
+Metrics (detached 0-d tensors, always token means over the masked tokens, whatever ``norm`` is):
+``ratio_mean``, ``ratio_max`` (of r_t, before truncation), ``truncated_frac`` (fraction with r_t > ρ),
+``mismatch_kl`` = mean_t (r_t − 1 − log r_t), the k3 estimate of KL(μ‖π) from the tokens μ sampled
+(it is ≥ 0 and 0 exactly when π = μ on the sampled tokens), ``entropy`` (if given), ``kl_ref`` (mean
+k3, if ``ref_logprobs`` given), ``tokens`` = Σ m_t.
+
+Invariants: masked positions never affect the loss or receive gradient. An all-zero mask is defined:
+loss 0 (still attached to the graph, so ``backward()`` works and yields zero gradients) and all
+metrics 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NORMS = ("token", "sequence")
+
+
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *, validate: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of ``targets`` and entropy under ``softmax(logits / temperature)``, both differentiable.
+
+    ``logits [..., V]`` (any float dtype, computed in at least float32), ``targets [...]`` integer ids
+    in ``[0, V)``. Returns ``(logprobs [...], entropy [...])`` in the compute dtype. ``validate=False``
+    skips the target range check (a device sync; out-of-range ids then fail inside ``gather``).
+    """
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() < 1:
+        raise ValueError("token_logprobs: logits must be a floating-point tensor [..., V]")
+    if not isinstance(targets, torch.Tensor) or targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError("token_logprobs: targets must be an integer tensor of token ids")
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"token_logprobs: targets shape {tuple(targets.shape)} must equal logits.shape[:-1] = "
+            f"{tuple(logits.shape[:-1])}"
+        )
+    if targets.device != logits.device:
+        raise ValueError(f"token_logprobs: targets on {targets.device} but logits on {logits.device}")
+    _check_temperature("token_logprobs", temperature)
+    vocab = logits.shape[-1]
+    if validate and targets.numel() > 0 and bool((targets < 0).any() | (targets >= vocab).any()):
+        raise ValueError(
+            f"token_logprobs: targets must lie in [0, {vocab}) (the vocabulary of logits); got values in "
+            f"[{targets.min().item()}, {targets.max().item()}] — give padding positions any valid id and mask them"
+        )
+    compute = torch.promote_types(logits.dtype, torch.float32)
+    scaled = logits.to(compute) / temperature
+    logp_all = torch.log_softmax(scaled, dim=-1)
+    logprobs = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logprobs, entropy
+
+
+def aipo_loss(
+    logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    rho: float = 2.0,
+    *,
+    norm: str = "token",
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    validate: bool = True,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The AIPO loss (see the module docstring) and its metrics.
+
+    Gradient flows through ``logprobs`` (and ``entropy`` when ``entropy_coef != 0``); the truncated
+    weight, ``behavior_logprobs``, ``advantages`` and ``ref_logprobs`` are treated as constants.
+    ``validate=False`` skips the data-dependent checks that need a device sync (finite values, mask
+    in {0, 1}); shape, device and option checks always run.
+    """
+    _check_inputs(logprobs, behavior_logprobs, advantages, mask, rho, norm, ref_logprobs, kl_coef,
+                  entropy, entropy_coef, validate)
+    compute = torch.promote_types(logprobs.dtype, torch.float32)
+    logp = logprobs.to(compute)
+    m = mask.to(compute)
+    adv = advantages.detach().to(compute)
+    if adv.dim() == 1 and logp.dim() == 2:
+        adv = adv.unsqueeze(1)  # per-sequence advantage, broadcast over the tokens of the row
+
+    log_ratio = logp.detach() - behavior_logprobs.detach().to(compute)
+    ratio = log_ratio.exp()
+    weight = ratio.clamp(max=rho)  # w_t = min(r_t, rho), a constant for autograd
+    per_token = -weight * adv * logp
+
+    metrics: dict[str, torch.Tensor] = {}
+    if ref_logprobs is not None:
+        ref_diff = ref_logprobs.detach().to(compute) - logp
+        k3_ref = ref_diff.exp() - ref_diff - 1.0
+        if kl_coef != 0.0:
+            per_token = per_token + kl_coef * k3_ref
+        metrics["kl_ref"] = _token_mean(k3_ref.detach(), m)
+    if entropy is not None:
+        ent = entropy.to(compute)
+        if entropy_coef != 0.0:
+            per_token = per_token - entropy_coef * ent
+        metrics["entropy"] = _token_mean(ent.detach(), m)
+
+    loss = _masked_mean(per_token, m, norm)
+
+    tokens = m.sum()
+    metrics["ratio_mean"] = _token_mean(ratio, m)
+    metrics["ratio_max"] = torch.where(m > 0, ratio, torch.zeros_like(ratio)).amax() if m.numel() else tokens
+    metrics["truncated_frac"] = _token_mean((ratio > rho).to(compute), m)
+    metrics["mismatch_kl"] = _token_mean(ratio - 1.0 - log_ratio, m)
+    metrics["tokens"] = tokens
+    return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+def _token_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Metric mean Σ_{m=1} x / Σ m (0 for an empty mask); masked entries are ignored even if inf."""
+    return torch.where(m > 0, x, torch.zeros_like(x)).sum() / m.sum().clamp(min=1.0)
+
+
+def _masked_mean(per_token: torch.Tensor, m: torch.Tensor, norm: str) -> torch.Tensor:
+    """The loss reduction: multiplying by m keeps masked entries in the graph with zero gradient."""
+    if norm == "token":
+        return (per_token * m).sum() / m.sum().clamp(min=1.0)
+    row_tokens = m.sum(dim=-1)
+    row_means = (per_token * m).sum(dim=-1) / row_tokens.clamp(min=1.0)
+    rows = (row_tokens > 0).sum().clamp(min=1).to(per_token.dtype)
+    return row_means.sum() / rows
+
+
+def _check_temperature(where: str, temperature: float) -> None:
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(
+            f"{where}: temperature must be a finite number > 0 (use 1.0 for greedy decoding), got {temperature!r}"
+        )
+
+
+def _check_inputs(logprobs, behavior_logprobs, advantages, mask, rho, norm, ref_logprobs, kl_coef,
+                  entropy, entropy_coef, validate) -> None:
+    named = {"logprobs": logprobs, "behavior_logprobs": behavior_logprobs, "advantages": advantages,
+             "mask": mask}
+    if ref_logprobs is not None:
+        named["ref_logprobs"] = ref_logprobs
+    if entropy is not None:
+        named["entropy"] = entropy
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"aipo_loss: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if name != "mask" and not t.is_floating_point():
+            raise ValueError(f"aipo_loss: {name} must be a floating-point tensor, got {t.dtype}")
+        if t.device != logprobs.device:
+            raise ValueError(f"aipo_loss: {name} is on {t.device} but logprobs is on {logprobs.device}; "
+                             "move all inputs to one device")
+
+    if norm not in NORMS:
+        raise ValueError(f"aipo_loss: norm must be one of {NORMS}, got {norm!r}")
+    if logprobs.dim() not in (1, 2):
+        raise ValueError(f"aipo_loss: logprobs must be [B, T] or flat [N], got shape {tuple(logprobs.shape)}")
+    if logprobs.dim() == 1 and norm == "sequence":
+        raise ValueError("aipo_loss: norm='sequence' needs [B, T] inputs; flat [N] inputs have no sequences")
+    shape = tuple(logprobs.shape)
+    for name, t in named.items():
+        if name == "advantages":
+            continue
+        if tuple(t.shape) != shape:
+            raise ValueError(f"aipo_loss: {name} has shape {tuple(t.shape)}, expected {shape} like logprobs")
+    adv_shape = tuple(advantages.shape)
+    if adv_shape != shape and not (len(shape) == 2 and adv_shape == shape[:1]):
+        allowed = f"{shape} or {shape[:1]}" if len(shape) == 2 else f"{shape}"
+        raise ValueError(f"aipo_loss: advantages has shape {adv_shape}, expected {allowed} "
+                         "(per token, or per sequence broadcast over T)")
+
+    if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not (rho > 0):
+        raise ValueError(f"aipo_loss: rho (the truncation of pi/mu) must be > 0, e.g. 2.0; got {rho!r}")
+    if not (isinstance(kl_coef, (int, float)) and math.isfinite(kl_coef) and kl_coef >= 0):
+        raise ValueError(f"aipo_loss: kl_coef must be a finite number >= 0, got {kl_coef!r}")
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError(f"aipo_loss: kl_coef={kl_coef} needs ref_logprobs (log-probs under the reference policy)")
+    if not (isinstance(entropy_coef, (int, float)) and math.isfinite(entropy_coef)):
+        raise ValueError(f"aipo_loss: entropy_coef must be a finite number, got {entropy_coef!r}")
+    if entropy_coef != 0.0 and entropy is None:
+        raise ValueError(f"aipo_loss: entropy_coef={entropy_coef} needs entropy (see token_logprobs)")
+
+    if not validate:
+        return
+    for name, t in named.items():
+        if name != "mask" and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"aipo_loss: {name} contains NaN or inf; every entry must be finite "
+                             "(fill padded positions with 0 and mask them out)")
+    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("aipo_loss: mask must be boolean or hold only 0 and 1")

@@ -1,0 +1,277 @@
+"""Fused AIPO loss from the last hidden states and the lm_head weight, never holding the [N, V] logits.
+
+Math (token-mean normalisation; the same objective as ``llamarl.algorithms.aipo_loss``). Row i has
+hidden h_i [D], sampled token y_i, behaviour log-prob logμ_i, advantage A_i, mask m_i ∈ {0, 1}; with
+z_i = h_i · Wᵀ, T the temperature, p_i = softmax(z_i / T), lse_i its log-normaliser, M = Σ_i m_i:
+
+    logπ_i = z_{i,y_i} / T − lse_i,       H_i = −Σ_j p_ij log p_ij
+    w_i    = min(exp(logπ_i − logμ_i), ρ)                                    (detached)
+    loss   = (1/M) Σ_i m_i [ −w_i A_i logπ_i + β·k3_i − γ·H_i ],
+             k3_i = exp(logπ_ref,i − logπ_i) − (logπ_ref,i − logπ_i) − 1       (β, ref optional)
+
+Because w is detached, dloss/dlogπ_i is a per-row scalar known in the forward pass:
+
+    c_i = (m_i / M) · ( −w_i A_i + β (1 − exp(logπ_ref,i − logπ_i)) )
+    e_i = (m_i / M) · γ
+    ∂loss/∂z_ij = ( c_i (1[j = y_i] − p_ij) + e_i p_ij (log p_ij + H_i) ) / T      =: g_ij
+
+(the second term is the gradient of −γ H through dH/dz'_j = −p_j (log p_j + H)). So, like Liger's fused
+linear cross-entropy, the gradients are produced during the forward pass, chunk by chunk:
+
+    for each chunk of C rows:   Z = h_c Wᵀ                         (cuBLAS, into one reused [C, V] buffer)
+                                 Triton, one program per row:       pass 1 online softmax → lse, logπ, H;
+                                                                    pass 2 overwrite Z with g in place
+                                 grad_h[c] = G W,  grad_W += Gᵀ h_c  (cuBLAS)
+
+three GEMMs in all, the floor of any exact method, and no recomputation of the logits. The forward
+saves only grad_h [N, D] and grad_W [V, D] (the outputs backward must return anyway); backward scales
+them by the incoming gradient in place, so it can run once per forward. Extra memory beyond the two
+gradients: the [C, V] chunk buffer (at most ``LOGITS_CHUNK_BYTES`` = 768 MiB, chunks balanced and rounded
+to 128 rows) and a few fp32 vectors [N]. For the GPU target N = 16384, D = 4096, V = 128256 in bf16 that
+is 6 chunks of 2816 rows: 0.67 GiB of buffer + 1.1 GiB of gradients. grad_W accumulates in the
+weight's dtype across chunks (fp32 inside each GEMM, one rounding per chunk). grad_h and grad_W are
+only computed for the inputs that require grad, and not at all under ``torch.no_grad()``.
+
+Numerics: logits are produced in the inputs' dtype (as the eager path does), every value is upcast to
+fp32 right after ``tl.load``; the gradient tile is rounded once to the input dtype for the two
+backward GEMMs (eager autograd does the same). Row offsets are int64.
+
+Metrics (detached 0-d fp32 tensors, means over masked rows; all 0 if M = 0): ratio_mean, ratio_max,
+truncated_frac (r > ρ), mismatch_kl = mean(r − 1 − log r), the k3 estimate of KL(μ‖π), entropy,
+kl_ref (with ``ref_logprobs``), tokens. An all-zero mask gives loss 0 and zero gradients.
+
+Rows with m_i = 0 cost full compute: pass only the rows you train on (e.g. completion tokens).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+
+from llamarl_kernels.logprobs import (
+    check_hidden_weight_targets,
+    chunk_rows,
+    row_launch,
+    softmax_row_stats,
+)
+
+
+@triton.jit
+def _aipo_rows_kernel(
+    logits_ptr, stride_row, targets_ptr, behavior_ptr, adv_ptr, mask_ptr, ref_ptr,
+    logprobs_ptr, entropy_ptr,
+    V, temperature, rho, inv_tokens, kl_coef, entropy_coef,
+    HAS_REF: tl.constexpr, WRITE_GRAD: tl.constexpr, ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Per row: logπ and H into the [N] outputs; with WRITE_GRAD, overwrite the logits row by g."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    target = tl.load(targets_ptr + row).to(tl.int64)
+    lse, logprob, entropy = softmax_row_stats(row_ptr, target, V, temperature, BLOCK_V)
+    tl.store(logprobs_ptr + row, logprob)
+    tl.store(entropy_ptr + row, entropy)
+    if WRITE_GRAD:
+        m = tl.load(mask_ptr + row)
+        w = tl.minimum(tl.exp(logprob - tl.load(behavior_ptr + row)), rho)
+        c = -w * tl.load(adv_ptr + row)
+        if HAS_REF:
+            c += kl_coef * (1.0 - tl.exp(tl.load(ref_ptr + row) - logprob))
+        c = tl.where(m > 0, c * m * inv_tokens, 0.0)  # dloss/dlogπ; masked rows get exactly 0
+        e = m * inv_tokens * entropy_coef
+        offs = tl.arange(0, BLOCK_V)
+        for start in range(0, V, BLOCK_V):
+            cols = start + offs
+            valid = cols < V
+            z = tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32) / temperature
+            logp = z - lse
+            p = tl.exp(logp)
+            g = tl.where(cols == target, c, 0.0) - c * p
+            if ENTROPY_GRAD:
+                g += e * p * (logp + entropy)
+            g = g / temperature
+            tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=valid)
+
+
+def _row_vector(where: str, name: str, t: torch.Tensor, n_rows: int, device: torch.device) -> torch.Tensor:
+    """Check a per-row input and return it as a contiguous fp32 vector."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != (n_rows,):
+        raise ValueError(f"{where}: {name} has shape {tuple(t.shape)}, expected [N] = ({n_rows},) like hidden rows")
+    if t.device != device:
+        raise ValueError(f"{where}: {name} is on {t.device} but hidden is on {device}")
+    if name == "mask":
+        if t.dtype != torch.bool and not bool(((t == 0) | (t == 1)).all()):
+            raise ValueError(f"{where}: mask must be boolean or hold only 0 and 1")
+    else:
+        if not t.is_floating_point():
+            raise ValueError(f"{where}: {name} must be floating point, got {t.dtype}")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{where}: {name} contains NaN or inf; fill masked rows with 0")
+    return t.detach().to(torch.float32).contiguous()
+
+
+def _run_chunks(hidden, weight, targets, behavior, adv, mask, ref, rho, temperature, kl_coef, entropy_coef,
+                chunk_size, need_grad_hidden, need_grad_weight):
+    """The chunk loop: returns logπ [N], H [N] (fp32) and grad_hidden / grad_weight (or None)."""
+    n_rows, vocab = hidden.shape[0], weight.shape[0]
+    device = hidden.device
+    rows = chunk_rows(n_rows, vocab, hidden.dtype, chunk_size)
+    launch = row_launch(vocab)
+    write_grad = need_grad_hidden or need_grad_weight
+    tokens = float(mask.sum().item())
+    inv_tokens = 1.0 / tokens if tokens > 0 else 0.0
+
+    logprobs = torch.empty(n_rows, dtype=torch.float32, device=device)
+    entropy = torch.empty(n_rows, dtype=torch.float32, device=device)
+    grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=device) if need_grad_hidden else None
+    grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=device) if need_grad_weight else None
+    buffer = torch.empty((rows, vocab), dtype=hidden.dtype, device=device)
+    ref_arg = ref if ref is not None else behavior  # never read when HAS_REF is False
+
+    for start in range(0, n_rows, rows):
+        stop = min(start + rows, n_rows)
+        h_chunk = hidden[start:stop]
+        logits = buffer[: stop - start]
+        torch.matmul(h_chunk, weight.t(), out=logits)
+        _aipo_rows_kernel[(stop - start,)](
+            logits, logits.stride(0), targets[start:stop], behavior[start:stop], adv[start:stop],
+            mask[start:stop], ref_arg[start:stop], logprobs[start:stop], entropy[start:stop],
+            vocab, float(temperature), float(rho), inv_tokens, float(kl_coef), float(entropy_coef),
+            HAS_REF=ref is not None, WRITE_GRAD=write_grad, ENTROPY_GRAD=entropy_coef != 0.0,
+            BLOCK_V=launch.block_v, num_warps=launch.num_warps,
+        )
+        if need_grad_hidden:
+            torch.matmul(logits, weight, out=grad_hidden[start:stop])
+        if need_grad_weight:
+            if start == 0:
+                torch.matmul(logits.t(), h_chunk, out=grad_weight)
+            else:
+                grad_weight.addmm_(logits.t(), h_chunk)
+    return logprobs, entropy, grad_hidden, grad_weight
+
+
+def _loss_and_metrics(logprobs, entropy, behavior, adv, mask, ref, rho, kl_coef, entropy_coef):
+    """Loss value and metrics from the per-row fp32 vectors (cheap [N] arithmetic)."""
+    tokens = mask.sum()
+    denom = tokens.clamp(min=1.0)
+    on = mask > 0
+    zero = torch.zeros_like(logprobs)
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(on, x, zero).sum() / denom
+
+    log_ratio = logprobs - behavior
+    ratio = log_ratio.exp()
+    per_row = -ratio.clamp(max=rho) * adv * logprobs - entropy_coef * entropy
+    metrics = {}
+    if ref is not None:
+        ref_diff = ref - logprobs
+        k3 = ref_diff.exp() - ref_diff - 1.0
+        per_row = per_row + kl_coef * k3
+        metrics["kl_ref"] = mean(k3)
+    loss = mean(per_row)
+    metrics.update(
+        ratio_mean=mean(ratio),
+        ratio_max=torch.where(on, ratio, zero).amax(),
+        truncated_frac=mean((ratio > rho).float()),
+        mismatch_kl=mean(ratio - 1.0 - log_ratio),
+        entropy=mean(entropy),
+        tokens=tokens,
+    )
+    return loss, metrics
+
+
+class _FusedAIPOLoss(torch.autograd.Function):
+    """Forward computes loss, per-row logπ/H and both gradients; backward only scales the gradients."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, behavior, adv, mask, ref, rho, temperature, kl_coef,
+                entropy_coef, chunk_size):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        logprobs, entropy, grad_h, grad_w = _run_chunks(
+            hidden, weight, targets, behavior, adv, mask, ref, rho, temperature, kl_coef, entropy_coef,
+            chunk_size, need_h, need_w,
+        )
+        loss, metrics = _loss_and_metrics(logprobs, entropy, behavior, adv, mask, ref, rho, kl_coef, entropy_coef)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.backward_done = False
+        packed = torch.stack([metrics[k] for k in _METRIC_KEYS] + ([metrics["kl_ref"]] if ref is not None else []))
+        ctx.mark_non_differentiable(packed)
+        return loss, packed
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, _grad_packed):
+        if ctx.backward_done:
+            raise RuntimeError(
+                "fused_aipo_loss: backward ran twice on one forward (retain_graph=True); the fused loss "
+                "stores its gradients once — call fused_aipo_loss again for a second backward"
+            )
+        ctx.backward_done = True
+        grad_h, grad_w = ctx.saved_tensors
+        if grad_h is not None:
+            grad_h.mul_(grad_loss)
+        if grad_w is not None:
+            grad_w.mul_(grad_loss)
+        return (grad_h, grad_w) + (None,) * 10
+
+
+_METRIC_KEYS = ("ratio_mean", "ratio_max", "truncated_frac", "mismatch_kl", "entropy", "tokens")
+
+
+def fused_aipo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    rho: float = 2.0,
+    temperature: float = 1.0,
+    *,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    entropy_coef: float = 0.0,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """AIPO loss (token mean) from ``hidden [N, D]`` and lm_head ``weight [V, D]``; see the module docstring.
+
+    ``targets [N]`` are the sampled ids, ``behavior_logprobs``/``advantages``/``mask``/``ref_logprobs``
+    are per row ``[N]``. Differentiable in ``hidden`` and ``weight``. Returns ``(loss, metrics)`` with a
+    0-d fp32 loss. ``chunk_size`` overrides the rows per chunk (default: ``LOGITS_CHUNK_BYTES`` of logits).
+    """
+    where = "fused_aipo_loss"
+    check_hidden_weight_targets(where, hidden, weight, targets, temperature)
+    if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not (rho > 0):
+        raise ValueError(f"{where}: rho (the truncation of pi/mu) must be > 0, e.g. 2.0; got {rho!r}")
+    if not (isinstance(kl_coef, (int, float)) and math.isfinite(kl_coef) and kl_coef >= 0):
+        raise ValueError(f"{where}: kl_coef must be a finite number >= 0, got {kl_coef!r}")
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError(f"{where}: kl_coef={kl_coef} needs ref_logprobs (see fused_logprobs)")
+    if not (isinstance(entropy_coef, (int, float)) and math.isfinite(entropy_coef)):
+        raise ValueError(f"{where}: entropy_coef must be a finite number, got {entropy_coef!r}")
+    n_rows, device = hidden.shape[0], hidden.device
+    chunk_rows(n_rows, weight.shape[0], hidden.dtype, chunk_size)  # validates chunk_size early
+    behavior = _row_vector(where, "behavior_logprobs", behavior_logprobs, n_rows, device)
+    adv = _row_vector(where, "advantages", advantages, n_rows, device)
+    mask_f = _row_vector(where, "mask", mask, n_rows, device)
+    ref = None if ref_logprobs is None else _row_vector(where, "ref_logprobs", ref_logprobs, n_rows, device)
+    targets = targets.contiguous()
+
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        loss, packed = _FusedAIPOLoss.apply(
+            hidden, weight, targets, behavior, adv, mask_f, ref, rho, temperature, kl_coef, entropy_coef, chunk_size
+        )
+        keys = _METRIC_KEYS + (("kl_ref",) if ref is not None else ())
+        return loss, dict(zip(keys, packed.unbind()))
+    with torch.no_grad():
+        logprobs, entropy, _, _ = _run_chunks(
+            hidden, weight, targets, behavior, adv, mask_f, ref, rho, temperature, kl_coef, entropy_coef,
+            chunk_size, False, False,
+        )
+        return _loss_and_metrics(logprobs, entropy, behavior, adv, mask_f, ref, rho, kl_coef, entropy_coef)

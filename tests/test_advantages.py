@@ -1,0 +1,90 @@
+"""group_advantages against hand-computed values, its invariants, and its input errors."""
+
+import math
+
+import pytest
+import torch
+
+from llamarl.algorithms import group_advantages
+
+# two groups of n = 4, prompt-major
+REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 1.0, 2.0, 2.0])
+
+
+def test_mean_baseline_hand_values():
+    adv = group_advantages(REWARDS, 4, "mean")
+    expected = torch.tensor([0.5, -0.5, -0.5, 0.5, 1.0, -1.0, 0.0, 0.0])
+    torch.testing.assert_close(adv, expected, rtol=0, atol=1e-7)
+
+
+def test_grpo_divides_by_bessel_std_plus_eps():
+    adv = group_advantages(REWARDS, 4, "grpo", eps=1e-6)
+    # group 1: deviations ±0.5, sample std sqrt(4·0.25/3); group 2: deviations 1, -1, 0, 0, std sqrt(2/3)
+    s1, s2 = math.sqrt(1.0 / 3.0), math.sqrt(2.0 / 3.0)
+    std = torch.tensor([s1] * 4 + [s2] * 4)
+    expected = torch.tensor([0.5, -0.5, -0.5, 0.5, 1.0, -1.0, 0.0, 0.0]) / (std + 1e-6)
+    torch.testing.assert_close(adv, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_rloo_leave_one_out_hand_values():
+    adv = group_advantages(REWARDS, 4, "rloo")
+    # r_i minus the mean of the other three, written out element by element
+    r = REWARDS.tolist()
+    expected = []
+    for g in range(2):
+        group = r[4 * g : 4 * g + 4]
+        expected += [group[i] - (sum(group) - group[i]) / 3 for i in range(4)]
+    torch.testing.assert_close(adv, torch.tensor(expected), rtol=0, atol=1e-6)
+    torch.testing.assert_close(adv[:4], torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["mean", "grpo", "rloo"])
+def test_groups_sum_to_zero_and_constant_groups_give_zero(method):
+    torch.manual_seed(0)
+    rewards = torch.randn(6 * 5, dtype=torch.float64)
+    rewards[5:10] = 0.7  # a constant group
+    adv = group_advantages(rewards, 5, method)
+    assert adv.dtype == torch.float64 and adv.shape == rewards.shape
+    torch.testing.assert_close(adv.view(6, 5).sum(1), torch.zeros(6, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert torch.all(adv[5:10] == 0)
+
+
+def test_group_size_one_mean_is_zero_and_integer_rewards_become_float32():
+    torch.testing.assert_close(group_advantages(torch.tensor([3.0, -1.0]), 1), torch.zeros(2))
+    adv = group_advantages(torch.tensor([1, 0, 1, 1]), 2)
+    assert adv.dtype == torch.float32
+    torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, 0.0, 0.0]))
+    adv_bool = group_advantages(torch.tensor([True, False]), 2, "rloo")
+    torch.testing.assert_close(adv_bool, torch.tensor([1.0, -1.0]))
+
+
+def test_bf16_rewards_keep_dtype():
+    adv = group_advantages(torch.tensor([1.0, 0.0], dtype=torch.bfloat16), 2)
+    assert adv.dtype == torch.bfloat16
+    assert adv.tolist() == [0.5, -0.5]
+
+
+@pytest.mark.parametrize(
+    "rewards, group_size, method, eps, match",
+    [
+        (torch.zeros(2, 3), 3, "mean", 1e-6, "1-D"),
+        (torch.zeros(7), 3, "mean", 1e-6, "multiple of group_size=3"),
+        (torch.zeros(0), 1, "mean", 1e-6, "multiple"),
+        (torch.zeros(4), 0, "mean", 1e-6, "group_size"),
+        (torch.zeros(4), 2.0, "mean", 1e-6, "group_size"),
+        (torch.zeros(4), 2, "ppo", 1e-6, "method"),
+        (torch.zeros(4), 1, "grpo", 1e-6, "group_size >= 2"),
+        (torch.zeros(4), 1, "rloo", 1e-6, "group_size >= 2"),
+        (torch.zeros(4), 2, "grpo", 0.0, "eps"),
+        (torch.tensor([0.0, float("nan"), 1.0, 1.0]), 2, "mean", 1e-6, r"rewards\[1\]"),
+        (torch.tensor([0.0, 1.0, float("inf"), 1.0]), 2, "mean", 1e-6, r"rewards\[2\]"),
+    ],
+)
+def test_bad_input_raises_clear_error(rewards, group_size, method, eps, match):
+    with pytest.raises(ValueError, match=match):
+        group_advantages(rewards, group_size, method, eps)
+
+
+def test_non_tensor_rejected():
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        group_advantages([1.0, 0.0], 2)

@@ -1,0 +1,195 @@
+"""fused_aipo_loss (Triton, interpreted on CPU) against the float64 reference: loss, metrics, grads.
+
+Rule: our max error vs fp64 is at most 2x the eager same-dtype error (plus a few ulps of the
+value scale, so that an eager error of exactly 0 does not demand bit equality).
+"""
+
+import math
+
+import pytest
+import torch
+
+from llamarl.algorithms import aipo_loss, token_logprobs
+from llamarl_kernels import fused_aipo_loss
+from llamarl_kernels.reference import aipo_loss_from_hidden_ref, logprobs_from_hidden_ref
+
+RHO = 2.0
+METRICS = ("ratio_mean", "ratio_max", "truncated_frac", "mismatch_kl", "entropy", "tokens")
+
+
+def assert_within_2x_eager(ours, eager, exact, what, ulps=4, dtype=torch.float32, scale=None):
+    """``scale``: magnitude of the summands when ``exact`` is a sum of terms that may cancel."""
+    ours, eager, exact = (t.detach().double().cpu() for t in (ours, eager, exact))
+    err_ours = (ours - exact).abs().max().item()
+    err_eager = (eager - exact).abs().max().item()
+    floor = ulps * torch.finfo(dtype).eps * (exact.abs().max().item() if scale is None else scale)
+    message = f"{what}: ours {err_ours:.3e} vs eager {err_eager:.3e} (floor {floor:.1e})"
+    assert err_ours <= 2 * err_eager + floor, message
+
+
+def make_case(n, d, v, temperature, seed, device="cpu", dtype=torch.float32, with_ref=False):
+    """Random rows whose importance ratios are e^-1, e^0.3 and e^1.5 (below, near and above rho = 2)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, d, generator=g)
+    weight = torch.randn(v, d, generator=g) * (2.0 / math.sqrt(d))
+    targets = torch.randint(0, v, (n,), generator=g)
+    exact_lp, _ = logprobs_from_hidden_ref(hidden.double(), weight.double(), targets, temperature)
+    shift = torch.tensor([-1.0, 0.3, 1.5], dtype=torch.float64)[torch.arange(n) % 3]
+    behavior = (exact_lp - shift).float()
+    advantages = torch.randn(n, generator=g)
+    mask = torch.rand(n, generator=g) > 0.25
+    mask[:2] = False  # some fully masked rows, whatever the draw
+    ref = (exact_lp + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)).float() if with_ref else None
+    return dict(
+        hidden=hidden.to(device, dtype),
+        weight=weight.to(device, dtype),
+        targets=targets.to(device),
+        behavior_logprobs=behavior.to(device),
+        advantages=advantages.to(device),
+        mask=mask.to(device),
+        ref_logprobs=None if ref is None else ref.to(device),
+    )
+
+
+def loss_term_scale(case, rho, temperature, kl_coef=0.0, entropy_coef=0.0, **_):
+    """Mean |ℓ_t| over the trained tokens in fp64: the scale of the loss's summands, which cancel."""
+    lp, ent = logprobs_from_hidden_ref(case["hidden"].double().cpu(), case["weight"].double().cpu(),
+                                       case["targets"].cpu(), temperature)
+    weight = (lp - case["behavior_logprobs"].double().cpu()).exp().clamp(max=rho)
+    terms = (weight * case["advantages"].double().cpu() * lp).abs() + abs(entropy_coef) * ent
+    if case["ref_logprobs"] is not None:
+        diff = case["ref_logprobs"].double().cpu() - lp
+        terms = terms + kl_coef * (diff.exp() - diff - 1)
+    return terms[case["mask"].cpu()].mean().item()
+
+
+def run(fn, case, dtype=None, **kwargs):
+    """Call fn on the case (hidden/weight cast to dtype, as fresh leaves); return loss, metrics, grads."""
+    hidden = case["hidden"].detach().to(dtype or case["hidden"].dtype).requires_grad_()
+    weight = case["weight"].detach().to(dtype or case["weight"].dtype).requires_grad_()
+    loss, metrics = fn(hidden, weight, case["targets"], case["behavior_logprobs"], case["advantages"], case["mask"],
+                       ref_logprobs=case["ref_logprobs"], **kwargs)
+    loss.backward()
+    return loss, metrics, hidden.grad, weight.grad
+
+
+@pytest.mark.parametrize(
+    "n, d, v, chunk, temperature, with_ref, entropy_coef",
+    [
+        (37, 48, 1000, 16, 1.0, False, 0.0),  # three chunks (last partial), V not a multiple of the block
+        (37, 48, 1031, None, 0.7, True, 0.05),  # default chunking, KL to reference and entropy bonus
+        (56, 32, 1100, 12, 1.3, True, -0.02),  # five chunks, entropy penalty, temperature > 1
+    ],
+)
+# Chunks stay >= 8 rows: for 1-7 row GEMMs MKL's CPU kernels are ~2x less accurate than for the full
+# matrix, which would fail the 2x rule for reasons that have nothing to do with the kernel.
+def test_loss_metrics_and_grads_match_fp64(n, d, v, chunk, temperature, with_ref, entropy_coef):
+    case = make_case(n, d, v, temperature, seed=n + v, with_ref=with_ref)
+    opts = dict(rho=RHO, temperature=temperature, kl_coef=0.1 if with_ref else 0.0, entropy_coef=entropy_coef)
+    loss, metrics, gh, gw = run(fused_aipo_loss, case, chunk_size=chunk, **opts)
+    eager = run(aipo_loss_from_hidden_ref, case, **opts)
+    exact = run(aipo_loss_from_hidden_ref, case, dtype=torch.float64, **opts)
+
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert_within_2x_eager(loss, eager[0], exact[0], "loss", scale=loss_term_scale(case, **opts))
+    assert_within_2x_eager(gh, eager[2], exact[2], "grad hidden")
+    assert_within_2x_eager(gw, eager[3], exact[3], "grad weight")
+    keys = METRICS + (("kl_ref",) if with_ref else ())
+    assert set(metrics) == set(keys)
+    for key in keys:  # scalar monitors (one row decides ratio_max): a wider floor of 16 ulps
+        assert_within_2x_eager(metrics[key], eager[1][key], exact[1][key], key, ulps=16)
+    # the case really has ratios on both sides of rho, and masked rows
+    assert 0.0 < metrics["truncated_frac"].item() < 1.0
+    assert metrics["tokens"].item() < n
+
+    # the framework's eager specification (llamarl.algorithms) agrees with the kernel reference in fp64
+    h64, w64 = case["hidden"].double(), case["weight"].double()
+    lp, ent = token_logprobs(h64 @ w64.t(), case["targets"], temperature)
+    ref = None if case["ref_logprobs"] is None else case["ref_logprobs"].double()
+    spec_loss, spec_metrics = aipo_loss(lp, case["behavior_logprobs"].double(), case["advantages"].double(),
+                                        case["mask"], RHO, ref_logprobs=ref, kl_coef=opts["kl_coef"], entropy=ent,
+                                        entropy_coef=entropy_coef)
+    assert spec_loss.item() == pytest.approx(exact[0].item(), rel=1e-10, abs=1e-12)
+    for key in keys:
+        assert spec_metrics[key].item() == pytest.approx(exact[1][key].item(), rel=1e-10, abs=1e-12)
+
+
+def test_all_masked_gives_zero_loss_zero_grads_and_zero_metrics():
+    case = make_case(20, 16, 300, 1.0, seed=5)
+    case["mask"] = torch.zeros(20, dtype=torch.bool)
+    loss, metrics, gh, gw = run(fused_aipo_loss, case, chunk_size=8)
+    assert loss.item() == 0.0
+    assert torch.equal(gh, torch.zeros_like(gh)) and torch.equal(gw, torch.zeros_like(gw))
+    assert all(value.item() == 0.0 for value in metrics.values())
+
+
+def test_frozen_weight_no_grad_mode_and_gradient_scaling():
+    case = make_case(21, 16, 300, 0.9, seed=11)
+    hidden = case["hidden"].clone().requires_grad_()
+    args = (case["weight"], case["targets"], case["behavior_logprobs"], case["advantages"], case["mask"])
+    loss, _ = fused_aipo_loss(hidden, *args, rho=RHO, temperature=0.9, chunk_size=8)
+    (2.5 * loss).backward()
+    _, _, exact_gh, _ = run(aipo_loss_from_hidden_ref, case, dtype=torch.float64, rho=RHO, temperature=0.9)
+    torch.testing.assert_close(hidden.grad.double(), 2.5 * exact_gh, rtol=1e-4, atol=1e-6)
+    with torch.no_grad():
+        loss_ng, metrics_ng = fused_aipo_loss(hidden, *args, rho=RHO, temperature=0.9, chunk_size=8)
+    assert not loss_ng.requires_grad
+    assert loss_ng.item() == loss.item()
+    assert set(metrics_ng) == set(METRICS)
+
+
+def test_second_backward_is_a_clear_error():
+    case = make_case(6, 8, 50, 1.0, seed=2)
+    hidden = case["hidden"].clone().requires_grad_()
+    loss, _ = fused_aipo_loss(hidden, case["weight"], case["targets"], case["behavior_logprobs"],
+                              case["advantages"], case["mask"])
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
+def _bad_args(**overrides):
+    args = dict(hidden=torch.zeros(4, 8), weight=torch.zeros(10, 8), targets=torch.tensor([0, 1, 2, 3]),
+                behavior_logprobs=torch.zeros(4), advantages=torch.zeros(4), mask=torch.ones(4))
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (_bad_args(rho=0.0), "rho"),
+        (_bad_args(rho=-2.0), "rho"),
+        (_bad_args(temperature=-1.0), "temperature"),
+        (_bad_args(behavior_logprobs=torch.zeros(5)), r"behavior_logprobs has shape \(5,\)"),
+        (_bad_args(advantages=torch.zeros(4, 1)), r"advantages has shape \(4, 1\)"),
+        (_bad_args(mask=torch.full((4,), 3.0)), "mask must be boolean"),
+        (_bad_args(behavior_logprobs=torch.tensor([0.0, float("-inf"), 0.0, 0.0])), "behavior_logprobs contains"),
+        (_bad_args(advantages=torch.tensor([0.0, float("nan"), 0.0, 0.0])), "advantages contains"),
+        (_bad_args(kl_coef=0.5), "needs ref_logprobs"),
+        (_bad_args(ref_logprobs=torch.zeros(3), kl_coef=0.5), "ref_logprobs has shape"),
+        (_bad_args(entropy_coef=float("nan")), "entropy_coef"),
+        (_bad_args(chunk_size=-1), "chunk_size"),
+        (_bad_args(weight=torch.zeros(10, 8, dtype=torch.float16)), "dtype"),
+        (_bad_args(targets=torch.tensor([0, 1, 2, 99])), r"\[0, V=10\)"),
+        (_bad_args(mask=torch.ones(4, device="meta")), "meta"),
+    ],
+)
+def test_bad_input(args, match):
+    with pytest.raises(ValueError, match=match):
+        fused_aipo_loss(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_matches_fp64(dtype):
+    case = make_case(1500, 512, 32011, 0.9, seed=3, device="cuda", with_ref=True)
+    opts = dict(rho=RHO, temperature=0.9, kl_coef=0.05, entropy_coef=0.01)
+    loss, metrics, gh, gw = run(fused_aipo_loss, case, dtype=dtype, chunk_size=512, **opts)
+    eager = run(aipo_loss_from_hidden_ref, case, dtype=dtype, **opts)
+    exact = run(aipo_loss_from_hidden_ref, case, dtype=torch.float64, **opts)
+    assert_within_2x_eager(loss, eager[0], exact[0], f"loss {dtype}", scale=loss_term_scale(case, **opts))
+    assert_within_2x_eager(gh, eager[2], exact[2], f"grad hidden {dtype}")
+    assert_within_2x_eager(gw, eager[3], exact[3], f"grad weight {dtype}")
+    for key in METRICS + ("kl_ref",):
+        assert_within_2x_eager(metrics[key], eager[1][key], exact[1][key], f"{key} {dtype}", ulps=16, dtype=dtype)
