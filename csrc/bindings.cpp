@@ -1,13 +1,23 @@
 // The one binding file of llamarl._C: argument checks at the boundary, then the engine.
 // Buffers cross as (address, nbytes) pairs so the extension never links libtorch; Python passes
-// tensor.data_ptr() / tensor.nbytes (see llamarl/_native.py).
+// tensor.data_ptr() / tensor.nbytes (see llamarl/_native.py). Memory this module allocates or maps
+// (shared-memory segments, CUDA buckets, CUDA IPC mappings) is owned by a Python object that exposes
+// it (buffer protocol / __cuda_array_interface__) and frees it only when the last view is gone.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <unistd.h>
 
+#include <cstdio>
+#include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "copy_engine.h"
+#include "cuda_ipc.h"
+#include "shm.h"
+#include "sync_ctl.h"
 
 namespace py = pybind11;
 using llamarl::CopyOp;
@@ -15,6 +25,8 @@ using llamarl::CopyOp;
 namespace {
 
 using OpsArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
 
 const CopyOp* ops_view(const OpsArray& ops, size_t* n) {
   if (ops.ndim() != 2 || ops.shape(1) != 6)
@@ -29,6 +41,103 @@ const CopyOp* ops_view(const OpsArray& ops, size_t* n) {
 void check_ptr(uint64_t ptr, int64_t nbytes, const char* name) {
   if (nbytes < 0) throw std::invalid_argument(std::string(name) + "_nbytes must be >= 0");
   if (ptr == 0 && nbytes > 0) throw std::invalid_argument(std::string(name) + " is a null pointer");
+}
+
+const llamarl::IndexedCopyOp* indexed_ops_view(const OpsArray& ops, size_t* n) {
+  if (ops.ndim() != 2 || ops.shape(1) != 8)
+    throw std::invalid_argument(
+        "indexed ops must be an int64 array of shape [n, 8] with columns (src_buf, dst_buf, src_offset, "
+        "dst_offset, rows, row_bytes, src_stride, dst_stride); got ndim=" + std::to_string(ops.ndim()) +
+        (ops.ndim() == 2 ? ", shape[1]=" + std::to_string(ops.shape(1)) : std::string()));
+  *n = static_cast<size_t>(ops.shape(0));
+  return reinterpret_cast<const llamarl::IndexedCopyOp*>(ops.data());
+}
+
+// Checks a buffer table (pointers + sizes) and bounds-checks the ops against it, then resolves them.
+std::vector<llamarl::Segment> resolve_indexed(const U64Array& src_ptrs, const I64Array& src_nbytes,
+                                              const U64Array& dst_ptrs, const I64Array& dst_nbytes,
+                                              const OpsArray& ops) {
+  if (src_ptrs.ndim() != 1 || src_nbytes.ndim() != 1 || src_ptrs.shape(0) != src_nbytes.shape(0))
+    throw std::invalid_argument("src_ptrs and src_nbytes must be 1-D arrays of the same length");
+  if (dst_ptrs.ndim() != 1 || dst_nbytes.ndim() != 1 || dst_ptrs.shape(0) != dst_nbytes.shape(0))
+    throw std::invalid_argument("dst_ptrs and dst_nbytes must be 1-D arrays of the same length");
+  const size_t n_src = static_cast<size_t>(src_ptrs.shape(0)), n_dst = static_cast<size_t>(dst_ptrs.shape(0));
+  for (size_t i = 0; i < n_src; ++i)
+    check_ptr(src_ptrs.data()[i], src_nbytes.data()[i], ("src buffer " + std::to_string(i)).c_str());
+  for (size_t i = 0; i < n_dst; ++i)
+    check_ptr(dst_ptrs.data()[i], dst_nbytes.data()[i], ("dst buffer " + std::to_string(i)).c_str());
+  size_t n;
+  const llamarl::IndexedCopyOp* p = indexed_ops_view(ops, &n);
+  llamarl::validate_indexed_ops(p, n, src_nbytes.data(), n_src, dst_nbytes.data(), n_dst);
+  std::vector<llamarl::Segment> segs(n);
+  for (size_t i = 0; i < n; ++i) {
+    const auto& op = p[i];
+    segs[i] = {reinterpret_cast<const uint8_t*>(src_ptrs.data()[op.src_buf]) + op.src_offset,
+               reinterpret_cast<uint8_t*>(dst_ptrs.data()[op.dst_buf]) + op.dst_offset,
+               op.rows, op.row_bytes, op.src_stride, op.dst_stride};
+  }
+  return segs;
+}
+
+// A device buffer this process allocated with cudaMalloc (one weight bucket); freed on destruction.
+class CudaBuffer {
+ public:
+  CudaBuffer(int64_t nbytes, int device) : ptr_(llamarl::cuda_malloc(nbytes, device)), nbytes_(nbytes), device_(device) {}
+  ~CudaBuffer() {
+    try {
+      llamarl::cuda_free(ptr_, device_);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "llamarl: freeing a CUDA weight bucket failed: %s\n", e.what());
+    }
+  }
+  uint64_t ptr() const { return ptr_; }
+  int64_t nbytes() const { return nbytes_; }
+  int device() const { return device_; }
+
+ private:
+  uint64_t ptr_;
+  int64_t nbytes_;
+  int device_;
+};
+
+// Another process's bucket mapped through its CUDA IPC handle; the mapping is closed on destruction.
+class CudaIpcMapping {
+ public:
+  CudaIpcMapping(const std::string& handle, int64_t nbytes, int device)
+      : ptr_(llamarl::cuda_ipc_open(handle, device)), nbytes_(nbytes), device_(device) {}
+  ~CudaIpcMapping() {
+    try {
+      llamarl::cuda_ipc_close(ptr_, device_);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "llamarl: closing a CUDA IPC mapping failed: %s\n", e.what());
+    }
+  }
+  uint64_t ptr() const { return ptr_; }
+  int64_t nbytes() const { return nbytes_; }
+  int device() const { return device_; }
+
+ private:
+  uint64_t ptr_;
+  int64_t nbytes_;
+  int device_;
+};
+
+template <class T>
+py::dict cuda_array_interface(const T& b) {
+  py::dict d;
+  d["shape"] = py::make_tuple(b.nbytes());
+  d["typestr"] = "|u1";
+  d["data"] = py::make_tuple(b.ptr(), false);
+  d["version"] = 3;
+  d["strides"] = py::none();
+  d["stream"] = py::none();  // the producer synchronises before handing a version out
+  return d;
+}
+
+// The control block inside a writable Python buffer (a ShmSegment, or a bytearray for one process).
+llamarl::SyncCtl* ctl_from(const py::buffer& buf) {
+  py::buffer_info info = buf.request(/*writable=*/true);
+  return llamarl::ctl_view(info.ptr, static_cast<size_t>(info.size * info.itemsize));
 }
 
 }  // namespace
@@ -99,4 +208,133 @@ PYBIND11_MODULE(_C, m) {
         "num_streams streams; `stream` waits for all of them. No host synchronisation.");
   m.def("cuda_synchronize", &llamarl::cuda_synchronize, py::arg("device") = 0);
 
+
+  // ---- indexed schedules (many source buffers -> many destination buffers) ----
+  m.def("copy_indexed_cpu",
+        [](const U64Array& src_ptrs, const I64Array& src_nbytes, const U64Array& dst_ptrs,
+           const I64Array& dst_nbytes, const OpsArray& ops, int num_threads) {
+          if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
+          auto segs = resolve_indexed(src_ptrs, src_nbytes, dst_ptrs, dst_nbytes, ops);
+          py::gil_scoped_release nogil;
+          llamarl::copy_segments_cpu(segs.data(), segs.size(), num_threads);
+        },
+        py::arg("src_ptrs"), py::arg("src_nbytes"), py::arg("dst_ptrs"), py::arg("dst_nbytes"), py::arg("ops"),
+        py::arg("num_threads") = 1,
+        "Execute an indexed [n, 8] schedule between tables of host buffers (GIL released).");
+  m.def("copy_indexed_cuda",
+        [](const U64Array& src_ptrs, const I64Array& src_nbytes, const U64Array& dst_ptrs,
+           const I64Array& dst_nbytes, const OpsArray& ops, int num_streams, uint64_t stream, int device) {
+          auto segs = resolve_indexed(src_ptrs, src_nbytes, dst_ptrs, dst_nbytes, ops);
+          py::gil_scoped_release nogil;
+          llamarl::copy_segments_cuda(segs.data(), segs.size(), num_streams, stream, device);
+        },
+        py::arg("src_ptrs"), py::arg("src_nbytes"), py::arg("dst_ptrs"), py::arg("dst_nbytes"), py::arg("ops"),
+        py::arg("num_streams") = 4, py::arg("stream") = 0, py::arg("device") = 0,
+        "Enqueue an indexed [n, 8] schedule between device / IPC-mapped buffers on num_streams streams.");
+
+  // ---- POSIX shared memory ----
+  py::class_<llamarl::ShmSegment>(m, "ShmSegment", py::buffer_protocol(),
+                                  "A mapped POSIX shared-memory segment (buffer protocol: torch.frombuffer).")
+      .def_static("create", [](const std::string& name, int64_t nbytes) {
+            return std::unique_ptr<llamarl::ShmSegment>(llamarl::ShmSegment::create(name, nbytes));
+          }, py::arg("name"), py::arg("nbytes"), "Create, reserve and map a new segment (this process owns it).")
+      .def_static("attach", [](const std::string& name, int64_t nbytes) {
+            return std::unique_ptr<llamarl::ShmSegment>(llamarl::ShmSegment::attach(name, nbytes));
+          }, py::arg("name"), py::arg("nbytes"), "Map an existing segment; its size must equal nbytes.")
+      .def("unlink", &llamarl::ShmSegment::unlink, "Remove the name (owner only, idempotent).")
+      .def_property_readonly("name", &llamarl::ShmSegment::name)
+      .def_property_readonly("nbytes", &llamarl::ShmSegment::nbytes)
+      .def_property_readonly("owner", &llamarl::ShmSegment::owner)
+      .def_property_readonly("unlinked", &llamarl::ShmSegment::unlinked)
+      .def_property_readonly("address", [](const llamarl::ShmSegment& s) { return reinterpret_cast<uint64_t>(s.data()); })
+      .def_buffer([](llamarl::ShmSegment& s) {
+        return py::buffer_info(s.data(), 1, py::format_descriptor<uint8_t>::format(), 1, {s.nbytes()}, {1},
+                               /*readonly=*/false);
+      });
+  m.def("shm_unlink", &llamarl::shm_unlink_name, py::arg("name"),
+        "Remove a segment name; False if it did not exist.");
+  m.def("pid_alive", &llamarl::pid_alive, py::arg("pid"), "True while pid is a live, non-zombie process.");
+
+  // ---- CUDA buckets and IPC ----
+  py::class_<CudaBuffer, std::shared_ptr<CudaBuffer>>(m, "CudaBuffer", "cudaMalloc'd bucket, freed when dropped.")
+      .def(py::init<int64_t, int>(), py::arg("nbytes"), py::arg("device"))
+      .def_property_readonly("ptr", &CudaBuffer::ptr)
+      .def_property_readonly("nbytes", &CudaBuffer::nbytes)
+      .def_property_readonly("device", &CudaBuffer::device)
+      .def("ipc_handle", [](const CudaBuffer& b) { return py::bytes(llamarl::cuda_ipc_get_handle(b.ptr(), b.device())); },
+           "The 64-byte cudaIpcMemHandle of the whole bucket.")
+      .def("zero", [](const CudaBuffer& b) { llamarl::cuda_memset(b.ptr(), 0, b.nbytes(), b.device()); })
+      .def_property_readonly("__cuda_array_interface__", [](const CudaBuffer& b) { return cuda_array_interface(b); });
+  py::class_<CudaIpcMapping, std::shared_ptr<CudaIpcMapping>>(m, "CudaIpcMapping",
+                                                              "A peer's bucket opened from its IPC handle.")
+      .def(py::init([](py::bytes handle, int64_t nbytes, int device) {
+             return std::make_shared<CudaIpcMapping>(std::string(handle), nbytes, device);
+           }), py::arg("handle"), py::arg("nbytes"), py::arg("device"))
+      .def_property_readonly("ptr", &CudaIpcMapping::ptr)
+      .def_property_readonly("nbytes", &CudaIpcMapping::nbytes)
+      .def_property_readonly("device", &CudaIpcMapping::device)
+      .def_property_readonly("__cuda_array_interface__",
+                             [](const CudaIpcMapping& b) { return cuda_array_interface(b); });
+
+  // ---- version control block ----
+  py::register_exception<llamarl::SyncTimeout>(m, "SyncTimeout", PyExc_TimeoutError);
+  py::register_exception<llamarl::PeerDied>(m, "PeerDied", PyExc_RuntimeError);
+  m.attr("CTL_NBYTES") = llamarl::ctl_nbytes();
+  m.attr("CTL_MAX_SLOTS") = llamarl::kMaxSlots;
+  m.attr("CTL_MAX_PEERS") = llamarl::kMaxPeers;
+  m.def("ctl_init", [](const py::buffer& buf, int nslots, int n_writers, int n_readers) {
+          py::buffer_info info = buf.request(true);
+          llamarl::ctl_init(info.ptr, static_cast<size_t>(info.size * info.itemsize), nslots, n_writers, n_readers);
+        }, py::arg("buf"), py::arg("nslots"), py::arg("n_writers"), py::arg("n_readers"));
+  m.def("ctl_register", [](const py::buffer& buf, bool writer, int rank, int64_t pid) {
+          llamarl::ctl_register(ctl_from(buf), writer, rank, pid);
+        }, py::arg("buf"), py::arg("writer"), py::arg("rank"), py::arg("pid"));
+  m.def("ctl_acquire", [](const py::buffer& buf, int64_t version, double timeout_s) {
+          auto* c = ctl_from(buf);
+          py::gil_scoped_release nogil;
+          return llamarl::ctl_acquire(c, version, timeout_s);
+        }, py::arg("buf"), py::arg("version"), py::arg("timeout_s"), "-> (slot, version)");
+  m.def("ctl_release", [](const py::buffer& buf, int slot) { llamarl::ctl_release(ctl_from(buf), slot); },
+        py::arg("buf"), py::arg("slot"));
+  m.def("ctl_claim", [](const py::buffer& buf, int64_t version, double timeout_s) {
+          auto* c = ctl_from(buf);
+          py::gil_scoped_release nogil;
+          return llamarl::ctl_claim(c, version, timeout_s);
+        }, py::arg("buf"), py::arg("version"), py::arg("timeout_s"), "-> slot");
+  m.def("ctl_wait_claim", [](const py::buffer& buf, int writer, int64_t version, double timeout_s) {
+          auto* c = ctl_from(buf);
+          py::gil_scoped_release nogil;
+          return llamarl::ctl_wait_claim(c, writer, version, timeout_s);
+        }, py::arg("buf"), py::arg("writer"), py::arg("version"), py::arg("timeout_s"), "-> slot");
+  m.def("ctl_finish", [](const py::buffer& buf, int writer, int slot, int64_t version) {
+          return llamarl::ctl_finish(ctl_from(buf), writer, slot, version);
+        }, py::arg("buf"), py::arg("writer"), py::arg("slot"), py::arg("version"), "-> True if it published");
+  m.def("ctl_wait_version", [](const py::buffer& buf, int64_t version, double timeout_s) {
+          auto* c = ctl_from(buf);
+          py::gil_scoped_release nogil;
+          llamarl::ctl_wait_version(c, version, timeout_s);
+        }, py::arg("buf"), py::arg("version"), py::arg("timeout_s"));
+  m.def("ctl_abandon", [](const py::buffer& buf) { llamarl::ctl_abandon(ctl_from(buf)); }, py::arg("buf"));
+  m.def("ctl_snapshot", [](const py::buffer& buf) {
+          auto* c = ctl_from(buf);
+          py::dict d;
+          d["nslots"] = c->nslots;
+          d["n_writers"] = c->n_writers;
+          d["n_readers"] = c->n_readers;
+          d["latest_slot"] = c->latest_slot.load();
+          d["latest_version"] = c->latest_version.load();
+          d["claim_version"] = c->claim_version.load();
+          d["claim_slot"] = c->claim_slot.load();
+          d["done"] = c->done.load();
+          py::list slots;
+          for (int i = 0; i < c->nslots; ++i)
+            slots.append(py::make_tuple(c->slots[i].state.load(), c->slots[i].version.load(), c->slots[i].readers.load()));
+          d["slots"] = slots;
+          py::list wp, rp;
+          for (int k = 0; k < c->n_writers; ++k) wp.append(c->writer_pid[k].load());
+          for (int k = 0; k < c->n_readers; ++k) rp.append(c->reader_pid[k].load());
+          d["writer_pids"] = wp;
+          d["reader_pids"] = rp;
+          return d;
+        }, py::arg("buf"), "The control block's fields as a dict (slots: (state, version, readers)).");
 }

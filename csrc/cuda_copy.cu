@@ -1,5 +1,5 @@
 // CUDA side of the copy engine: schedules as cudaMemcpy2DAsync spread over several streams.
-// Every CUDA call is checked; a failure throws std::runtime_error naming the call and the CUDA error.
+// Every CUDA call is checked (cuda_check.cuh); the caller's current device is restored on return.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -9,16 +9,7 @@
 #include <vector>
 
 #include "copy_engine.h"
-
-#define LLAMARL_CUDA_CHECK(expr)                                                              \
-  do {                                                                                        \
-    cudaError_t err__ = (expr);                                                               \
-    if (err__ != cudaSuccess) {                                                               \
-      throw std::runtime_error(std::string("CUDA error in ") + #expr + ": " +                 \
-                               cudaGetErrorName(err__) + " (" + cudaGetErrorString(err__) + \
-                               ")");                                                          \
-    }                                                                                         \
-  } while (0)
+#include "cuda_check.cuh"
 
 namespace llamarl {
 
@@ -67,10 +58,9 @@ DeviceStreams& streams_for(int device, int n) {
 
 }  // namespace
 
-void copy_ops_cuda(uint64_t src, uint64_t dst, const CopyOp* ops, size_t n, int num_streams,
-                   uint64_t stream, int device) {
+void copy_segments_cuda(const Segment* segs, size_t n, int num_streams, uint64_t stream, int device) {
   if (num_streams < 1) throw std::invalid_argument("num_streams must be >= 1");
-  LLAMARL_CUDA_CHECK(cudaSetDevice(device));
+  DeviceGuard guard(device);
   DeviceStreams& ds = streams_for(device, num_streams);
   cudaStream_t caller = reinterpret_cast<cudaStream_t>(stream);
   // Work on the internal streams starts after everything already queued on the caller's stream.
@@ -82,19 +72,20 @@ void copy_ops_cuda(uint64_t src, uint64_t dst, const CopyOp* ops, size_t n, int 
 
   // Greedy balance: each op goes to the stream with the fewest bytes so far.
   std::vector<int64_t> load(num_streams, 0);
-  auto* s8 = reinterpret_cast<const uint8_t*>(src);
-  auto* d8 = reinterpret_cast<uint8_t*>(dst);
   for (size_t i = 0; i < n; ++i) {
-    const CopyOp& op = ops[i];
-    if (op.rows == 0 || op.row_bytes == 0) continue;
+    const Segment& sg = segs[i];
+    if (sg.rows == 0 || sg.row_bytes == 0) continue;
     int s = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
-    load[s] += op.rows * op.row_bytes;
-    const int64_t sp = op.rows > 1 ? op.src_stride : op.row_bytes;
-    const int64_t dp = op.rows > 1 ? op.dst_stride : op.row_bytes;
-    LLAMARL_CUDA_CHECK(cudaMemcpy2DAsync(d8 + op.dst_offset, static_cast<size_t>(dp), s8 + op.src_offset,
-                                         static_cast<size_t>(sp), static_cast<size_t>(op.row_bytes),
-                                         static_cast<size_t>(op.rows), cudaMemcpyDefault,
-                                         ds.streams[s]));
+    load[s] += sg.rows * sg.row_bytes;
+    if (sg.rows == 1 || (sg.src_stride == sg.row_bytes && sg.dst_stride == sg.row_bytes)) {
+      // Contiguous on both sides: a plain copy (cudaMemcpy2D caps the pitch at ~2 GiB, cudaMemcpy does not).
+      LLAMARL_CUDA_CHECK(cudaMemcpyAsync(sg.dst, sg.src, static_cast<size_t>(sg.rows * sg.row_bytes),
+                                         cudaMemcpyDefault, ds.streams[s]));
+      continue;
+    }
+    LLAMARL_CUDA_CHECK(cudaMemcpy2DAsync(sg.dst, static_cast<size_t>(sg.dst_stride), sg.src,
+                                         static_cast<size_t>(sg.src_stride), static_cast<size_t>(sg.row_bytes),
+                                         static_cast<size_t>(sg.rows), cudaMemcpyDefault, ds.streams[s]));
   }
   for (int s = 0; s < num_streams; ++s) {
     LLAMARL_CUDA_CHECK(cudaEventRecord(ds.events[s], ds.streams[s]));
@@ -102,8 +93,19 @@ void copy_ops_cuda(uint64_t src, uint64_t dst, const CopyOp* ops, size_t n, int 
   }
 }
 
+void copy_ops_cuda(uint64_t src, uint64_t dst, const CopyOp* ops, size_t n, int num_streams,
+                   uint64_t stream, int device) {
+  auto* s8 = reinterpret_cast<const uint8_t*>(src);
+  auto* d8 = reinterpret_cast<uint8_t*>(dst);
+  std::vector<Segment> segs(n);
+  for (size_t i = 0; i < n; ++i)
+    segs[i] = {s8 + ops[i].src_offset, d8 + ops[i].dst_offset, ops[i].rows, ops[i].row_bytes,
+               ops[i].src_stride, ops[i].dst_stride};
+  copy_segments_cuda(segs.data(), n, num_streams, stream, device);
+}
+
 void cuda_synchronize(int device) {
-  LLAMARL_CUDA_CHECK(cudaSetDevice(device));
+  DeviceGuard guard(device);
   LLAMARL_CUDA_CHECK(cudaDeviceSynchronize());
 }
 

@@ -5,6 +5,16 @@ into those pairs and schedules into the ``[n, 6]`` int64 layout of ``csrc/copy_e
 ``(src_offset, dst_offset, rows, row_bytes, src_stride, dst_stride)``, all in bytes, meaning
 ``dst[dst_offset + r*dst_stride : +row_bytes] = src[src_offset + r*src_stride : +row_bytes]`` for each row r.
 Every op is bounds-checked in C++ before anything is copied; a bad op raises ValueError naming it.
+
+Indexed schedules (``[n, 8]``: ``src_buf, dst_buf`` first, then the six columns above) run between two
+*tables* of buffers, e.g. every parameter shard of a trainer rank into the flat buckets of every
+generator rank, in one call (``copy_indexed``).
+
+Memory the engine owns is exposed as Python objects: ``shm_create``/``shm_attach`` give a mapped POSIX
+shared-memory segment, ``cuda_bucket``/``cuda_ipc_open`` a device bucket or a peer's bucket opened from
+its IPC handle; ``as_tensor`` views any of them as a flat uint8 tensor that keeps the mapping alive.
+``SyncTimeout`` (a TimeoutError) and ``PeerDied`` (a RuntimeError) are raised by the version control
+block functions ``ctl_*`` (see csrc/sync_ctl.h and llamarl/weight_sync/versioning.py).
 """
 
 from __future__ import annotations
@@ -73,3 +83,121 @@ def copy_ops(dst: torch.Tensor, src: torch.Tensor, ops, *, num_threads: int = 1,
         f"copy_ops needs src and dst on the same kind of device, got src on {src.device} and dst on "
         f"{dst.device}; stage host<->device copies explicitly"
     )
+
+
+# ----------------------------------------------------------------------------------------------------
+# indexed schedules
+# ----------------------------------------------------------------------------------------------------
+INDEXED_COLUMNS = ("src_buf", "dst_buf", "src_offset", "dst_offset", "rows", "row_bytes", "src_stride", "dst_stride")
+
+
+def as_indexed_ops(ops) -> np.ndarray:
+    """An indexed schedule as a C-contiguous int64 [n, 8] array (columns: INDEXED_COLUMNS)."""
+    if (isinstance(ops, np.ndarray) and ops.dtype == np.int64 and ops.ndim == 2 and ops.shape[1] == 8
+            and ops.flags.c_contiguous):
+        return ops  # already in the engine's layout (the planner's cached schedules)
+    if isinstance(ops, torch.Tensor):
+        ops = ops.cpu().numpy()
+    arr = np.ascontiguousarray(np.asarray(ops, dtype=np.int64))
+    if arr.size == 0:
+        return np.zeros((0, 8), dtype=np.int64)
+    if arr.ndim != 2 or arr.shape[1] != 8:
+        raise ValueError(f"an indexed copy schedule must have shape [n, 8] ({', '.join(INDEXED_COLUMNS)}), "
+                         f"got {tuple(arr.shape)}")
+    return arr
+
+
+class BufferTable:
+    """Base addresses and byte sizes of a list of buffers (the ``src_buf`` / ``dst_buf`` index space).
+
+    ``BufferTable.of(tensors)`` keeps the tensors alive as long as the table; a table built from raw
+    addresses does not, and its creator must keep the memory alive.
+    """
+
+    __slots__ = ("ptrs", "nbytes", "_keep")
+
+    def __init__(self, ptrs, nbytes, keep=()):
+        self._keep = tuple(keep)
+        self.ptrs = np.ascontiguousarray(np.asarray(ptrs, dtype=np.uint64).reshape(-1))
+        self.nbytes = np.ascontiguousarray(np.asarray(nbytes, dtype=np.int64).reshape(-1))
+        if self.ptrs.shape != self.nbytes.shape:
+            raise ValueError(f"BufferTable: {self.ptrs.size} pointers but {self.nbytes.size} sizes")
+
+    @classmethod
+    def of(cls, tensors) -> "BufferTable":
+        """The table of contiguous tensors (each addressed as flat bytes)."""
+        ptrs, sizes = [], []
+        for i, t in enumerate(tensors):
+            ptr, n = _contiguous_bytes(t, f"buffer {i}")
+            ptrs.append(ptr)
+            sizes.append(n)
+        return cls(ptrs, sizes, keep=tensors)
+
+    def __len__(self) -> int:
+        return int(self.ptrs.size)
+
+
+def copy_indexed(dst: BufferTable, src: BufferTable, ops, *, device: torch.device | str = "cpu",
+                 num_threads: int = 1, num_streams: int = 4, stream: torch.cuda.Stream | None = None) -> None:
+    """Run an indexed schedule from the ``src`` buffers to the ``dst`` buffers.
+
+    ``device`` says where both tables live: cpu (host threads, returns when done) or cuda:N (enqueued on
+    ``num_streams`` internal streams that ``stream``, default the current stream of cuda:N, waits on).
+    """
+    arr = as_indexed_ops(ops)
+    device = torch.device(device)
+    if device.type == "cpu":
+        native().copy_indexed_cpu(src.ptrs, src.nbytes, dst.ptrs, dst.nbytes, arr, num_threads)
+        return
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = stream if stream is not None else torch.cuda.current_stream(index)
+        native().copy_indexed_cuda(src.ptrs, src.nbytes, dst.ptrs, dst.nbytes, arr, num_streams,
+                                   stream.cuda_stream, index)
+        return
+    raise ValueError(f"copy_indexed runs on cpu or cuda buffers, got device {device}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# memory owned by the engine: shared-memory segments, CUDA buckets, CUDA IPC mappings
+# ----------------------------------------------------------------------------------------------------
+def shm_create(name: str, nbytes: int):
+    """Create, reserve (posix_fallocate) and map a new POSIX shared-memory segment owned by this process."""
+    return native().ShmSegment.create(name, int(nbytes))
+
+
+def shm_attach(name: str, nbytes: int):
+    """Map an existing segment by name; its size must equal ``nbytes``."""
+    return native().ShmSegment.attach(name, int(nbytes))
+
+
+def shm_unlink(name: str) -> bool:
+    """Remove a segment name (False if it was already gone); existing mappings stay valid."""
+    return bool(native().shm_unlink(name))
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` is a live, non-zombie process on this host."""
+    return bool(native().pid_alive(int(pid)))
+
+
+def cuda_bucket(nbytes: int, device: int):
+    """A ``cudaMalloc``'d buffer on ``cuda:device`` (its own allocation, so one IPC handle names it)."""
+    return native().CudaBuffer(int(nbytes), int(device))
+
+
+def cuda_ipc_open(handle: bytes, nbytes: int, device: int):
+    """Map another process's bucket from its 64-byte IPC handle; closed when the object is dropped."""
+    return native().CudaIpcMapping(bytes(handle), int(nbytes), int(device))
+
+
+def as_tensor(mem) -> torch.Tensor:
+    """A flat uint8 tensor over a ShmSegment / CudaBuffer / CudaIpcMapping; it keeps ``mem`` alive."""
+    if hasattr(mem, "__cuda_array_interface__"):
+        return torch.as_tensor(mem, device=torch.device("cuda", mem.device))
+    return torch.frombuffer(mem, dtype=torch.uint8)
+
+
+def sync_errors() -> tuple[type, type]:
+    """(SyncTimeout, PeerDied): the exception classes of the version control block."""
+    return native().SyncTimeout, native().PeerDied

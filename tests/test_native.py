@@ -113,3 +113,50 @@ def test_cuda_copy_moves_bytes_exactly(streams):
     copy_ops(dst, src_h.cuda(), ops, num_streams=streams)
     torch.cuda.synchronize()
     assert np.array_equal(dst.cpu().numpy(), expected)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_indexed_copy_between_buffer_tables_matches_numpy(threads):
+    from llamarl._native import BufferTable, copy_indexed
+
+    rng = np.random.default_rng(11)
+    srcs = [torch.from_numpy(rng.integers(0, 256, size=n, dtype=np.uint8)) for n in (5000, 123, 40_000, 7)]
+    dsts = [torch.zeros(n, dtype=torch.uint8) for n in (30_000, 2_000, 9_000)]
+    ops, expected = [], [d.numpy().copy() for d in dsts]
+    for d, dst in enumerate(dsts):
+        cursor = 0
+        for _ in range(20):  # consecutive, disjoint destination blocks, each from a random source buffer
+            s = int(rng.integers(0, len(srcs)))
+            n_src = srcs[s].numel()
+            rb = int(rng.integers(1, min(64, n_src) + 1))
+            ss, ds = rb + int(rng.integers(0, 3)), rb + int(rng.integers(0, 3))
+            rows = int(rng.integers(1, 6)) if 4 * ss + rb <= n_src else 1
+            need_src, need_dst = (rows - 1) * ss + rb, (rows - 1) * ds + rb
+            if cursor + need_dst > dst.numel():
+                break
+            op = (s, d, int(rng.integers(0, n_src - need_src + 1)), cursor, rows, rb, ss, ds)
+            ops.append(op)
+            reference_copy(expected[d], srcs[s].numpy(), np.asarray([op[2:]]))
+            cursor += need_dst + int(rng.integers(0, 4))
+    copy_indexed(BufferTable.of(dsts), BufferTable.of(srcs), ops, num_threads=threads)
+    for d in range(len(dsts)):
+        assert np.array_equal(dsts[d].numpy(), expected[d])
+
+
+def test_shared_memory_segments_map_the_same_bytes_and_unlink():
+    import os
+
+    from llamarl._native import as_tensor, pid_alive, shm_attach, shm_create, shm_unlink
+
+    name = f"/llamarl-test-native-{os.getpid()}"
+    owner = shm_create(name, 1 << 16)
+    peer = shm_attach(name, 1 << 16)
+    a, b = as_tensor(owner), as_tensor(peer)
+    assert owner.owner and not peer.owner and a.numel() == 1 << 16 and int(a.sum()) == 0
+    b[100:200] = 7
+    assert int(a[100:200].sum()) == 700 and a.data_ptr() != b.data_ptr()
+    owner.unlink()
+    assert not os.path.exists("/dev/shm" + name) and not shm_unlink(name)
+    a[0] = 1  # mappings outlive the name
+    assert int(b[0]) == 1
+    assert pid_alive(os.getpid()) and not pid_alive(0)

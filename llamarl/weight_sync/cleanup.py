@@ -1,0 +1,122 @@
+"""Names and lifetime of the shared-memory segments this process owns.
+
+Ownership rule: the process that creates a segment (a generator rank: its buckets and its replica's
+control block) is its only owner and the only one that unlinks it; peers (trainer ranks) attach by name
+and merely unmap. Unlinking removes the name from /dev/shm; mappings stay valid until dropped.
+
+Every owned name is unlinked on each of these paths:
+* ``close()`` of the owning object (normal shutdown);
+* an ``atexit`` hook (a normal interpreter exit that forgot to close);
+* a *reaper*: a tiny separate Python process (started once, lazily, per owner process) that is told
+  each name over a pipe and unlinks whatever is still registered when the pipe reaches EOF - which the
+  kernel guarantees when the owner dies, however it dies (exception, SIGTERM, SIGKILL, OOM killer).
+  The reaper runs in its own session, so a Ctrl-C to the job's process group cannot kill it first.
+  Caveat: a child created with plain ``fork`` (not spawn) inherits the pipe and delays the reaper until it
+  exits too.
+
+Names are unique per run: ``/llamarl-<pid>-<counter>-<random hex>-<tag>``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import secrets
+import subprocess
+import sys
+import threading
+
+from llamarl import _native
+
+_REAPER = r"""
+import sys
+try:
+    from _posixshmem import shm_unlink
+except ImportError:
+    import os
+    def shm_unlink(name):
+        os.unlink("/dev/shm" + name)
+names = set()
+for line in sys.stdin:
+    op, name = line[:1], line[1:].rstrip("\n")
+    if op == "+":
+        names.add(name)
+    elif op == "-":
+        names.discard(name)
+for name in names:
+    try:
+        shm_unlink(name)
+    except OSError:
+        pass
+"""
+
+_lock = threading.Lock()
+_owned: set[str] = set()
+_reaper: subprocess.Popen | None = None
+_counter = itertools.count()
+
+
+def unique_name(tag: str) -> str:
+    """A fresh segment name: pid + counter + random, so concurrent runs and restarts never collide."""
+    safe = "".join(c if c.isalnum() else "_" for c in tag)[:40]
+    return f"/llamarl-{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}-{safe}"
+
+
+def _tell_reaper(line: str) -> None:
+    global _reaper
+    if _reaper is None or _reaper.poll() is not None:
+        _reaper = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _REAPER],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, text=True,
+        )
+        for name in _owned:  # a restarted reaper must learn every live name
+            _reaper.stdin.write(f"+{name}\n")
+    _reaper.stdin.write(line + "\n")
+    _reaper.stdin.flush()
+
+
+def register(name: str) -> None:
+    """Record a segment this process created; it will be unlinked however the process ends."""
+    with _lock:
+        _owned.add(name)
+        _tell_reaper("+" + name)
+
+
+def release(name: str) -> None:
+    """Unlink an owned segment now (idempotent) and forget it."""
+    with _lock:
+        if name in _owned:
+            _owned.discard(name)
+            if _reaper is not None and _reaper.poll() is None:
+                try:
+                    _reaper.stdin.write(f"-{name}\n")
+                    _reaper.stdin.flush()
+                except OSError:
+                    pass
+    _native.shm_unlink(name)
+
+
+def owned() -> frozenset[str]:
+    """Names this process currently owns (for tests and diagnostics)."""
+    with _lock:
+        return frozenset(_owned)
+
+
+def reaper_pid() -> int | None:
+    return None if _reaper is None else _reaper.pid
+
+
+@atexit.register
+def _unlink_all() -> None:
+    for name in list(_owned):
+        try:
+            release(name)
+        except Exception:  # noqa: BLE001 - exit path: unlink what we can
+            pass
+    if _reaper is not None and _reaper.stdin is not None:
+        try:
+            _reaper.stdin.close()
+        except OSError:
+            pass

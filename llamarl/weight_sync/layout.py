@@ -1,0 +1,305 @@
+"""Where each weight lives on the trainer and on the generator: parameter specs and the two layouts.
+
+Every parameter is handled as a row-major matrix ``[rows, cols]`` with ``rows = shape[0]`` and
+``cols = prod(shape[1:])`` (``cols = 1`` for a 1-D norm weight); all shards below are rectangles of it.
+
+Trainer layout (``TrainerLayout``), FSDP style over ``R_t`` ranks:
+    sharded     rank t holds rows [t*c, min((t+1)*c, rows)) with c = ceil(rows / R_t), i.e. the
+                ``torch.chunk(w, R_t, dim=0)[t]`` shard of FSDP2: the last shard may be shorter and
+                trailing ranks may hold zero rows. The local tensor is contiguous ``[n_t, *shape[1:]]``.
+    replicated  every rank holds the whole tensor; the copy work is still split by the same row chunks,
+                so each trainer rank moves 1/R_t of the bytes.
+Either way a trainer rank owns *whole rows*, which is what makes per-row quantization local to it.
+
+Generator layout (``GeneratorLayout``): ``replicas`` independent copies, each tensor parallel over
+``tp_size`` ranks; global generator rank ``g = replica * tp_size + tp_rank``. Per parameter
+(``ParamSpec.tp_split``):
+    0     column-parallel (q, k, v, gate, up, lm_head, embeddings): rank p holds rows R_p
+    1     row-parallel (o, down): rank p holds columns C_p of every row
+    None  replicated (norm weights): every rank holds everything
+with balanced bounds: R_p = [p*q + min(p, r), ...) for rows = q*tp_size + r, i.e. the first r ranks get
+one extra row; this equals the usual even split whenever tp_size divides the dimension.
+
+Quantized generators (``GeneratorLayout.quant = "int8" | "fp8"``): every linear weight inside the
+decoder layers (and ``lm_head`` if ``quantize_lm_head``) is stored as ``q`` (int8 / float8_e4m3fn, same
+shape and split as the weight) plus ``<name>_scale`` (float32 ``[rows]``, one scale per row). The scale
+follows the rows: split like the weight for column-parallel weights, replicated for row-parallel ones
+(each rank holds a column slice of every row, and every row's scale comes from the full row). The
+expansion of ``ParamSpec``s into the tensors that are actually moved is ``sync_tensors``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+QUANT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+SCALE_SUFFIX = "_scale"
+
+_COLUMN_PARALLEL = re.compile(
+    r"^(model\.embed_tokens\.weight|lm_head\.weight|"
+    r"model\.layers\.\d+\.self_attn\.[qkv]_proj\.(weight|bias)|"
+    r"model\.layers\.\d+\.mlp\.(gate|up)_proj\.(weight|bias))$"
+)
+_ROW_PARALLEL = re.compile(r"^model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight$")
+_REPLICATED = re.compile(
+    r"^(model\.norm\.weight|model\.layers\.\d+\.(input|post_attention)_layernorm\.weight|"
+    r"model\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.bias)$"
+)
+_QUANTIZABLE = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter: its full (unsharded) shape and dtype, and how tensor parallelism splits it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    tp_split: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if not self.shape or any(s <= 0 for s in self.shape):
+            raise ValueError(f"ParamSpec {self.name!r}: shape must be non-empty with positive sizes, got {self.shape}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"ParamSpec {self.name!r}: dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.tp_split not in (None, 0, 1):
+            raise ValueError(f"ParamSpec {self.name!r}: tp_split must be None, 0 or 1, got {self.tp_split!r}")
+        if self.tp_split == 1 and len(self.shape) != 2:
+            raise ValueError(f"ParamSpec {self.name!r}: a row-parallel (tp_split=1) split needs a 2-D weight, "
+                             f"got shape {self.shape}")
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return math.prod(self.shape[1:])
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def llama_tp_split(name: str) -> int | None:
+    """The tensor-parallel split of a Hugging Face Llama parameter name (ValueError if it is not one)."""
+    if _COLUMN_PARALLEL.match(name):
+        return 0
+    if _ROW_PARALLEL.match(name):
+        return 1
+    if _REPLICATED.match(name):
+        return None
+    raise ValueError(
+        f"{name!r} is not a Hugging Face Llama parameter name (model.embed_tokens.weight, "
+        "model.layers.{i}.self_attn.{q,k,v,o}_proj.weight, model.layers.{i}.mlp.{gate,up,down}_proj.weight, "
+        "model.layers.{i}.{input,post_attention}_layernorm.weight, model.norm.weight, lm_head.weight); "
+        "build the ParamSpec list yourself for other models"
+    )
+
+
+def _cfg(source: Any, key: str, default: Any = None) -> Any:
+    if isinstance(source, Mapping):
+        return source.get(key, default)
+    return getattr(source, key, default)
+
+
+def llama_param_specs(source: Any, dtype: torch.dtype | None = None) -> list[ParamSpec]:
+    """``ParamSpec``s of a Llama model, from a state dict (name -> tensor) or a config.
+
+    ``source`` may be a state dict (shapes and dtypes are read from the tensors; ``dtype`` overrides the
+    dtype), a ``LlamaConfig``-like object or an HF ``config.json`` dict (``dtype`` defaults to float32).
+    Order: embeddings, then per layer the HF module order, then final norm and lm_head.
+    """
+    if isinstance(source, Mapping) and source and all(isinstance(v, torch.Tensor) for v in source.values()):
+        return [ParamSpec(n, tuple(t.shape), dtype or t.dtype, llama_tp_split(n)) for n, t in source.items()]
+    need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    missing = [k for k in need if _cfg(source, k) is None]
+    if missing:
+        raise ValueError(f"llama_param_specs needs a state dict or a Llama config; {type(source).__name__} lacks "
+                         f"{', '.join(missing)}")
+    dt = dtype or torch.float32
+    d, v = int(_cfg(source, "hidden_size")), int(_cfg(source, "vocab_size"))
+    inter = int(_cfg(source, "intermediate_size"))
+    heads = int(_cfg(source, "num_attention_heads"))
+    kv_heads = int(_cfg(source, "num_key_value_heads") or heads)
+    head_dim = int(_cfg(source, "head_dim") or d // heads)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (v, d))]
+    for i in range(int(_cfg(source, "num_hidden_layers"))):
+        p = f"model.layers.{i}."
+        shapes += [
+            (p + "self_attn.q_proj.weight", (q, d)),
+            (p + "self_attn.k_proj.weight", (kv, d)),
+            (p + "self_attn.v_proj.weight", (kv, d)),
+            (p + "self_attn.o_proj.weight", (d, q)),
+            (p + "mlp.gate_proj.weight", (inter, d)),
+            (p + "mlp.up_proj.weight", (inter, d)),
+            (p + "mlp.down_proj.weight", (d, inter)),
+            (p + "input_layernorm.weight", (d,)),
+            (p + "post_attention_layernorm.weight", (d,)),
+        ]
+    shapes.append(("model.norm.weight", (d,)))
+    if not _cfg(source, "tie_word_embeddings", False):
+        shapes.append(("lm_head.weight", (v, d)))
+    return [ParamSpec(n, s, dt, llama_tp_split(n)) for n, s in shapes]
+
+
+# ----------------------------------------------------------------------------------------------------
+# shard bounds
+# ----------------------------------------------------------------------------------------------------
+def chunk_bounds(n: int, world: int, rank: int) -> tuple[int, int]:
+    """Rows of ``torch.chunk(x, world)[rank]`` (FSDP2): chunks of ceil(n / world), trailing ones shorter."""
+    c = -(-n // world)
+    return min(rank * c, n), min((rank + 1) * c, n)
+
+
+def balanced_bounds(n: int, world: int, rank: int) -> tuple[int, int]:
+    """The rank-th of ``world`` contiguous parts of [0, n) whose sizes differ by at most one."""
+    q, r = divmod(n, world)
+    start = rank * q + min(rank, r)
+    return start, start + q + (1 if rank < r else 0)
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    """FSDP-style dim-0 shards over ``world_size`` trainer ranks, or the full tensor on every rank."""
+
+    world_size: int = 1
+    replicated: bool = False
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"TrainerLayout.world_size must be >= 1, got {self.world_size}")
+
+    def rows(self, spec: ParamSpec, rank: int) -> tuple[int, int]:
+        """The rows of ``spec`` this trainer rank copies (and, when sharded, holds)."""
+        self._check_rank(rank)
+        return chunk_bounds(spec.rows, self.world_size, rank)
+
+    def held_rows(self, spec: ParamSpec, rank: int) -> tuple[int, int]:
+        """The rows present in the rank's local tensor."""
+        return (0, spec.rows) if self.replicated else self.rows(spec, rank)
+
+    def local_shape(self, spec: ParamSpec, rank: int) -> tuple[int, ...]:
+        a, b = self.held_rows(spec, rank)
+        return (b - a, *spec.shape[1:])
+
+    def shard(self, full: torch.Tensor, spec: ParamSpec, rank: int) -> torch.Tensor:
+        """This rank's local tensor cut from the full weight (contiguous; a reference for tests and tools)."""
+        a, b = self.held_rows(spec, rank)
+        return full[a:b].contiguous()
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"trainer rank {rank} is not in [0, {self.world_size})")
+
+
+@dataclass(frozen=True)
+class GeneratorLayout:
+    """``replicas`` generator copies, each tensor parallel over ``tp_size`` ranks; optional int8/fp8."""
+
+    tp_size: int = 1
+    replicas: int = 1
+    quant: str | None = None
+    quantize_lm_head: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.replicas < 1:
+            raise ValueError(f"GeneratorLayout needs tp_size >= 1 and replicas >= 1, got {self.tp_size}, "
+                             f"{self.replicas}")
+        if self.quant not in (None, *QUANT_DTYPES):
+            raise ValueError(f"GeneratorLayout.quant must be None, 'int8' or 'fp8', got {self.quant!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.replicas
+
+    def tp_rank(self, rank: int) -> int:
+        self._check_rank(rank)
+        return rank % self.tp_size
+
+    def replica(self, rank: int) -> int:
+        self._check_rank(rank)
+        return rank // self.tp_size
+
+    def region(self, spec: "ParamSpec | SyncTensor", rank: int) -> tuple[int, int, int, int]:
+        """(row0, row1, col0, col1): the rectangle of the [rows, cols] matrix this rank holds."""
+        p = self.tp_rank(rank)
+        if spec.tp_split == 0:
+            return (*balanced_bounds(spec.rows, self.tp_size, p), 0, spec.cols)
+        if spec.tp_split == 1:
+            return (0, spec.rows, *balanced_bounds(spec.cols, self.tp_size, p))
+        return (0, spec.rows, 0, spec.cols)
+
+    def local_shape(self, spec: "ParamSpec | SyncTensor", rank: int) -> tuple[int, ...]:
+        r0, r1, c0, c1 = self.region(spec, rank)
+        if spec.tp_split == 1:
+            return (r1 - r0, c1 - c0)
+        return (r1 - r0, *spec.shape[1:])
+
+    def shard(self, full: torch.Tensor, spec: "ParamSpec | SyncTensor", rank: int) -> torch.Tensor:
+        """The tensor this rank holds, cut from the full one (the reference a sync must reproduce)."""
+        r0, r1, c0, c1 = self.region(spec, rank)
+        if spec.tp_split == 1:
+            return full[r0:r1, c0:c1].contiguous()
+        return full[r0:r1].contiguous()
+
+    def quantizes(self, spec: ParamSpec) -> bool:
+        """Whether this layout stores ``spec`` as (q, scale)."""
+        if self.quant is None or len(spec.shape) != 2:
+            return False
+        return bool(_QUANTIZABLE.match(spec.name)) or (self.quantize_lm_head and spec.name == "lm_head.weight")
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"generator rank {rank} is not in [0, {self.world_size}) "
+                             f"(tp_size={self.tp_size} x replicas={self.replicas})")
+
+
+@dataclass(frozen=True)
+class SyncTensor:
+    """A tensor the sync moves: a parameter as is, or the q / scale half of a quantized one."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    tp_split: int | None
+    param: str  # the ParamSpec it comes from
+    kind: str  # "param" | "qweight" | "scale"
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return math.prod(self.shape[1:])
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def sync_tensors(specs: Sequence[ParamSpec], generator: GeneratorLayout) -> tuple[SyncTensor, ...]:
+    """The tensors moved for ``specs`` into ``generator``, in order (q then scale for quantized ones)."""
+    names = [s.name for s in specs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"parameter names must be unique, these repeat: {dup}")
+    out: list[SyncTensor] = []
+    for s in specs:
+        if generator.quantizes(s):
+            if not s.dtype.is_floating_point:
+                raise TypeError(f"{s.name}: quantize-on-sync needs a floating-point trainer weight, got {s.dtype}")
+            out.append(SyncTensor(s.name, s.shape, QUANT_DTYPES[generator.quant], s.tp_split, s.name, "qweight"))
+            out.append(SyncTensor(s.name + SCALE_SUFFIX, (s.rows,), torch.float32,
+                                  0 if s.tp_split == 0 else None, s.name, "scale"))
+        else:
+            out.append(SyncTensor(s.name, s.shape, s.dtype, s.tp_split, s.name, "param"))
+    return tuple(out)

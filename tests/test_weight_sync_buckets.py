@@ -1,0 +1,263 @@
+"""Flat per-dtype generator buckets: layout, views, module binding, handles, errors and segment lifetime."""
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from llamarl import _native
+from llamarl.weight_sync import (
+    GeneratorBuckets,
+    GeneratorLayout,
+    ParamSpec,
+    TrainerLayout,
+    WeightReceiver,
+    WeightSender,
+    llama_param_specs,
+    plan_sync,
+)
+from llamarl.weight_sync import cleanup
+
+TINY = dict(vocab_size=29, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2)
+
+
+def shm_names():
+    return {"/" + n for n in os.listdir("/dev/shm") if n.startswith("llamarl-")}
+
+
+@pytest.fixture
+def tiny_plan():
+    specs = llama_param_specs(TINY, torch.float32)
+    return plan_sync(specs, TrainerLayout(2), GeneratorLayout())
+
+
+def sync_full(plan, handles, full, version):
+    for t in range(plan.trainer.world_size):
+        with WeightSender(plan, t, handles, num_threads=2) as s:
+            s.sync({sp.name: plan.trainer.shard(full[sp.name], sp, t) for sp in plan.specs}, version)
+
+
+def test_one_segment_per_dtype_and_views_alias_the_buckets():
+    specs = llama_param_specs(TINY, torch.bfloat16)
+    plan = plan_sync(specs, TrainerLayout(1), GeneratorLayout(quant="int8"))
+    b = GeneratorBuckets.create(plan, 0, storage="shm", slots=2)
+    try:
+        h = b.handle()
+        assert len(h.segments) == len(plan.buckets[0].dtypes) == 3  # bf16, int8, fp32 scales
+        assert all(os.path.exists("/dev/shm" + n) for n in h.segments)
+        for slot in range(2):
+            flat = [_native.as_tensor(m) for m in b._mems]
+            for name, v in b.tensors(slot).items():
+                p = next(p for p in plan.buckets[0].placements if p.name == name)
+                base = flat[p.bucket].data_ptr() + slot * plan.buckets[0].slot_nbytes[p.bucket]
+                assert v.data_ptr() == base + p.offset and v.data_ptr() % 256 == 0
+                assert v.dtype == p.dtype and tuple(v.shape) == p.shape
+                assert int(v.view(torch.uint8).sum()) == 0  # zero-filled
+        blob = pickle.dumps(h)
+        assert len(blob) < 8192 and b"torch.Tensor" not in blob
+        assert pickle.loads(blob) == h
+    finally:
+        b.close()
+    assert not (set(h.segments) | {h.control.name}) & shm_names()
+
+
+def test_sync_changes_a_bound_transformers_model_in_place(tiny_plan):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(**TINY, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    trainer_model = transformers.LlamaForCausalLM(cfg).eval()
+    generator_model = transformers.LlamaForCausalLM(cfg).eval()
+    full = {k: v.detach().clone() for k, v in trainer_model.state_dict().items()}
+    b = GeneratorBuckets.create(tiny_plan, 0, storage="shm", slots=1)
+    try:
+        r = WeightReceiver(b)
+        r.bind(generator_model)
+        sync_full(tiny_plan, [b.handle()], full, version=1)
+        ids = torch.tensor([[1, 5, 7, 3]])
+        with r.reading() as v, torch.no_grad():
+            assert v == 1
+            assert generator_model.model.layers[1].mlp.down_proj.weight.data_ptr() == \
+                r.named_tensors()["model.layers.1.mlp.down_proj.weight"].data_ptr()
+            torch.testing.assert_close(generator_model(ids).logits, trainer_model(ids).logits, rtol=0, atol=0)
+        full2 = {k: v * 0.5 for k, v in full.items()}
+        sync_full(tiny_plan, [b.handle()], full2, version=2)
+        with r.reading() as v, torch.no_grad():
+            assert v == 2
+            for n, p in generator_model.named_parameters():
+                assert p.equal(full2[n]), n
+        r.close()
+    finally:
+        b.close()
+
+
+def test_mismatched_module_or_specs_raise_clearly(tiny_plan):
+    b = GeneratorBuckets.create(tiny_plan, 0, storage="shm", slots=1)
+    try:
+        wrong = torch.nn.Linear(3, 3)
+        with pytest.raises(ValueError, match="missing from the module"):
+            b.load_into(wrong, 0)
+        # a trainer whose specs disagree with the generator's: one weight has another shape
+        specs = llama_param_specs({**TINY, "intermediate_size": 20}, torch.float32)
+        other = plan_sync(specs, TrainerLayout(2), GeneratorLayout())
+        with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate_proj.weight.*mismatched shapes"):
+            WeightSender(other, 0, [b.handle()])
+        dtype_specs = llama_param_specs(TINY, torch.bfloat16)
+        with pytest.raises(ValueError, match="bfloat16"):
+            WeightSender(plan_sync(dtype_specs, TrainerLayout(2), GeneratorLayout()), 0, [b.handle()])
+        with pytest.raises(ValueError, match="cover generator ranks"):
+            WeightSender(plan_sync(tiny_plan.specs, TrainerLayout(2), GeneratorLayout(tp_size=2)), 0, [b.handle()])
+    finally:
+        b.close()
+
+
+def test_bad_shards_raise_before_anything_is_written(tiny_plan):
+    b = GeneratorBuckets.create(tiny_plan, 0, storage="shm", slots=1)
+    try:
+        full = {s.name: torch.randn(s.shape) for s in tiny_plan.specs}
+        shards = {s.name: tiny_plan.trainer.shard(full[s.name], s, 0) for s in tiny_plan.specs}
+        with WeightSender(tiny_plan, 0, [b.handle()]) as s:
+            bad = dict(shards)
+            del bad["model.norm.weight"]
+            with pytest.raises(ValueError, match=r"missing \['model.norm.weight'\]"):
+                s.sync(bad, 1)
+            with pytest.raises(ValueError, match=r"unknown \['extra'\]"):
+                s.sync({**shards, "extra": torch.zeros(1)}, 1)
+            name = "model.layers.0.self_attn.q_proj.weight"
+            with pytest.raises(ValueError, match="dim-0 sharded layout over 2 ranks expects"):
+                s.sync({**shards, name: full[name]}, 1)
+            with pytest.raises(TypeError, match="float64"):
+                s.sync({**shards, name: shards[name].double()}, 1)
+            with pytest.raises(ValueError, match="not contiguous"):
+                s.sync({**shards, name: shards[name].t().contiguous().t()}, 1)
+            assert b.control.snapshot()["claim_version"] == -1  # nothing was claimed
+    finally:
+        b.close()
+
+
+def test_shared_memory_errors_are_clear():
+    with pytest.raises(RuntimeError, match=r"/dev/shm has only \d+ bytes free"):
+        _native.shm_create(cleanup.unique_name("huge"), 1 << 50)
+    with pytest.raises(RuntimeError, match="has exited or unlinked it"):
+        _native.shm_attach("/llamarl-does-not-exist", 4096)
+    name = cleanup.unique_name("x")
+    seg = _native.shm_create(name, 4096)
+    try:
+        with pytest.raises(RuntimeError, match="already exists"):
+            _native.shm_create(name, 4096)
+        with pytest.raises(RuntimeError, match="holds 4096 bytes but the handle says 8192"):
+            _native.shm_attach(name, 8192)
+        with pytest.raises(ValueError, match="segment name must look like"):
+            _native.shm_create("no-slash", 10)
+    finally:
+        seg.unlink()
+    assert not _native.shm_unlink(name)
+
+
+def test_indexed_copy_bounds_are_checked_per_buffer():
+    a, b = torch.zeros(8, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"copy op 1 \(src_buf 0, dst_buf 1\): writes past the end"):
+        _native.copy_indexed(_native.BufferTable.of([a, b]), _native.BufferTable.of([a]),
+                             [(0, 0, 0, 0, 1, 4, 4, 4), (0, 1, 0, 2, 1, 4, 4, 4)])
+    with pytest.raises(ValueError, match="not an index into the 1 source buffers"):
+        _native.copy_indexed(_native.BufferTable.of([a]), _native.BufferTable.of([a]), [(1, 0, 0, 0, 1, 1, 1, 1)])
+
+
+CRASHING_OWNER = r"""
+import sys, torch
+from llamarl.weight_sync import GeneratorBuckets, GeneratorLayout, TrainerLayout, llama_param_specs, plan_sync
+specs = llama_param_specs(dict(vocab_size=7, hidden_size=4, intermediate_size=6, num_hidden_layers=1,
+                               num_attention_heads=2), torch.float32)
+b = GeneratorBuckets.create(plan_sync(specs, TrainerLayout(1), GeneratorLayout()), 0, storage="shm", slots=2)
+h = b.handle()
+print(" ".join(h.segments + (h.control.name,)), flush=True)
+sys.stdin.read()  # wait to be killed
+"""
+
+
+@pytest.mark.parametrize("how", ["sigkill", "exit"])
+def test_no_segment_outlives_its_owner(how):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", CRASHING_OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=env)
+    names = set(proc.stdout.readline().split())
+    assert len(names) == 2 and names <= shm_names()
+    if how == "sigkill":
+        proc.send_signal(signal.SIGKILL)  # no atexit, no handler: only the reaper can clean up
+    else:
+        proc.stdin.close()  # normal interpreter exit without close(): the atexit hook unlinks
+    proc.wait(timeout=30)
+    deadline = time.time() + 15
+    while names & shm_names() and time.time() < deadline:
+        time.sleep(0.05)
+    assert not names & shm_names()
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_kernel_quantizes_whole_row_pieces_straight_into_the_buckets(mode):
+    from llamarl_kernels import quantize
+
+    specs = [ParamSpec("model.layers.0.mlp.up_proj.weight", (7, 12), torch.bfloat16, 0),
+             ParamSpec("model.layers.0.mlp.down_proj.weight", (9, 10), torch.float32, 1),
+             ParamSpec("model.norm.weight", (9,), torch.float32, None)]
+    plan = plan_sync(specs, TrainerLayout(2), GeneratorLayout(tp_size=2, replicas=2, quant=mode))
+    gens = []
+    for g in range(4):
+        gens.append(GeneratorBuckets.create(plan, g, storage="shm", slots=2,
+                                            control=None if g % 2 == 0 else gens[g - 1].control_handle))
+    try:
+        handles = [b.handle() for b in gens]
+        g0 = torch.Generator().manual_seed(1)
+        full = {s.name: torch.randn(s.shape, generator=g0).to(s.dtype) for s in specs}
+        senders = [WeightSender(plan, t, handles, quantizer="kernel") for t in range(2)]
+        # up_proj (column-parallel) goes direct, down_proj (row-parallel over 2 ranks) is staged
+        assert {d[0] for d in senders[0]._direct} == {"model.layers.0.mlp.up_proj.weight"}
+        assert senders[0]._skip == frozenset({"model.layers.0.mlp.up_proj.weight"})
+        for t, s in enumerate(senders):
+            s.sync({sp.name: plan.trainer.shard(full[sp.name], sp, t) for sp in specs}, 1)
+        for g, b in enumerate(gens):
+            r = WeightReceiver(b)
+            with r.reading():
+                got = r.named_tensors()
+                for tensor in plan.tensors:
+                    w = full[tensor.param]
+                    if tensor.kind != "param":
+                        w = quantize(w, mode)[0 if tensor.kind == "qweight" else 1]
+                    exp = plan.generator.shard(w, tensor, g)
+                    assert got[tensor.name].view(torch.uint8).equal(exp.view(torch.uint8)), (tensor.name, g)
+            r.close()
+        for s in senders:
+            s.close()
+    finally:
+        for b in reversed(gens):
+            b.close()
+
+
+@pytest.mark.gpu
+def test_cuda_buckets_are_written_through_ipc_and_in_process():
+    specs = [ParamSpec("model.layers.0.mlp.down_proj.weight", (64, 48), torch.bfloat16, 1),
+             ParamSpec("model.norm.weight", (64,), torch.bfloat16, None)]
+    plan = plan_sync(specs, TrainerLayout(2), GeneratorLayout(tp_size=1, quant="fp8"))
+    b = GeneratorBuckets.create(plan, 0, storage="cuda", device="cuda:0", slots=2)
+    try:
+        full = {s.name: torch.randn(s.shape, device="cuda").to(s.dtype) for s in specs}
+        for t in range(2):
+            with WeightSender(plan, t, [b.handle()], device="cuda:0") as s:
+                s.sync({sp.name: plan.trainer.shard(full[sp.name], sp, t) for sp in specs}, 1)
+        from llamarl_kernels import quantize
+
+        r = WeightReceiver(b)
+        with r.reading():
+            got = r.named_tensors()
+            q, scale = quantize(full["model.layers.0.mlp.down_proj.weight"], "fp8")
+            assert got["model.layers.0.mlp.down_proj.weight"].view(torch.uint8).equal(q.view(torch.uint8))
+            assert got["model.layers.0.mlp.down_proj.weight_scale"].equal(scale)
+            assert got["model.norm.weight"].equal(full["model.norm.weight"])
+        r.close()
+    finally:
+        b.close()
