@@ -6,3 +6,102 @@ Kernel authors: add your reference below, in its own section; never rewrite othe
 """
 
 import torch  # noqa: F401  (used by the sections below)
+
+
+# ----------------------------------------------------------------------------------------------------
+# int8 / fp8 weight-only quantization (kernels: llamarl_kernels/quant.py)
+#   scale_r = max_k |W[r, k]| / QMAX (1.0 where that is 0); q = RNE(clamp(W / scale_r, -QMAX, QMAX))
+#   QMAX = 127 for int8 (round half to even to an integer), 448 for fp8 e4m3fn (RNE onto its grid).
+# ----------------------------------------------------------------------------------------------------
+QUANT_QMAX = {"int8": 127.0, "fp8": 448.0}
+
+
+def quantize_ref(w: "torch.Tensor", mode: str) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Per-row symmetric quantization of W[R, K] -> (q[R, K] int8 | float8_e4m3fn, scale[R] float32)."""
+    if mode not in QUANT_QMAX:
+        raise ValueError(f"quantization mode must be one of {sorted(QUANT_QMAX)}, got {mode!r}")
+    qmax = QUANT_QMAX[mode]
+    wf = w.float()
+    scale = wf.abs().amax(dim=1) / qmax
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    v = (wf / scale[:, None]).clamp(-qmax, qmax)
+    q = torch.round(v).to(torch.int8) if mode == "int8" else v.to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_ref(q: "torch.Tensor", scale: "torch.Tensor", dtype: "torch.dtype" = torch.float32) -> "torch.Tensor":
+    """float(q[r, k]) * scale[r], rounded once to ``dtype``."""
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+def quantized_linear_ref(
+    x: "torch.Tensor", q: "torch.Tensor", scale: "torch.Tensor", bias: "torch.Tensor | None" = None
+) -> "torch.Tensor":
+    """y = (x @ float(q).T) * scale (+ bias) in fp32, rounded once to x's dtype."""
+    y = (x.float() @ q.float().t()) * scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# AIPO loss and token log-probs from hidden states (kernels: llamarl_kernels/aipo_loss.py, logprobs.py)
+#   z = hidden @ weightᵀ (input dtype), logπ = log_softmax(z.float() / T)[y], H = −Σ p log p
+#   w = min(exp(logπ − logμ), ρ) detached; k3 = exp(ref − logπ) − (ref − logπ) − 1
+#   loss = Σ m·(−w·A·logπ + β·k3 − γ·H) / max(Σ m, 1)
+#   metrics: means over m of r, r > ρ, r − 1 − log r (k3 of KL(μ‖π)), H, k3; max of r; Σ m.
+# ----------------------------------------------------------------------------------------------------
+def logprobs_from_hidden_ref(
+    hidden: "torch.Tensor", weight: "torch.Tensor", targets: "torch.Tensor", temperature: float = 1.0
+) -> "tuple[torch.Tensor, torch.Tensor]":
+    """(logπ [N], entropy [N]) of ``targets`` under softmax(hidden @ weightᵀ / T), at ≥ fp32 precision."""
+    logits = hidden @ weight.t()
+    logp_all = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
+    logprobs = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logprobs, entropy
+
+
+def aipo_loss_from_hidden_ref(
+    hidden: "torch.Tensor",
+    weight: "torch.Tensor",
+    targets: "torch.Tensor",
+    behavior_logprobs: "torch.Tensor",
+    advantages: "torch.Tensor",
+    mask: "torch.Tensor",
+    rho: float = 2.0,
+    temperature: float = 1.0,
+    *,
+    ref_logprobs: "torch.Tensor | None" = None,
+    kl_coef: float = 0.0,
+    entropy_coef: float = 0.0,
+) -> "tuple[torch.Tensor, dict[str, torch.Tensor]]":
+    """Token-mean AIPO loss (differentiable in hidden and weight) and its metrics, as in the header."""
+    logprobs, entropy = logprobs_from_hidden_ref(hidden, weight, targets, temperature)
+    dtype = logprobs.dtype
+    m = mask.to(dtype)
+    on = m > 0
+    tokens = m.sum()
+
+    def mean(x: "torch.Tensor") -> "torch.Tensor":
+        return torch.where(on, x, torch.zeros_like(x)).sum() / tokens.clamp(min=1.0)
+
+    log_ratio = logprobs.detach() - behavior_logprobs.to(dtype)
+    ratio = log_ratio.exp()
+    per_token = -ratio.clamp(max=rho) * advantages.to(dtype) * logprobs - entropy_coef * entropy
+    metrics = {}
+    if ref_logprobs is not None:
+        ref_diff = ref_logprobs.to(dtype) - logprobs
+        k3 = ref_diff.exp() - ref_diff - 1.0
+        per_token = per_token + kl_coef * k3
+        metrics["kl_ref"] = mean(k3.detach())
+    loss = (per_token * m).sum() / tokens.clamp(min=1.0)
+    metrics.update(
+        ratio_mean=mean(ratio),
+        ratio_max=torch.where(on, ratio, torch.zeros_like(ratio)).amax(),
+        truncated_frac=mean((ratio > rho).to(dtype)),
+        mismatch_kl=mean(ratio - 1.0 - log_ratio),
+        entropy=mean(entropy.detach()),
+        tokens=tokens,
+    )
+    return loss, metrics

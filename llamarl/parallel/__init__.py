@@ -1,0 +1,43 @@
+"""Scale-out building blocks: FSDP2 for the trainer, tensor parallelism for the generator.
+
+    from llamarl.parallel import apply_fsdp, FSDPConfig, sync_sources, accumulate_gradients
+    model = apply_fsdp(Llama(cfg), trainer_group, FSDPConfig(mixed_precision=True))
+    sender.sync(sync_sources(model), version)          # this rank's dim-0 shards, no gather
+
+    from llamarl.parallel import parallelize_llama
+    with torch.device("meta"):
+        gen = Llama(cfg)
+    gen = parallelize_llama(gen, tp_group)             # local slices under HF names, filled by the sync
+    logits = gen(ids)                                  # [B, T, V], identical on every TP rank
+
+Both layouts are the weight sync's (``TrainerLayout`` dim-0 chunks, ``GeneratorLayout`` balanced
+column/row splits), so the DDMA planner connects them directly.
+"""
+
+from llamarl.parallel.fsdp import (
+    FSDPConfig,
+    LocalShard,
+    accumulate_gradients,
+    apply_fsdp,
+    full_state_dict,
+    local_shards,
+    sync_sources,
+)
+from llamarl.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    check_tp_size,
+    parallelize_llama,
+    tp_local_config,
+    tp_shard,
+    vocab_parallel_logprobs,
+)
+
+__all__ = [
+    "ColumnParallelLinear", "FSDPConfig", "LocalShard", "RowParallelLinear", "TPGroup", "VocabParallelEmbedding",
+    "VocabParallelLMHead", "accumulate_gradients", "apply_fsdp", "check_tp_size", "full_state_dict",
+    "local_shards", "parallelize_llama", "sync_sources", "tp_local_config", "tp_shard", "vocab_parallel_logprobs",
+]

@@ -1,0 +1,539 @@
+"""Weight-only int8 / fp8 quantization: per-output-channel quantize, dequantize, quantized linear.
+
+Math (one scale per output channel, i.e. per row r of a weight W[R, K]):
+
+    absmax_r = max_k |W[r, k]|                  (fp32, exact: max is order-independent)
+    scale_r  = absmax_r / QMAX                  QMAX = 127 (int8) or 448 (fp8 e4m3fn), IEEE division
+    scale_r  = 1.0   if scale_r == 0            (all-zero row, or absmax so tiny the division underflows)
+    v        = clamp(W[r, k] / scale_r, -QMAX, QMAX)
+    int8:  q = round_half_to_even(v)            in [-127, 127]; -128 is never produced
+    fp8:   q = e4m3fn(v)                        round-to-nearest-even onto the e4m3fn grid, |q| <= 448
+
+    dequantize(q, scale)[r, k] = float(q[r, k]) * scale_r
+
+The zero-row rule: a row whose scale would be 0 gets scale 1.0; every |W| in it is then below the
+smallest positive fp32 times QMAX, so v rounds to 0 and dequantization gives exact zeros, with no
+division by zero anywhere. fp8 saturates: v is clamped to +-448 before rounding, so finite input never
+produces NaN (e4m3fn has no infinity; its only NaN is 0x7F/0xFF). Input must be finite: an inf gives
+scale inf and NaN codes for that row (garbage in, garbage out; nothing checks, to stay sync-free).
+
+Quantization is row-local, so quantizing a row-slice W[a:b] (a trainer shard) gives exactly the bytes
+of quantize(W)[a:b]: this is what lets the weight sync quantize each shard where it lives.
+
+    quantized_linear(x, q, scale, bias)[m, n] = scale_n * sum_k x[m, k] * float(q[n, k]) + bias_n
+
+accumulated in fp32, with the scale (and bias) applied once in the epilogue, then rounded to x's dtype.
+
+Layouts: W[R, K] and q[R, K] row-major with unit stride along K (row stride may be larger: a slice of a
+bigger buffer is fine); scale[R] fp32 contiguous; x[..., K] (flattened to [M, K]); output [..., N].
+
+Kernels:
+- ``_quantize_kernel``: BLOCK_R rows per program, two passes over K (absmax, then quantize; the second
+  pass re-reads the row block from L2).
+- ``_qlinear_kernel``: grid (tiles of [BLOCK_M, BLOCK_N], SPLIT_K).
+  BLOCK_M < 16 is the decode GEMV path (no tensor-core padding of M=1 to 16): weights stream through
+  registers in 16-byte vector loads, x is broadcast, products accumulate elementwise in a
+  [BLOCK_M, BLOCK_N, BLOCK_K] fp32 register tile that is reduced over K once, after the loop (no
+  shuffles inside it), and int8 is upcast by an integer add plus one FADD instead of the quarter-rate
+  I2F. BLOCK_M >= 16 is the tiled path with ``tl.dot``: weights are upcast in registers to x's dtype
+  (exact for int8 and e4m3 in bf16/fp16; fp32 x uses an IEEE fp32 dot).
+  SPLIT_K > 1 splits K across programs to fill the GPU when N / BLOCK_N is small; partial sums go to
+  an fp32 workspace [SPLIT_K, M, N] and ``_splitk_epilogue_kernel`` adds them in a fixed order
+  (deterministic, no atomics), then applies scale and bias.
+
+Numerics shared by the GPU and the interpreter (TRITON_INTERPRET=1 on CPU): the interpreter has no bf16
+arithmetic and its float down-casts do not round to nearest even, so every value is upcast to fp32
+right after its load, and every down-cast first rounds in fp32 onto the target grid (integer bit tricks
+for bf16, a power-of-two ``ulp`` for e4m3 and fp16), after which the cast itself is exact. Both
+backends therefore produce the bytes of torch's ``.to(dtype)``. bf16 weights enter ``quantize`` as
+int16 bits and are widened by a shift (the interpreter's own bf16 cast flushes subnormals); bf16
+activations use the ordinary cast, so under the interpreter only, subnormal activations read as 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+QMAX = {"int8": 127.0, "fp8": 448.0}
+QDTYPE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# 1.5 * 2**23: adding and subtracting it rounds any |v| < 2**22 to an integer, half to even.
+_RNE_MAGIC = tl.constexpr(12582912.0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# rounding helpers (fp32 in, fp32 out on the target grid)
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _round_to_int(v):
+    """Round-half-to-even to an integer, exact for |v| < 2**22 (one rounding in the add)."""
+    return (v + _RNE_MAGIC) - _RNE_MAGIC
+
+
+@triton.jit
+def _round_to_grid(v, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """RNE of fp32 ``v`` onto a float grid with MANTISSA bits and min normal exponent MIN_EXP.
+
+    ulp = 2**(max(exponent(v), MIN_EXP) - MANTISSA); |v| / ulp < 2**(MANTISSA + 1) is rounded with
+    the magic constant and scaled back (both exact: ulp is a power of two). The sign is restored
+    from the bits so -0.0 and negative values that round to zero keep it, as torch does.
+    """
+    bits = v.to(tl.uint32, bitcast=True)
+    exp = tl.maximum(((bits >> 23) & 0xFF).to(tl.int32) - 127, MIN_EXP)
+    ulp = ((exp - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
+    mag = _round_to_int(tl.abs(v) / ulp) * ulp
+    return (mag.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_for_store(v, OUT_KIND: tl.constexpr):
+    """Round fp32 ``v`` to the grid of the output dtype (0 fp32, 1 bf16, 2 fp16); NaN stays NaN."""
+    if OUT_KIND == 1:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        v = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
+    elif OUT_KIND == 2:
+        r = _round_to_grid(v, 10, -14)
+        r = tl.where(tl.abs(r) > 65504.0, tl.where(r > 0, float("inf"), float("-inf")), r)  # RNE overflow
+        v = tl.where(v != v, v, r)
+    return v
+
+
+# ----------------------------------------------------------------------------------------------------
+# quantize / dequantize
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _load_weight_f32(ptrs, mask, BF16_BITS: tl.constexpr):
+    """Load and upcast to fp32. BF16_BITS: the tensor is bf16 passed as int16 bits, upcast by a shift
+    (exact for every bf16 value, subnormals included, which the interpreter's own cast flushes)."""
+    if BF16_BITS:
+        bits = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+        return (bits << 16).to(tl.float32, bitcast=True)
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _quantize_kernel(
+    w_ptr, q_ptr, scale_ptr, R, K, stride_w, stride_q,
+    QMAX_: tl.constexpr, IS_FP8: tl.constexpr, W_BF16_BITS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < R
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+
+    amax = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask = row_mask[:, None] & (k0 + cols < K)[None, :]
+        w = _load_weight_f32(w_ptr + rows64[:, None] * stride_w + (k0 + cols)[None, :], mask, W_BF16_BITS)
+        amax = tl.maximum(amax, tl.abs(w))
+    scale = tl.math.div_rn(tl.max(amax, axis=1), QMAX_)
+    scale = tl.where(scale == 0.0, 1.0, scale)
+    tl.store(scale_ptr + rows64, scale, mask=row_mask)
+
+    for k0 in range(0, K, BLOCK_K):
+        mask = row_mask[:, None] & (k0 + cols < K)[None, :]
+        w = _load_weight_f32(w_ptr + rows64[:, None] * stride_w + (k0 + cols)[None, :], mask, W_BF16_BITS)
+        v = tl.math.div_rn(w, scale[:, None])
+        v = tl.minimum(tl.maximum(v, -QMAX_), QMAX_)
+        if IS_FP8:
+            q = _round_to_grid(v, 3, -6).to(q_ptr.dtype.element_ty)
+        else:
+            q = _round_to_int(v).to(tl.int8)
+        tl.store(q_ptr + rows64[:, None] * stride_q + (k0 + cols)[None, :], q, mask=mask)
+
+
+@triton.jit
+def _dequantize_kernel(
+    q_ptr, scale_ptr, out_ptr, R, K, stride_q, stride_o,
+    OUT_KIND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rows64 = rows.to(tl.int64)
+    mask = (rows < R)[:, None] & (cols < K)[None, :]
+    q = tl.load(q_ptr + rows64[:, None] * stride_q + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + rows64, mask=rows < R, other=0.0)
+    v = _round_for_store(q * scale[:, None], OUT_KIND)
+    tl.store(out_ptr + rows64[:, None] * stride_o + cols[None, :], v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------
+# quantized linear
+# ----------------------------------------------------------------------------------------------------
+@triton.jit
+def _weight_to_f32(w):
+    """int8 -> fp32 without the slow I2F conversion: the sign-extended integer added to the bits of
+    1.5 * 2**23 is that float plus w, exactly (|w| < 2**22); subtracting 1.5 * 2**23 leaves w.
+    float8 -> fp32 is Triton's cast (bit manipulation, no F2F on sm_90)."""
+    if w.dtype == tl.int8:
+        return (w.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - _RNE_MAGIC
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _gemv_partial(x_rows, q_rows, mask_m, mask_n, k_start, k_end,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum_k x[m, k] * q[n, k] over [k_start, k_end) on CUDA cores: products are accumulated
+    elementwise in a [BLOCK_M, BLOCK_N, BLOCK_K] register tile and reduced across K once, after the
+    loop, so the streaming loop has no cross-thread shuffles."""
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        mask_k = k0 + cols < k_end
+        x = tl.load(x_rows + (k0 + cols)[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(q_rows + (k0 + cols)[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        acc += x.to(tl.float32)[:, None, :] * _weight_to_f32(w)[None, :, :]
+    return tl.sum(acc, axis=2)
+
+
+@triton.jit
+def _dot_partial(x_rows, q_rows, mask_m, mask_n, k_start, k_end, DOT_FP32: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The same partial sum with tl.dot on [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles."""
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        mask_k = k0 + cols < k_end
+        x = tl.load(x_rows + (k0 + cols)[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(q_rows + (k0 + cols)[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(x.to(tl.float32), tl.trans(_weight_to_f32(w)), acc, input_precision="ieee")
+        elif w.dtype == tl.int8:  # bf16/fp16 activations on the GPU: int8 and e4m3 are exact in both
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)  # Triton's int8 cast is bit tricks already
+        else:  # e4m3 -> fp32 is bit tricks + HADD2, -> bf16 a packed F2FP; direct e4m3 -> bf16 uses F2F
+            acc = tl.dot(x, tl.trans(_weight_to_f32(w).to(x.dtype)), acc)
+    return acc
+
+
+@triton.jit
+def _qlinear_kernel(
+    x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, ws_ptr,
+    M, N, K, stride_xm, stride_qn, stride_om,
+    HAS_BIAS: tl.constexpr, OUT_KIND: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # grouped ordering of the (m, n) tiles: GROUP_M row-tiles share each column sweep (L2 reuse of q)
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    q_rows = q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn
+
+    # this program's K range: whole BLOCK_K chunks, the last split may be short or empty
+    k_chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_start = pid_k * k_chunk
+    k_end = tl.minimum(k_start + k_chunk, K)
+
+    if BLOCK_M >= 16:
+        acc = _dot_partial(x_rows, q_rows, mask_m, mask_n, k_start, k_end, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        acc = _gemv_partial(x_rows, q_rows, mask_m, mask_n, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K)
+
+    if SPLIT_K == 1:
+        scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
+        y = acc * scale[None, :]
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        y = _round_for_store(y, OUT_KIND)
+        out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    else:
+        ws = ws_ptr + (pid_k * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
+        tl.store(ws, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _splitk_epilogue_kernel(
+    ws_ptr, scale_ptr, bias_ptr, out_ptr, M, N, stride_om,
+    HAS_BIAS: tl.constexpr, OUT_KIND: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    mask = (offs_m < M)[:, None] & mask_n[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for s in tl.static_range(SPLIT_K):  # fixed order: deterministic
+        ws = ws_ptr + (s * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
+        acc += tl.load(ws, mask=mask, other=0.0)
+    y = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    y = _round_for_store(y, OUT_KIND)
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------
+# launch configuration
+# ----------------------------------------------------------------------------------------------------
+INTERPRETED = isinstance(_quantize_kernel, InterpretedFunction)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeConfig:
+    """Tile of ``_quantize_kernel``: BLOCK_R rows per program, K walked in BLOCK_K chunks."""
+
+    block_r: int = 8
+    block_k: int = 512
+    num_warps: int = 4
+
+    def __post_init__(self):
+        _check_pow2(self, ("block_r", "block_k"))
+
+
+@dataclasses.dataclass(frozen=True)
+class QLinearConfig:
+    """Launch parameters of ``_qlinear_kernel``.
+
+    block_m < 16 selects the GEMV path (broadcast-multiply-reduce), block_m >= 16 the ``tl.dot`` path.
+    split_k > 1 splits K across programs and adds a deterministic epilogue kernel.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        _check_pow2(self, ("block_m", "block_n", "block_k"))
+        if self.split_k < 1 or self.group_m < 1:
+            raise ValueError(f"QLinearConfig needs split_k >= 1 and group_m >= 1, got {self}")
+
+
+def _check_pow2(cfg, fields) -> None:
+    for f in fields:
+        v = getattr(cfg, f)
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{type(cfg).__name__}.{f} must be a power of two >= 1, got {v}")
+
+
+def _default_quantize_config(K: int) -> QuantizeConfig:
+    if INTERPRETED:  # big tiles: the interpreter's cost is per loop iteration, not per element
+        return QuantizeConfig(block_r=32, block_k=min(1024, triton.next_power_of_2(K)))
+    return QuantizeConfig(block_r=8, block_k=min(512, triton.next_power_of_2(K)), num_warps=4)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def default_qlinear_config(M: int, N: int, K: int, device: torch.device) -> QLinearConfig:
+    """Heuristic launch config; tuned by shape class (decode GEMV, small-M dot, prefill tiles)."""
+    if INTERPRETED or device.type != "cuda":
+        # few, large programs: the interpreter's cost is mostly per program and per loop iteration
+        bn, bk = min(256, triton.next_power_of_2(N)), min(256, triton.next_power_of_2(K))
+        return QLinearConfig(triton.next_power_of_2(M) if M <= 8 else min(64, triton.next_power_of_2(M)), bn, bk)
+    if M == 1:
+        cfg = QLinearConfig(1, 32, 256, num_warps=4, num_stages=4)
+    elif M <= 16:
+        cfg = QLinearConfig(16, 64, 128, num_warps=4, num_stages=4)
+    elif M <= 64:
+        cfg = QLinearConfig(64, 64, 128, num_warps=4, num_stages=4)
+    elif M <= 128:
+        cfg = QLinearConfig(64, 128, 64, num_warps=4, num_stages=4)
+    else:
+        cfg = QLinearConfig(128, 128, 64, num_warps=8, num_stages=3)
+    # split K until there are >= 2 programs per SM (keeping >= 4 K-chunks per split): a second launch
+    # (the split-K epilogue) is cheaper than leaving SMs idle while a few long programs stream K
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    k_chunks = triton.cdiv(K, cfg.block_k)
+    split = 1
+    while tiles * split < 2 * _num_sms(device) and k_chunks // (2 * split) >= 4 and split < 16:
+        split *= 2
+    return dataclasses.replace(cfg, split_k=split)
+
+
+# ----------------------------------------------------------------------------------------------------
+# checks
+# ----------------------------------------------------------------------------------------------------
+def _launch_guard(*tensors: torch.Tensor, op: str) -> contextlib.AbstractContextManager:
+    """Check that the tensors can be handed to a Triton launch; returns a guard that makes their CUDA
+    device current (Triton launches on the current device)."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"{op}: all tensors must be on one device, got {sorted(map(str, devices))}")
+    dev = devices.pop()
+    if dev.type == "cpu" and not INTERPRETED:
+        raise RuntimeError(
+            f"{op}: got CPU tensors, but Triton runs kernels on the CPU only in interpreter mode. Set "
+            "TRITON_INTERPRET=1 before llamarl_kernels.quant is first imported, move the tensors to CUDA, "
+            "or use the eager reference path (llamarl.models.quantize backend='eager')."
+        )
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{op}: tensors must be on cuda (or cpu under TRITON_INTERPRET=1), got {dev}")
+    if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
+        return torch.cuda.device(dev)
+    return contextlib.nullcontext()
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in QMAX:
+        raise ValueError(f"quantization mode must be one of {sorted(QMAX)}, got {mode!r}")
+
+
+def _check_qweight(q: torch.Tensor, scale: torch.Tensor, op: str) -> None:
+    if q.dtype not in (torch.int8, torch.float8_e4m3fn):
+        raise TypeError(f"{op}: q must be int8 or float8_e4m3fn (from quantize), got {q.dtype}")
+    if q.dim() != 2 or (q.numel() and q.stride(1) != 1):
+        raise ValueError(f"{op}: q must be 2-D [N, K] with unit stride along K, got shape "
+                         f"{tuple(q.shape)} strides {q.stride()}; call .contiguous()")
+    if scale.dtype != torch.float32 or scale.shape != (q.shape[0],) or not scale.is_contiguous():
+        raise ValueError(f"{op}: scale must be contiguous float32 of shape [{q.shape[0]}] (one per row of q), "
+                         f"got {scale.dtype} {tuple(scale.shape)}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# public API
+# ----------------------------------------------------------------------------------------------------
+def quantize(
+    w: torch.Tensor,
+    mode: str,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    config: QuantizeConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize W[R, K] per row: returns (q[R, K] int8 | float8_e4m3fn, scale[R] float32).
+
+    ``out=(q, scale)`` writes into existing tensors (e.g. a row-slice of a generator's qweight buffer
+    during weight sync) and returns them. ``config`` overrides the tile (tests, tuning).
+    """
+    _check_mode(mode)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        raise ValueError(f"quantize expects a 2-D weight [rows, K], got {getattr(w, 'shape', type(w))}")
+    if w.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"quantize expects a float32/bfloat16/float16 weight, got {w.dtype}")
+    R, K = w.shape
+    if K == 0:
+        raise ValueError(f"quantize needs K >= 1 columns, got shape {tuple(w.shape)}")
+    if R and w.stride(1) != 1:
+        raise ValueError(f"quantize needs unit stride along K (rows may be strided), got strides {w.stride()}; "
+                         "call .contiguous()")
+    if out is None:
+        q = torch.empty((R, K), dtype=QDTYPE[mode], device=w.device)
+        scale = torch.empty((R,), dtype=torch.float32, device=w.device)
+    else:
+        q, scale = out
+        if q.dtype != QDTYPE[mode] or q.shape != w.shape or (R and q.stride(1) != 1):
+            raise ValueError(f"quantize(out=...): q must be {QDTYPE[mode]} of shape {tuple(w.shape)} with unit "
+                             f"stride along K, got {q.dtype} {tuple(q.shape)} strides {q.stride()}")
+        if scale.dtype != torch.float32 or scale.shape != (R,) or not scale.is_contiguous():
+            raise ValueError(f"quantize(out=...): scale must be contiguous float32 of shape [{R}], "
+                             f"got {scale.dtype} {tuple(scale.shape)}")
+    guard = _launch_guard(w, q, scale, op="quantize")
+    if R == 0:
+        return q, scale
+    cfg = config or _default_quantize_config(K)
+    bf16_bits = w.dtype == torch.bfloat16
+    with guard:
+        _quantize_kernel[(triton.cdiv(R, cfg.block_r),)](
+            w.view(torch.int16) if bf16_bits else w, q, scale, R, K, w.stride(0), q.stride(0),
+            QMAX_=QMAX[mode], IS_FP8=mode == "fp8", W_BF16_BITS=bf16_bits, BLOCK_R=cfg.block_r,
+            BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        )
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """float(q[r, k]) * scale[r], rounded (to nearest even) to ``dtype``; returns a new [R, K] tensor."""
+    _check_qweight(q, scale, "dequantize")
+    if dtype not in _OUT_KIND:
+        raise TypeError(f"dequantize: dtype must be float32, bfloat16 or float16, got {dtype}")
+    guard = _launch_guard(q, scale, op="dequantize")
+    R, K = q.shape
+    out = torch.empty((R, K), dtype=dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    block_r, block_k = (16, min(1024, triton.next_power_of_2(K))) if INTERPRETED else (8, 256)
+    grid = (triton.cdiv(R, block_r), triton.cdiv(K, block_k))
+    with guard:
+        _dequantize_kernel[grid](q, scale, out, R, K, q.stride(0), out.stride(0),
+                                 OUT_KIND=_OUT_KIND[dtype], BLOCK_R=block_r, BLOCK_K=block_k)
+    return out
+
+
+def quantized_linear(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: QLinearConfig | None = None,
+) -> torch.Tensor:
+    """y[..., n] = scale[n] * sum_k x[..., k] * q[n, k] (+ bias[n]), fp32 accumulation, in x's dtype."""
+    _check_qweight(q, scale, "quantized_linear")
+    N, K = q.shape
+    if x.dtype not in _OUT_KIND:
+        raise TypeError(f"quantized_linear: x must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] != K:
+        raise ValueError(f"quantized_linear: x's last dim must equal q's K={K} (q is [N={N}, K={K}]), "
+                         f"got x of shape {tuple(x.shape)}")
+    tensors = [x, q, scale]
+    if bias is not None:
+        if bias.shape != (N,) or bias.dtype not in _FLOAT_DTYPES or not bias.is_contiguous():
+            raise ValueError(f"quantized_linear: bias must be a contiguous float tensor of shape [{N}], "
+                             f"got {bias.dtype} {tuple(bias.shape)}")
+        tensors.append(bias)
+    guard = _launch_guard(*tensors, op="quantized_linear")
+
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out.reshape(*lead, N)
+    cfg = config or default_qlinear_config(M, N, K, x.device)
+    if cfg.split_k > 1:
+        ws = torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
+    else:
+        ws = out  # unused by the kernel when SPLIT_K == 1
+    dummy_bias = bias if bias is not None else scale
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), cfg.split_k)
+    common = dict(HAS_BIAS=bias is not None, OUT_KIND=_OUT_KIND[x.dtype])
+    with guard:
+        _qlinear_kernel[grid](
+            x2, q, scale, dummy_bias, out, ws, M, N, K, x2.stride(0), q.stride(0), out.stride(0),
+            DOT_FP32=INTERPRETED or x.dtype == torch.float32,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+            GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        )
+        if cfg.split_k > 1:
+            bm, bn = (min(64, triton.next_power_of_2(M)), min(128, triton.next_power_of_2(N))) if INTERPRETED \
+                else (min(16, triton.next_power_of_2(M)), 256)
+            _splitk_epilogue_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+                ws, scale, dummy_bias, out, M, N, out.stride(0),
+                SPLIT_K=cfg.split_k, BLOCK_M=bm, BLOCK_N=bn, **common,
+            )
+    return out.reshape(*lead, N)

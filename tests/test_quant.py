@@ -1,0 +1,382 @@
+"""int8 / fp8 weight-only quantization kernels against the eager reference and float64 math.
+
+quantize / dequantize must reproduce the reference's bytes exactly (the rounding is specified bit for
+bit); quantized_linear is checked against dequantize-then-matmul in float64 with an error bound
+derived from fp32 accumulation plus one rounding to the output dtype, and against twice the eager
+same-dtype error. Shapes are small and odd so every kernel loop (K tails, N/M tails, split-K with a
+short or empty last split, several M tiles) runs under TRITON_INTERPRET=1 on CPU.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llamarl_kernels.quant import QLinearConfig, QuantizeConfig, dequantize, quantize, quantized_linear
+from llamarl_kernels.reference import dequantize_ref, quantize_ref, quantized_linear_ref
+
+MODES = ["int8", "fp8"]
+QMAX = {"int8": 127.0, "fp8": 448.0}
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # eps / 2
+SMALL_TILES = QuantizeConfig(block_r=16, block_k=64)  # runs the row tail and the K loop on small shapes
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _assert_same_bytes(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    diff = (_bytes(a.cpu()) != _bytes(b.cpu())).nonzero()
+    assert diff.numel() == 0, f"{diff.shape[0]} elements differ, first at {diff[0].tolist()}"
+
+
+def _roundtrip_bound(w64: torch.Tensor, scale64: torch.Tensor, mode: str) -> torch.Tensor:
+    """|w - q * scale| bound: half a quantization step, plus the fp32 division's relative error."""
+    v = (w64 / scale64[:, None]).abs()
+    if mode == "int8":
+        step = torch.full_like(v, 0.5)
+    else:  # e4m3: 3 mantissa bits -> half ulp <= 2^-4 |v| for normals, 2^-10 in the subnormal range
+        step = torch.maximum(v * 2.0**-4, torch.full_like(v, 2.0**-10))
+    return scale64[:, None] * (step + v * 2.0**-22)
+
+
+# ----------------------------------------------------------------------------------------------------
+# quantize / dequantize
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", [(1, 1), (5, 7), (37, 129), (64, 130)])
+@pytest.mark.parametrize("config", [SMALL_TILES, None], ids=["small_tiles", "default"])
+def test_quantize_matches_reference_and_fp64_bounds(mode, dtype, shape, config, device):
+    torch.manual_seed(sum(shape))
+    w = (torch.randn(shape) * torch.logspace(-3, 2, shape[0])[:, None]).to(dtype).to(device)
+    q, scale = quantize(w, mode, config=config)
+    q_ref, scale_ref = quantize_ref(w, mode)
+    _assert_same_bytes(scale, scale_ref)
+    _assert_same_bytes(q, q_ref)
+
+    w64, s64, q64 = w.double().cpu(), scale.double().cpu(), q.double().cpu()
+    absmax = w64.abs().amax(dim=1)
+    torch.testing.assert_close(s64, absmax / QMAX[mode], rtol=2.0**-23, atol=0)
+    assert torch.equal(q64.abs().amax(dim=1), torch.full_like(absmax, QMAX[mode])), "row max must map to QMAX"
+    assert ((w64 - q64 * s64[:, None]).abs() <= _roundtrip_bound(w64, s64, mode)).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_dequantize_matches_reference(mode, dtype, device):
+    torch.manual_seed(1)
+    w = torch.randn(19, 77, device=device) * 3
+    w[4] *= 1e5  # fp16 output overflows to inf on this row, exactly as torch's cast does
+    q, scale = quantize(w, mode)
+    out = dequantize(q, scale, dtype)
+    _assert_same_bytes(out, dequantize_ref(q, scale, dtype))
+    if dtype == torch.float16:
+        assert torch.isinf(out[4]).any()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_row_slice_gives_same_bytes_as_full_matrix(mode, device):
+    torch.manual_seed(2)
+    big = torch.randn(40, 90, device=device, dtype=torch.bfloat16)
+    w = big[:, :77]  # rows strided by 90: a block of a wider buffer
+    q_full, s_full = quantize(w.contiguous(), mode)
+    for a, b in [(0, 13), (13, 40), (7, 8), (39, 40)]:
+        q, s = quantize(w[a:b], mode, config=SMALL_TILES)
+        _assert_same_bytes(q, q_full[a:b])
+        _assert_same_bytes(s, s_full[a:b])
+    # shard by shard straight into a generator-style buffer (out=), as the weight sync does
+    q_buf = torch.empty_like(q_full)
+    s_buf = torch.empty_like(s_full)
+    ptr = q_buf.data_ptr()
+    for a, b in [(0, 16), (16, 32), (32, 40)]:
+        quantize(w[a:b], mode, out=(q_buf[a:b], s_buf[a:b]))
+    assert q_buf.data_ptr() == ptr
+    _assert_same_bytes(q_buf, q_full)
+    _assert_same_bytes(s_buf, s_full)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_zero_and_underflowing_rows(mode, device):
+    w = torch.randn(6, 45, device=device)
+    w[1] = 0.0
+    w[3] = 0.0
+    w[3, 7] = -1e-45  # smallest subnormal: absmax / QMAX underflows to 0
+    w[5] = -0.0
+    q, scale = quantize(w, mode, config=SMALL_TILES)
+    _assert_same_bytes(q, quantize_ref(w, mode)[0])
+    for r in (1, 3, 5):
+        assert scale[r].item() == 1.0, "a zero scale would divide by zero; the rule is scale = 1"
+        assert (q[r].float() == 0).all()
+        assert (dequantize(q, scale)[r] == 0).all()
+    assert torch.isfinite(scale).all() and torch.isfinite(q.float()).all()
+    x = torch.randn(3, 45, device=device)
+    y = quantized_linear(x, q, scale, config=QLinearConfig(4, 16, 16))
+    assert (y[:, [1, 3, 5]] == 0).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extreme_values(mode, dtype, device):
+    finfo = torch.finfo(dtype)
+    rows = [
+        [finfo.max, -finfo.max, 1.0, -1.0, 0.0],  # scale near max / QMAX, tiny values round to 0
+        [finfo.tiny, -finfo.tiny * 3, finfo.tiny / 2, 0.0, 0.0],  # normals at the bottom of the range
+        [1e-40, -3e-41, 1e-45, 0.0, 0.0],  # subnormals: the scale is subnormal too
+        [1e30, 1.0, 1e-30, -7.0, 2.0],  # one outlier dominates the row
+        [448.0, 464.0, 480.0, -479.0, 1e-3],  # around e4m3's saturation point
+    ]
+    w = torch.tensor(rows, dtype=torch.float32).to(dtype).repeat(3, 7)[:, :33].contiguous().to(device)
+    q, scale = quantize(w, mode, config=SMALL_TILES)
+    q_ref, scale_ref = quantize_ref(w, mode)
+    _assert_same_bytes(scale, scale_ref)
+    _assert_same_bytes(q, q_ref)
+    assert torch.isfinite(scale).all()
+    if mode == "fp8":  # the only e4m3fn NaN encodings are 0x7F and 0xFF
+        assert not ((q.view(torch.uint8) & 0x7F) == 0x7F).any()
+    else:
+        assert q.min() >= -127
+    w64, s64 = w.double().cpu(), scale.double().cpu()
+    assert ((w64 - q.double().cpu() * s64[:, None]).abs() <= _roundtrip_bound(w64, s64, mode)).all()
+
+
+def test_int8_rounds_half_to_even(device):
+    # absmax 127 -> scale exactly 1.0, so q = round(w) with ties to even
+    w = torch.tensor([[127.0, 0.5, 1.5, 2.5, 3.5, -0.5, -2.5, 126.5, -126.5, 0.49999997]], device=device)
+    q, scale = quantize(w, "int8")
+    assert scale.item() == 1.0
+    assert q.tolist() == [[127, 0, 2, 2, 4, 0, -2, 126, -126, 0]]
+
+
+def test_fp8_rounds_half_to_even_onto_e4m3_grid(device):
+    # absmax 448 -> scale 1.0. e4m3 has 3 mantissa bits: spacing 0.125 on [1, 2), 2^-9 below 2^-6.
+    vals = [448.0, 1.0625, 1.1875, 1.9375, 0.0009765625, 0.0029296875, -1.0625, 432.0, 447.0]
+    want = [448.0, 1.0, 1.25, 2.0, 0.0, 0.00390625, -1.0, 448.0, 448.0]
+    q, scale = quantize(torch.tensor([vals], device=device), "fp8")
+    assert scale.item() == 1.0
+    assert q.float().tolist() == [want]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 9),
+    cols=st.integers(1, 70),
+    log_mag=st.floats(-30, 30),
+    mode=st.sampled_from(MODES),
+    seed=st.integers(0, 2**16),
+)
+def test_quantize_property(rows, cols, log_mag, mode, seed):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(rows, cols, generator=g) * 10.0**log_mag).to(device)
+    q, scale = quantize(w, mode, config=SMALL_TILES)
+    q_ref, scale_ref = quantize_ref(w, mode)
+    _assert_same_bytes(q, q_ref)
+    _assert_same_bytes(scale, scale_ref)
+    w64, s64 = w.double().cpu(), scale.double().cpu()
+    assert ((w64 - q.double().cpu() * s64[:, None]).abs() <= _roundtrip_bound(w64, s64, mode)).all()
+
+
+# ----------------------------------------------------------------------------------------------------
+# quantized_linear
+# ----------------------------------------------------------------------------------------------------
+def _check_linear(x, q, scale, bias, y):
+    """y vs float64 dequantize-then-matmul: fp32-accumulation bound + one output rounding, and <= 2x eager."""
+    x64, q64, s64 = x.double().cpu(), q.double().cpu(), scale.double().cpu()
+    K = q.shape[1]
+    y64 = (x64 @ q64.t()) * s64
+    absdot = (x64.abs() @ q64.abs().t()) * s64
+    if bias is not None:
+        y64 = y64 + bias.double().cpu()
+        absdot = absdot + bias.double().cpu().abs()
+    acc_err = (K + 3) * 2.0**-24 * absdot
+    bound = acc_err + UNIT_ROUNDOFF[x.dtype] * (y64.abs() + acc_err) + 1e-37
+    err = (y.double().cpu() - y64).abs()
+    assert y.dtype == x.dtype and y.shape == (*x.shape[:-1], q.shape[0])
+    assert (err <= bound).all(), f"max error {err.max().item():.3g} over the bound at {(err > bound).nonzero()[0]}"
+    ref_err = (quantized_linear_ref(x, q, scale, bias).double().cpu() - y64).abs()
+    assert err.max() <= 2 * ref_err.max() + acc_err.max()
+
+
+LINEAR_CASES = [  # (M, N, K, config): every loop and tail of both paths
+    (1, 37, 129, QLinearConfig(1, 16, 32)),  # GEMV, K and N tails
+    (3, 70, 130, QLinearConfig(4, 32, 64, split_k=2)),  # GEMV with an M tail, split-K
+    (5, 33, 100, QLinearConfig(8, 16, 16, split_k=3)),  # short last split
+    (2, 20, 40, QLinearConfig(2, 16, 16, split_k=4)),  # empty last split
+    (17, 70, 129, QLinearConfig(16, 32, 32)),  # tl.dot path, M tail
+    (17, 37, 130, QLinearConfig(16, 16, 64, split_k=2, group_m=2)),  # two M tiles, grouped order, split
+    (9, 45, 67, None),  # default config
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("M,N,K,config", LINEAR_CASES, ids=lambda c: str(c) if isinstance(c, int) else None)
+def test_quantized_linear_against_fp64(mode, dtype, M, N, K, config, device):
+    torch.manual_seed(M * 1000 + N + K)
+    w = torch.randn(N, K, device=device) * torch.logspace(-2, 1, N, device=device)[:, None]
+    q, scale = quantize(w, mode)
+    x = torch.randn(M, K, device=device).to(dtype)
+    bias = torch.randn(N, device=device).to(dtype) if M % 2 else None
+    y = quantized_linear(x, q, scale, bias, config=config)
+    _check_linear(x, q, scale, bias, y)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_quantized_linear_batched_and_strided_input(mode, device):
+    torch.manual_seed(3)
+    q, scale = quantize(torch.randn(21, 50, device=device), mode)
+    x = torch.randn(2, 3, 50, device=device, dtype=torch.bfloat16)
+    y = quantized_linear(x, q, scale)
+    _check_linear(x.reshape(6, 50), q, scale, None, y.reshape(6, 21))
+    assert y.shape == (2, 3, 21)
+    xt = torch.randn(50, 4, device=device).t()  # last dim not contiguous
+    _check_linear(xt, q, scale, None, quantized_linear(xt, q, scale))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_quantized_linear_extreme_weights_and_inputs(mode, device):
+    torch.manual_seed(4)
+    w = torch.randn(24, 40, device=device)
+    w[0] = 0.0
+    w[1, 3] = 1e30  # outlier row: everything else rounds to 0
+    w[2] *= 1e-30
+    w[3] = torch.finfo(torch.float32).max / 1e9  # huge row; outputs stay below fp32 max
+    q, scale = quantize(w, mode)
+    x = torch.randn(5, 40, device=device) * torch.logspace(-20, 5, 5, device=device)[:, None]
+    for cfg in (QLinearConfig(4, 16, 16), QLinearConfig(16, 16, 16, split_k=2)):
+        y = quantized_linear(x, q, scale, config=cfg)
+        assert not torch.isnan(y).any()
+        _check_linear(x, q, scale, None, y)
+
+
+def test_empty_inputs(device):
+    q, scale = quantize(torch.empty(0, 8, device=device), "int8")
+    assert q.shape == (0, 8) and scale.shape == (0,)
+    q, scale = quantize(torch.randn(4, 8, device=device), "fp8")
+    assert quantized_linear(torch.empty(0, 8, device=device), q, scale).shape == (0, 4)
+
+
+# ----------------------------------------------------------------------------------------------------
+# input validation
+# ----------------------------------------------------------------------------------------------------
+def test_bad_inputs_raise_clear_errors(device):
+    w = torch.randn(6, 10, device=device)
+    q, scale = quantize(w, "int8")
+    x = torch.randn(2, 10, device=device)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        quantize(w, "int4")
+    with pytest.raises(ValueError, match="2-D weight"):
+        quantize(w[0], "int8")
+    with pytest.raises(TypeError, match="float32/bfloat16/float16"):
+        quantize(w.to(torch.int32), "int8")
+    with pytest.raises(ValueError, match="unit stride along K"):
+        quantize(torch.randn(10, 6, device=device).t(), "int8")
+    with pytest.raises(ValueError, match="K >= 1"):
+        quantize(torch.empty(3, 0, device=device), "fp8")
+    with pytest.raises(ValueError, match="out=...\\): q must be"):
+        quantize(w, "fp8", out=(torch.empty_like(q), torch.empty_like(scale)))
+    with pytest.raises(ValueError, match="scale must be contiguous float32 of shape \\[6\\]"):
+        quantize(w, "int8", out=(torch.empty_like(q), torch.empty(5, device=device)))
+    with pytest.raises(TypeError, match="q must be int8 or float8_e4m3fn"):
+        quantized_linear(x, w, scale)
+    with pytest.raises(ValueError, match="scale must be contiguous float32 of shape \\[6\\]"):
+        quantized_linear(x, q, scale.double())
+    with pytest.raises(ValueError, match="last dim must equal q's K=10"):
+        quantized_linear(torch.randn(2, 11, device=device), q, scale)
+    with pytest.raises(TypeError, match="x must be float32"):
+        quantized_linear(x.to(torch.int64), q, scale)
+    with pytest.raises(ValueError, match="bias must be a contiguous float tensor of shape \\[6\\]"):
+        quantized_linear(x, q, scale, torch.randn(5, device=device))
+    with pytest.raises(TypeError, match="dtype must be float32"):
+        dequantize(q, scale, torch.int8)
+    with pytest.raises(ValueError, match="power of two"):
+        QLinearConfig(3, 16, 16)
+    if device.type == "cuda":
+        with pytest.raises(ValueError, match="one device"):
+            quantized_linear(x.cpu(), q, scale)
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU-only: decode / prefill shapes with the default (heuristic) configs
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("M", [1, 4, 16, 64, 256])
+@pytest.mark.parametrize("N,K", [(14336, 4096), (4096, 14336), (1000, 4000)])
+def test_gpu_model_shapes_against_fp64(mode, M, N, K):
+    torch.manual_seed(M + N)
+    w = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
+    q, scale = quantize(w, mode)
+    q_ref, scale_ref = quantize_ref(w, mode)
+    _assert_same_bytes(q, q_ref)
+    _assert_same_bytes(scale, scale_ref)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    _check_linear(x, q, scale, None, quantized_linear(x, q, scale))
+    xf = x.float()
+    _check_linear(xf, q, scale, None, quantized_linear(xf, q, scale))
+
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPU lowering without a GPU: compile the kernels for sm_90 (H100/H200) ahead of time
+# ----------------------------------------------------------------------------------------------------
+_AOT_SCRIPT = r"""
+import re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import llamarl_kernels.quant as Q
+
+target = GPUTarget("cuda", 90, 32)
+aligned = lambda fn, names: {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
+
+def build(fn, sig, consts, aligned_args, **opts):
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned(fn, aligned_args))
+    return triton.compile(src, target=target, options=opts).asm["ptx"]
+
+sig = {"w_ptr": "*i16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "R": "i32", "K": "i32", "stride_w": "i32",
+       "stride_q": "i32", "QMAX_": "constexpr", "IS_FP8": "constexpr", "W_BF16_BITS": "constexpr",
+       "BLOCK_R": "constexpr", "BLOCK_K": "constexpr"}
+build(Q._quantize_kernel, sig, dict(QMAX_=448.0, IS_FP8=True, W_BF16_BITS=True, BLOCK_R=8, BLOCK_K=512),
+      ["w_ptr", "q_ptr", "scale_ptr", "K", "stride_w", "stride_q"], num_warps=4)
+for qty, (bm, bn, bk, split) in [("*i8", (1, 32, 256, 1)), ("*fp8e4nv", (16, 64, 128, 2))]:
+    sig = {"x_ptr": "*bf16", "q_ptr": qty, "scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+           "ws_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_qn": "i32",
+           "stride_om": "i32", "HAS_BIAS": "constexpr", "OUT_KIND": "constexpr", "DOT_FP32": "constexpr",
+           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr",
+           "GROUP_M": "constexpr"}
+    ptx = build(Q._qlinear_kernel, sig, dict(HAS_BIAS=False, OUT_KIND=1, DOT_FP32=False, BLOCK_M=bm, BLOCK_N=bn,
+                BLOCK_K=bk, SPLIT_K=split, GROUP_M=8),
+                ["x_ptr", "q_ptr", "scale_ptr", "bias_ptr", "out_ptr", "ws_ptr", "N", "K", "stride_xm",
+                 "stride_qn", "stride_om"], num_warps=4, num_stages=4)
+    if bm == 1:
+        assert "ld.global.v4" in ptx, "GEMV weight loads are not 16-byte vectors"
+        assert "cvt.rn.f32.s8" not in ptx, "int8 upcast fell back to the slow conversion"
+    else:
+        assert "mma" in ptx, "tl.dot path did not use tensor cores"
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_without_a_gpu(tmp_path):
+    """The interpreter does not type-check GPU lowering (bitcast widths, fp8 casts, dot operand types)."""
+    import os
+    import subprocess
+    import sys
+
+    triton = pytest.importorskip("triton")
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip("this Triton build has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), f"triton {triton.__version__}:\n{r.stderr[-3000:]}"
