@@ -1,0 +1,112 @@
+"""Sampling parameters and the per-step sampler (greedy / temperature / top-k / top-p).
+
+Given fp32 logits z [N, V] for the next token and temperature T:
+
+    greedy (T == 0):  y = argmax z;                          logprob = log_softmax(z)[y]
+    sampling (T > 0): p = softmax(z / T), truncated to the top_k largest entries (if top_k > 0), then to
+                      the smallest prefix (in decreasing probability) whose mass reaches top_p, then
+                      renormalised;  y ~ p;                  logprob = log_softmax(z / T)[y]
+
+The returned log-prob is therefore always under the *untruncated* temperature-scaled distribution μ
+(the convention AIPO uses; its training runs leave top_k = 0, top_p = 1 so that μ is exactly the
+sampling distribution). With top-k/top-p the reported μ is the pre-truncation one.
+
+Drawing y ~ p: on CUDA, y = argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. (P[y = i] = p_i, since
+E_i / p_i are independent exponentials of rate p_i and the smallest wins), which needs no host
+synchronisation; on the CPU, ``torch.multinomial`` (one uniform per row instead of V exponentials).
+Both use an explicit ``torch.Generator``, so a seed fixes the whole generation on a given device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = no top-k truncation
+    top_p: float = 1.0  # 1.0 = no nucleus truncation
+    n: int = 1  # samples per prompt
+    stop_token_ids: Sequence[int] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        t = self.temperature
+        if not isinstance(t, (int, float)) or not (0.0 <= t < float("inf")):
+            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be an int >= 0 (0 = disabled), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1] (1 = disabled), got {self.top_p!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"SamplingParams.n (samples per prompt) must be an int >= 1, got {self.n!r}")
+        try:
+            stops = tuple(int(t) for t in self.stop_token_ids)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"SamplingParams.stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}"
+            ) from None
+        if any(t < 0 for t in stops):
+            raise ValueError(f"SamplingParams.stop_token_ids must be non-negative token ids, got {stops}")
+        object.__setattr__(self, "stop_token_ids", stops)
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"SamplingParams.seed must be None or an int, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
+
+
+def truncate_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k / top-p set to -inf (top-k first, then top-p on what is left)."""
+    V = scaled.shape[-1]
+    out = scaled
+    if 0 < top_k < V:
+        kth = torch.topk(out, top_k, dim=-1).values[..., -1:]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p < 1.0:
+        probs, order = torch.sort(torch.softmax(out, dim=-1), dim=-1, descending=True)
+        mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+        drop_sorted = mass_before >= top_p  # never drops the most likely token (mass_before = 0)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        out = out.masked_fill(drop, float("-inf"))
+    return out
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of fp32 ``logits`` [N, V] -> (tokens [N] long, logprobs [N] fp32 under μ)."""
+    logits = logits.float()
+    if params.greedy:
+        tokens = logits.argmax(dim=-1)
+        logp = torch.log_softmax(logits, dim=-1)
+    else:
+        scaled = logits / params.temperature
+        logp = torch.log_softmax(scaled, dim=-1)
+        if params.top_k > 0 or params.top_p < 1.0:
+            probs = torch.softmax(truncate_logits(scaled, params.top_k, params.top_p), dim=-1)
+        else:
+            probs = logp.exp()
+        if probs.is_cuda:
+            noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+            tokens = (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+        else:
+            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -1,0 +1,264 @@
+"""Hugging Face checkpoint I/O for Llama: config.json + safetensors (single file or sharded index).
+
+Directory layout read and written (the one transformers uses):
+
+    config.json                         LlamaConfig.to_hf_dict() + "torch_dtype" and "dtype"
+    model.safetensors                   every tensor, keys = HF parameter names
+  or
+    model.safetensors.index.json        {"metadata": {"total_size": bytes}, "weight_map": {key: shard}}
+    model-00001-of-0000N.safetensors    the shards
+
+Keys are exactly ``Llama.state_dict()`` keys, except that ``lm_head.weight`` is omitted when the
+embeddings are tied (as transformers does). Loading checks, before reading any data, that every expected
+key is present with the shape implied by config.json and a floating dtype; extra keys are an error
+(except rotary ``inv_freq`` buffers of old checkpoints, and a redundant ``lm_head.weight`` when tied).
+Tensors are read on the CPU and copied into a model built on the meta device, converted to ``dtype``.
+Files are written under temporary names and renamed, so a crash never leaves a half-written checkpoint
+under the final names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from llamarl.models.config import LlamaConfig
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_IGNORED_KEY_RE = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | os.PathLike) -> LlamaConfig:
+    """Read and validate ``path/config.json``."""
+    d = Path(path)
+    if not d.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {d} does not exist")
+    cfg_path = d / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{cfg_path} not found: a Hugging Face checkpoint directory needs a config.json")
+    raw = _read_json(cfg_path)
+    try:
+        return LlamaConfig.from_hf_dict(raw)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{cfg_path}: {e}") from e
+
+
+def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of ``config`` holds, by HF name (no lm_head when tied)."""
+    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "self_attn.q_proj.weight"] = (q, d)
+        shapes[p + "self_attn.k_proj.weight"] = (kv, d)
+        shapes[p + "self_attn.v_proj.weight"] = (kv, d)
+        shapes[p + "self_attn.o_proj.weight"] = (d, q)
+        shapes[p + "mlp.gate_proj.weight"] = (f, d)
+        shapes[p + "mlp.up_proj.weight"] = (f, d)
+        shapes[p + "mlp.down_proj.weight"] = (d, f)
+        shapes[p + "input_layernorm.weight"] = (d,)
+        shapes[p + "post_attention_layernorm.weight"] = (d,)
+    shapes["model.norm.weight"] = (d,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, d)
+    return shapes
+
+
+def _weight_files(d: Path) -> dict[str, Path]:
+    """key -> file holding it, from model.safetensors or the sharded index."""
+    from safetensors import safe_open
+
+    single, index = d / WEIGHTS_FILE, d / INDEX_FILE
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no 'weight_map' object mapping tensor names to shard files")
+        files = sorted({d / name for name in weight_map.values()})
+        for fp in files:
+            if not fp.is_file():
+                raise FileNotFoundError(f"shard {fp.name} listed in {index} is missing from {d}")
+    else:
+        present = sorted(p.name for p in d.iterdir())
+        hint = ""
+        if any(n.endswith((".bin", ".pt", ".pth")) for n in present):
+            hint = " (found PyTorch pickles: convert them to safetensors first)"
+        raise FileNotFoundError(f"{d} has neither {WEIGHTS_FILE} nor {INDEX_FILE}{hint}; files: {present}")
+
+    where: dict[str, Path] = {}
+    for fp in files:
+        try:
+            with safe_open(str(fp), framework="pt", device="cpu") as f:
+                keys = list(f.keys())
+        except Exception as e:  # safetensors raises SafetensorError / OSError on bad headers
+            raise ValueError(f"{fp} is not a readable safetensors file ({type(e).__name__}: {e})") from e
+        for k in keys:
+            if k in where:
+                raise ValueError(f"tensor {k!r} appears in both {where[k].name} and {fp.name}")
+            where[k] = fp
+    return where
+
+
+def load_state_dict(path: str | os.PathLike, config: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Read and validate all tensors of a checkpoint (CPU, checkpoint dtype)."""
+    from safetensors import safe_open
+
+    d = Path(path)
+    where = _weight_files(d)
+    expected = expected_shapes(config)
+    missing = [k for k in expected if k not in where]
+    if missing:
+        hint = ""
+        if missing == ["lm_head.weight"]:
+            hint = " (config.json says tie_word_embeddings=false; is the checkpoint tied?)"
+        raise ValueError(f"{d}: checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:4]}{hint}")
+    redundant_head = "lm_head.weight" if config.tie_word_embeddings else None
+    unexpected = [k for k in where if k not in expected and not _IGNORED_KEY_RE.match(k) and k != redundant_head]
+    if unexpected:
+        raise ValueError(
+            f"{d}: checkpoint has {len(unexpected)} tensor(s) a Llama of this config.json does not have, "
+            f"e.g. {unexpected[:4]} (wrong architecture or num_hidden_layers?)"
+        )
+    by_file: dict[Path, list[str]] = {}
+    for k in expected:
+        by_file.setdefault(where[k], []).append(k)
+    out: dict[str, torch.Tensor] = {}
+    for fp, keys in by_file.items():
+        try:
+            with safe_open(str(fp), framework="pt", device="cpu") as f:
+                for k in keys:
+                    sl = f.get_slice(k)
+                    shape = tuple(sl.get_shape())
+                    if shape != expected[k]:
+                        raise ValueError(
+                            f"{fp.name}: tensor {k!r} has shape {shape} but config.json implies {expected[k]} "
+                            "(hidden_size / intermediate_size / heads / head_dim / vocab_size disagree with "
+                            "the weights)"
+                        )
+                    t = f.get_tensor(k)
+                    if not t.is_floating_point():
+                        raise ValueError(
+                            f"{fp.name}: tensor {k!r} has non-floating dtype {t.dtype}; expected fp32/bf16/fp16"
+                        )
+                    out[k] = t
+        except ValueError:
+            raise
+        except Exception as e:
+            raise ValueError(
+                f"{fp} could not be read ({type(e).__name__}: {e}); the file may be truncated or corrupt"
+            ) from e
+    return out
+
+
+def load_llama(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """``Llama.from_pretrained``: build on the meta device, then materialise and copy the checkpoint."""
+    from llamarl.models.llama import Llama
+
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"from_pretrained dtype must be a floating torch.dtype, got {dtype!r}")
+    config = load_config(path)
+    tensors = load_state_dict(path, config)
+    with torch.device("meta"):
+        model = Llama(config)
+    model = model.to(dtype=dtype).to_empty(device=torch.device(device))
+    if config.tie_word_embeddings:  # to_empty re-creates Parameters: restore the tie
+        model.lm_head.weight = model.model.embed_tokens.weight
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for k, t in tensors.items():
+            params[k].copy_(t)
+    model.eval()
+    return model
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def save_llama(model, path: str | os.PathLike, max_shard_bytes: int | None = None) -> None:
+    """``Llama.save_pretrained``: config.json + one safetensors file, or shards of <= max_shard_bytes."""
+    from safetensors.torch import save_file
+
+    config: LlamaConfig = model.config
+    expected = expected_shapes(config)
+    sd = model.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    for k, shape in expected.items():
+        t = sd.get(k)
+        if t is None or tuple(t.shape) != shape or not t.is_floating_point():
+            raise ValueError(
+                f"save_pretrained: parameter {k!r} is missing or not a plain {shape} float tensor "
+                "(quantized models cannot be saved as HF checkpoints; save the unquantized weights)"
+            )
+        tensors[k] = t.detach().to("cpu").contiguous()
+    extra = [k for k in sd if k not in expected and not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if extra:
+        raise ValueError(f"save_pretrained: model has parameters HF Llama does not: {extra[:4]}")
+
+    d = Path(path)
+    d.mkdir(parents=True, exist_ok=True)
+    # shards
+    if max_shard_bytes is None:
+        groups = [list(tensors)]
+    else:
+        if max_shard_bytes <= 0:
+            raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        groups, cur, size = [], [], 0
+        for k, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            if cur and size + nbytes > max_shard_bytes:
+                groups.append(cur)
+                cur, size = [], 0
+            cur.append(k)
+            size += nbytes
+        groups.append(cur)
+    names = (
+        [WEIGHTS_FILE]
+        if max_shard_bytes is None
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
+    # remove the other layout's files first, so the directory never mixes two checkpoints
+    for old in d.iterdir():
+        if old.name in (WEIGHTS_FILE, INDEX_FILE) or _SHARD_RE.match(old.name):
+            if old.name not in names:
+                old.unlink()
+    for name, keys in zip(names, groups):
+        tmp = d / (name + ".tmp")
+        save_file({k: tensors[k] for k in keys}, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, d / name)
+    if max_shard_bytes is not None:
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+            "weight_map": {k: name for name, keys in zip(names, groups) for k in keys},
+        }
+        _write_json(d / INDEX_FILE, index)
+    cfg = config.to_hf_dict()
+    cfg["torch_dtype"] = cfg["dtype"] = _dtype_name(model.dtype)  # transformers 4.x / 5.x spelling
+    _write_json(d / CONFIG_FILE, cfg)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)

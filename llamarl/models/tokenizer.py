@@ -1,0 +1,331 @@
+"""Tokenizers: a built-in character-level one and one backed by a Hugging Face ``tokenizer.json``.
+
+Both expose the same small interface the rest of llamarl uses:
+
+    encode(text, add_bos=False) -> list[int]      no special tokens are added unless add_bos
+    decode(ids, skip_special_tokens=True) -> str
+    vocab_size, bos_id, eos_id, pad_id            ints
+    apply_chat_template(messages, add_generation_prompt=True) -> str
+    save(path)                                    a directory that load_tokenizer(path) reads back
+
+CharTokenizer (the embedded default) maps each character to one id:
+
+    0 <pad>   1 <bos>   2 <eos>   3 <unk>   4 "\\n"   5..99 printable ASCII 0x20..0x7E
+
+so it covers digits, letters, arithmetic and LaTeX punctuation. A character outside the alphabet
+encodes to <unk> (decoded as U+FFFD) rather than failing, so arbitrary dataset text can be fed in.
+Its chat template is the trivial ``Q: ...\\nA: ...\\n`` form (keeps prompts short for a tiny context).
+
+HFTokenizer reads ``tokenizer.json`` with the ``tokenizers`` library and the special tokens and chat
+template from ``tokenizer_config.json`` (or ``chat_template.jinja``). Templates are rendered with
+jinja2 in a sandbox, with the same conventions as transformers (``trim_blocks``, ``lstrip_blocks``,
+``raise_exception``, ``strftime_now``, a ``tojson`` that does not HTML-escape). A checkpoint without a pad
+token gets ``pad_id = eos_id`` (padding is always masked, the id only has to be valid).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+CHAR_SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+CHAR_PAD_ID, CHAR_BOS_ID, CHAR_EOS_ID, CHAR_UNK_ID = 0, 1, 2, 3
+CHAR_ALPHABET = "\n" + "".join(chr(c) for c in range(0x20, 0x7F))
+CHAR_VOCAB_SIZE = len(CHAR_SPECIALS) + len(CHAR_ALPHABET)  # 100
+
+CHAR_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}Q: {{ message['content'] }}\n"
+    "{% elif message['role'] == 'assistant' %}A: {{ message['content'] }}\n"
+    "{% else %}{{ message['content'] }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}A:{% endif %}"
+)
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
+TOKENIZER_JSON = "tokenizer.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
+# ------------------------------------------------------------------------------------ chat templates
+def _check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ValueError("apply_chat_template expects a list of {'role': ..., 'content': ...} dicts")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+            raise ValueError(f"chat message {i} must be a dict with 'role' and 'content', got {m!r}")
+        out.append(dict(m))
+    return out
+
+
+def render_chat_template(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    **variables: Any,
+) -> str:
+    """Render a Hugging Face style chat template with jinja2 (sandboxed)."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(f"chat template error: {message}")
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return _dt.datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        compiled = env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat template does not parse (line {e.lineno}): {e.message}") from e
+    return compiled.render(messages=_check_messages(messages), add_generation_prompt=add_generation_prompt, **variables)
+
+
+# ------------------------------------------------------------------------------------ CharTokenizer
+class CharTokenizer:
+    """One id per character; see the module docstring for the id layout."""
+
+    def __init__(self) -> None:
+        self._to_id = {ch: i + len(CHAR_SPECIALS) for i, ch in enumerate(CHAR_ALPHABET)}
+        self.chat_template = CHAR_CHAT_TEMPLATE
+
+    vocab_size = CHAR_VOCAB_SIZE
+    pad_id = CHAR_PAD_ID
+    bos_id = CHAR_BOS_ID
+    eos_id = CHAR_EOS_ID
+    unk_id = CHAR_UNK_ID
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a str, got {type(text).__name__}")
+        ids = [self._to_id.get(ch, CHAR_UNK_ID) for ch in text]
+        return [CHAR_BOS_ID] + ids if add_bos else ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        out = []
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < CHAR_VOCAB_SIZE:
+                raise ValueError(f"token id {i} is outside the CharTokenizer vocabulary [0, {CHAR_VOCAB_SIZE})")
+            if i >= len(CHAR_SPECIALS):
+                out.append(CHAR_ALPHABET[i - len(CHAR_SPECIALS)])
+            elif i == CHAR_UNK_ID:
+                out.append("\ufffd")
+            elif not skip_special_tokens:
+                out.append(CHAR_SPECIALS[i])
+        return "".join(out)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt)
+
+    def save(self, path: str | os.PathLike) -> None:
+        d = Path(path)
+        d.mkdir(parents=True, exist_ok=True)
+        cfg = {
+            "tokenizer_class": "CharTokenizer",
+            "llamarl_alphabet": CHAR_ALPHABET,
+            "pad_token": CHAR_SPECIALS[CHAR_PAD_ID],
+            "bos_token": CHAR_SPECIALS[CHAR_BOS_ID],
+            "eos_token": CHAR_SPECIALS[CHAR_EOS_ID],
+            "unk_token": CHAR_SPECIALS[CHAR_UNK_ID],
+            "chat_template": self.chat_template,
+        }
+        _atomic_write_text(d / TOKENIZER_CONFIG, json.dumps(cfg, indent=2))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "CharTokenizer":
+        cfg = _read_json(Path(path) / TOKENIZER_CONFIG)
+        if cfg.get("tokenizer_class") != "CharTokenizer":
+            raise ValueError(f"{Path(path) / TOKENIZER_CONFIG} does not describe a CharTokenizer")
+        if cfg.get("llamarl_alphabet") != CHAR_ALPHABET:
+            raise ValueError(
+                f"{Path(path) / TOKENIZER_CONFIG} was saved with a different character alphabet than this "
+                "version of llamarl's CharTokenizer; ids would not match"
+            )
+        tok = cls()
+        tok.chat_template = cfg.get("chat_template") or CHAR_CHAT_TEMPLATE
+        return tok
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer(vocab_size={self.vocab_size})"
+
+
+# ------------------------------------------------------------------------------------ HFTokenizer
+def _token_content(tok: Any) -> str | None:
+    if tok is None:
+        return None
+    if isinstance(tok, Mapping):
+        return tok.get("content")
+    return str(tok)
+
+
+class HFTokenizer:
+    """A ``tokenizers.Tokenizer`` plus the special tokens and chat template of a checkpoint."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        bos_token: str | None,
+        eos_token: str | None,
+        pad_token: str | None = None,
+        chat_template: str | None = None,
+        source: str = "<memory>",
+    ) -> None:
+        self._tok = tokenizer
+        self.source = source
+        self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
+        self.chat_template = chat_template
+        self.bos_id = self._special_id("bos_token", bos_token)
+        self.eos_id = self._special_id("eos_token", eos_token)
+        if self.eos_id is None:
+            raise ValueError(f"{source}: tokenizer has no eos_token; set 'eos_token' in {TOKENIZER_CONFIG}")
+        pad = self._special_id("pad_token", pad_token)
+        self.pad_id = self.eos_id if pad is None else pad
+
+    def _special_id(self, field: str, token: str | None) -> int | None:
+        if token is None:
+            return None
+        i = self._tok.token_to_id(token)
+        if i is None:
+            raise ValueError(f"{self.source}: {field} {token!r} is not in the tokenizer vocabulary")
+        return int(i)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"encode expects a str, got {type(text).__name__}")
+        ids = list(self._tok.encode(text, add_special_tokens=False).ids)
+        if add_bos:
+            if self.bos_id is None:
+                raise ValueError(f"{self.source}: add_bos=True but the tokenizer defines no bos_token")
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError(
+                f"{self.source}: no chat template (expected 'chat_template' in {TOKENIZER_CONFIG} or a "
+                f"{CHAT_TEMPLATE_FILE} file)"
+            )
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            pad_token=self.pad_token or "",
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> "HFTokenizer":
+        from tokenizers import Tokenizer
+
+        d = Path(path)
+        tj = d / TOKENIZER_JSON
+        if not tj.is_file():
+            raise FileNotFoundError(f"{tj} not found: a Hugging Face tokenizer directory needs {TOKENIZER_JSON}")
+        try:
+            tok = Tokenizer.from_file(str(tj))
+        except Exception as e:  # the tokenizers library raises a bare Exception on parse errors
+            raise ValueError(f"{tj} is not a valid tokenizer.json: {e}") from e
+        cfg = _read_json(d / TOKENIZER_CONFIG) if (d / TOKENIZER_CONFIG).is_file() else {}
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+            template = named.get("default") or next(iter(named.values()), None)
+        if (d / CHAT_TEMPLATE_FILE).is_file():
+            template = (d / CHAT_TEMPLATE_FILE).read_text()
+        return cls(
+            tok,
+            bos_token=_token_content(cfg.get("bos_token")),
+            eos_token=_token_content(cfg.get("eos_token")),
+            pad_token=_token_content(cfg.get("pad_token")),
+            chat_template=template,
+            source=str(d),
+        )
+
+    def save(self, path: str | os.PathLike) -> None:
+        d = Path(path)
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / (TOKENIZER_JSON + ".tmp")
+        self._tok.save(str(tmp))
+        os.replace(tmp, d / TOKENIZER_JSON)
+        cfg: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+        }
+        if self.chat_template:
+            cfg["chat_template"] = self.chat_template
+        _atomic_write_text(d / TOKENIZER_CONFIG, json.dumps(cfg, indent=2, ensure_ascii=False))
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({self.source!r}, vocab_size={self.vocab_size})"
+
+
+# ------------------------------------------------------------------------------------ loading
+def load_tokenizer(path: str | os.PathLike) -> CharTokenizer | HFTokenizer:
+    """Load the tokenizer saved in directory ``path``; the name ``"char"`` gives the built-in CharTokenizer."""
+    p = Path(path)
+    if not p.exists():
+        if str(path) == "char":
+            return CharTokenizer()
+        raise FileNotFoundError(f"tokenizer path {p} does not exist (pass a checkpoint directory or 'char')")
+    if p.is_file():
+        if p.name == TOKENIZER_JSON:
+            return HFTokenizer.from_dir(p.parent)
+        raise ValueError(f"{p} is a file; pass the directory holding {TOKENIZER_JSON} or {TOKENIZER_CONFIG}")
+    if (p / TOKENIZER_JSON).is_file():
+        return HFTokenizer.from_dir(p)
+    if (p / TOKENIZER_CONFIG).is_file():
+        cfg = _read_json(p / TOKENIZER_CONFIG)
+        if cfg.get("tokenizer_class") == "CharTokenizer":
+            return CharTokenizer.load(p)
+        raise FileNotFoundError(
+            f"{p} has a {TOKENIZER_CONFIG} for {cfg.get('tokenizer_class')!r} but no {TOKENIZER_JSON}; "
+            "only tokenizer.json-based (fast) tokenizers are supported"
+        )
+    raise FileNotFoundError(f"{p} holds neither {TOKENIZER_JSON} nor {TOKENIZER_CONFIG}")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

@@ -1,0 +1,190 @@
+"""Checkpoint I/O: our save_pretrained loads in transformers (same logits), HF checkpoints (single and
+sharded) load in ours, and every kind of bad checkpoint raises an error naming the problem."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+transformers = pytest.importorskip("transformers")
+
+from llamarl.models import Llama, LlamaConfig  # noqa: E402
+from llamarl.models.hf_io import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE  # noqa: E402
+
+CFG = LlamaConfig(
+    vocab_size=83, hidden_size=48, intermediate_size=77, num_hidden_layers=2, num_attention_heads=6,
+    num_key_value_heads=2, max_position_embeddings=64, rope_theta=500.0,
+    rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 16},
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny shapes: one intra-op thread is fastest and avoids oversubscribing a shared CPU (restored after)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def ours(tied: bool = False, seed: int = 0) -> Llama:
+    torch.manual_seed(seed)
+    m = Llama(CFG.replace(tie_word_embeddings=tied)).eval()
+    m.reset_parameters(std=0.1)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return m
+
+
+def hf_logits(path, x):
+    hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(x).logits
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_our_checkpoint_loads_in_transformers(tmp_path, tied):
+    m = ours(tied)
+    m.save_pretrained(tmp_path)
+    assert (tmp_path / WEIGHTS_FILE).is_file() and not list(tmp_path.glob("*.tmp"))
+    keys = set(load_file(tmp_path / WEIGHTS_FILE))
+    assert ("lm_head.weight" in keys) == (not tied)  # omitted when tied, like transformers
+    x = torch.randint(0, CFG.vocab_size, (2, 17))
+    with torch.no_grad():
+        mine = m(x)
+    torch.testing.assert_close(hf_logits(tmp_path, x), mine, rtol=1e-5, atol=1e-5)
+    again = Llama.from_pretrained(tmp_path)
+    assert again.config == m.config
+    with torch.no_grad():
+        assert torch.equal(again(x), mine)
+
+
+def test_sharded_save_roundtrip_and_transformers(tmp_path):
+    m = ours(tied=False)
+    m.save_pretrained(tmp_path, max_shard_bytes=40_000)
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and not (tmp_path / WEIGHTS_FILE).exists()
+    assert set(index["weight_map"]) == set(m.state_dict())
+    x = torch.randint(0, CFG.vocab_size, (2, 9))
+    with torch.no_grad():
+        mine = m(x)
+    torch.testing.assert_close(hf_logits(tmp_path, x), mine, rtol=1e-5, atol=1e-5)
+    loaded = Llama.from_pretrained(tmp_path)
+    for (n, a), (_, b) in zip(m.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), n
+    # re-saving as a single file replaces the shards (no stale mix of two checkpoints)
+    m.save_pretrained(tmp_path)
+    assert (tmp_path / WEIGHTS_FILE).exists() and not (tmp_path / INDEX_FILE).exists()
+    assert not list(tmp_path.glob("model-*-of-*.safetensors"))
+
+
+def test_loads_transformers_sharded_checkpoint(tmp_path):
+    torch.manual_seed(3)
+    hc = transformers.LlamaConfig(**{k: v for k, v in CFG.to_hf_dict().items() if k not in ("architectures", "model_type")})
+    hf = transformers.LlamaForCausalLM(hc).eval()
+    hf.save_pretrained(tmp_path, max_shard_size="50KB")
+    assert (tmp_path / INDEX_FILE).exists()
+    m = Llama.from_pretrained(tmp_path)
+    x = torch.randint(0, CFG.vocab_size, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), hf(x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_dtype_conversion(tmp_path):
+    m = ours()
+    m.to(torch.bfloat16).save_pretrained(tmp_path)
+    assert json.loads((tmp_path / CONFIG_FILE).read_text())["torch_dtype"] == "bfloat16"
+    assert load_file(tmp_path / WEIGHTS_FILE)["model.norm.weight"].dtype == torch.bfloat16
+    m32 = Llama.from_pretrained(tmp_path, dtype=torch.float32)
+    assert all(p.dtype == torch.float32 for p in m32.parameters())
+    assert torch.equal(m32.model.norm.weight, m.model.norm.weight.float())
+    with pytest.raises(ValueError, match="dtype"):
+        Llama.from_pretrained(tmp_path, dtype=torch.int8)
+
+
+# ------------------------------------------------------------------------------------ bad input
+def saved(tmp_path, tied=False):
+    ours(tied).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def edit_config(path, **changes):
+    cfg = json.loads((path / CONFIG_FILE).read_text())
+    cfg.update(changes)
+    (path / CONFIG_FILE).write_text(json.dumps(cfg))
+
+
+def test_missing_directory_and_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Llama.from_pretrained(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        Llama.from_pretrained(tmp_path)
+    p = saved(tmp_path)
+    (p / WEIGHTS_FILE).rename(p / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match="model.safetensors.*convert"):
+        Llama.from_pretrained(p)
+
+
+def test_corrupt_config_and_weights(tmp_path):
+    p = saved(tmp_path)
+    (p / CONFIG_FILE).write_text("{not json")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        Llama.from_pretrained(p)
+    p = saved(tmp_path)
+    data = (p / WEIGHTS_FILE).read_bytes()
+    (p / WEIGHTS_FILE).write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(ValueError, match="model.safetensors"):
+        Llama.from_pretrained(p)
+    (p / WEIGHTS_FILE).write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="not a readable safetensors"):
+        Llama.from_pretrained(p)
+
+
+def test_unsupported_architecture(tmp_path):
+    p = saved(tmp_path)
+    edit_config(p, model_type="mistral", architectures=["MistralForCausalLM"])
+    with pytest.raises(ValueError, match="unsupported architecture.*mistral"):
+        Llama.from_pretrained(p)
+
+
+def test_shape_mismatch_between_config_and_weights(tmp_path):
+    p = saved(tmp_path)
+    edit_config(p, intermediate_size=CFG.intermediate_size + 1)
+    with pytest.raises(ValueError, match="mlp.gate_proj.weight.*shape"):
+        Llama.from_pretrained(p)
+
+
+def test_missing_and_unexpected_tensors(tmp_path):
+    p = saved(tmp_path)
+    edit_config(p, num_hidden_layers=3)
+    with pytest.raises(ValueError, match="missing .*model.layers.2"):
+        Llama.from_pretrained(p)
+    p = saved(tmp_path)
+    edit_config(p, num_hidden_layers=1)
+    with pytest.raises(ValueError, match="does not have.*model.layers.1"):
+        Llama.from_pretrained(p)
+    p = saved(tmp_path, tied=True)
+    edit_config(p, tie_word_embeddings=False)
+    with pytest.raises(ValueError, match="lm_head.weight.*tie"):
+        Llama.from_pretrained(p)
+
+
+def test_non_float_weights_and_missing_shard(tmp_path):
+    p = saved(tmp_path)
+    sd = load_file(p / WEIGHTS_FILE)
+    sd["model.norm.weight"] = sd["model.norm.weight"].to(torch.int32)
+    save_file(sd, str(p / WEIGHTS_FILE), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="non-floating"):
+        Llama.from_pretrained(p)
+    p2 = tmp_path / "sharded"
+    ours().save_pretrained(p2, max_shard_bytes=40_000)
+    next(p2.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(FileNotFoundError, match="shard model-00002"):
+        Llama.from_pretrained(p2)

@@ -1,0 +1,253 @@
+"""Llama model vs transformers' LlamaForCausalLM (the independent reference), plus config checks.
+
+Random tiny HF models are saved with ``save_pretrained`` and loaded with ``Llama.from_pretrained``; the
+configs cover GQA, MQA, multi-head, llama3 and linear RoPE scaling, tied embeddings, odd sizes and a
+head_dim that differs from hidden_size / num_attention_heads. Everything is fp32 and CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from llamarl.generation.kv_cache import KVCache  # noqa: E402
+from llamarl.models import LLAMA_CONFIGS, Llama, LlamaConfig  # noqa: E402
+
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+CONFIGS = {
+    "gqa": dict(vocab_size=97, hidden_size=64, intermediate_size=83, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    "llama3_rope_tied": dict(
+        vocab_size=101, hidden_size=48, intermediate_size=100, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, rope_theta=500.0, rope_scaling=LLAMA3, tie_word_embeddings=True,
+    ),
+    "mha_odd": dict(vocab_size=61, hidden_size=40, intermediate_size=70, num_hidden_layers=3, num_attention_heads=5, num_key_value_heads=5),
+    "mqa_head_dim": dict(
+        vocab_size=89, hidden_size=32, intermediate_size=57, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16,
+    ),
+    "linear_rope": dict(
+        vocab_size=70, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, rope_scaling={"rope_type": "linear", "factor": 2.0},
+    ),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny shapes: one intra-op thread is fastest and avoids oversubscribing a shared CPU (restored after)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def hf_model(tmp_path, name: str, **extra):
+    kw = copy.deepcopy(dict(max_position_embeddings=64, initializer_range=0.1, rms_norm_eps=1e-5, **CONFIGS[name]))
+    kw.update(extra)  # (deep copy: transformers edits rope dicts in place)
+    torch.manual_seed(1234)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval()
+    with torch.no_grad():  # non-trivial norm weights, so a mix-up of norms would show
+        for n, p in hf.named_parameters():
+            if n.endswith("layernorm.weight") or n == "model.norm.weight":
+                p.uniform_(0.5, 1.5)
+    path = tmp_path / name
+    hf.save_pretrained(path)
+    return hf, path
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_match_transformers(tmp_path, name):
+    hf, path = hf_model(tmp_path, name)
+    model = Llama.from_pretrained(path)
+    x = torch.randint(0, hf.config.vocab_size, (3, 23))
+    with torch.no_grad():
+        ref = hf(x).logits
+        out = model(x)
+        h = model.hidden_states(x)
+    scale = ref.abs().max().item()
+    assert (out - ref).abs().max().item() <= 2e-5 * max(scale, 1.0)
+    # hidden_states is exactly what lm_head multiplies
+    torch.testing.assert_close(h @ model.lm_head_weight.T, out, rtol=0, atol=1e-5)
+
+
+def test_parameter_names_and_linears_match_hf(tmp_path):
+    for name, tied in (("gqa", False), ("llama3_rope_tied", True)):
+        hf, path = hf_model(tmp_path, name)
+        model = Llama.from_pretrained(path)
+        assert set(model.state_dict()) == set(hf.state_dict())
+        linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        assert len(linears) == 7 * model.config.num_hidden_layers + 1
+        assert all(type(m) is nn.Linear and m.bias is None for m in linears)
+        assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+        assert model.lm_head_weight is model.lm_head.weight
+        assert model.policy_version == 0
+
+
+def test_right_padded_batch_matches_unpadded(tmp_path):
+    _, path = hf_model(tmp_path, "gqa")
+    model = Llama.from_pretrained(path)
+    seqs = [torch.randint(0, 97, (n,)) for n in (11, 4, 8)]
+    batch = torch.zeros(3, 11, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        batch[i, : len(s)] = s
+        batch[i, len(s) :] = 5  # arbitrary pad token after the sequence
+    with torch.no_grad():
+        padded = model(batch)
+        for i, s in enumerate(seqs):
+            alone = model(s[None])
+            torch.testing.assert_close(padded[i, : len(s)], alone[0], rtol=1e-5, atol=1e-5)
+
+
+def test_attention_mask_left_padding_matches_unpadded(tmp_path):
+    _, path = hf_model(tmp_path, "llama3_rope_tied")
+    model = Llama.from_pretrained(path)
+    seqs = [torch.randint(0, 101, (n,)) for n in (9, 3, 6)]
+    T = 9
+    batch = torch.full((3, T), 7, dtype=torch.long)
+    mask = torch.zeros(3, T, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        batch[i, T - len(s) :] = s
+        mask[i, T - len(s) :] = 1
+    with torch.no_grad():
+        out = model(batch, attention_mask=mask)
+        assert torch.isfinite(out).all()
+        for i, s in enumerate(seqs):
+            torch.testing.assert_close(out[i, T - len(s) :], model(s[None])[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ragged", [True, False])
+def test_kv_cache_decode_equals_full_forward(tmp_path, ragged):
+    """Chunked prefill then token-by-token decode (int and tensor input_pos) vs one full forward.
+
+    ragged: left-padded rows (masked attention); otherwise equal lengths (the mask-free fast path)."""
+    _, path = hf_model(tmp_path, "llama3_rope_tied")
+    model = Llama.from_pretrained(path)
+    lens = [20, 13, 17] if ragged else [20, 20, 20]
+    seqs = [torch.randint(0, 101, (n,)) for n in lens]
+    P = 8  # prompt length of the longest row; the others are left-padded by the same amount
+    pad = [max(lens) - n for n in lens]
+    batch = torch.zeros(3, max(lens), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        batch[i, pad[i] :] = s
+    for tensor_pos in (False, True):
+        cache = KVCache(model.config, 3, 32, dtype=torch.float32, device="cpu")
+        cache.set_start(torch.tensor(pad))
+        assert cache.has_padding == ragged
+        with torch.no_grad():
+            chunks = [model(batch[:, :P], 0, cache), model(batch[:, P : P + 5], P, cache)]
+            for t in range(P + 5, max(lens)):
+                pos = torch.tensor([t]) if tensor_pos else t
+                chunks.append(model(batch[:, t : t + 1], pos, cache))
+            inc = torch.cat(chunks, dim=1)
+            for i, s in enumerate(seqs):
+                full = model(s[None])[0]
+                assert (inc[i, pad[i] :] - full).abs().max().item() < 1e-4
+
+
+def test_gradients_match_transformers(tmp_path):
+    hf, path = hf_model(tmp_path, "gqa")
+    model = Llama.from_pretrained(path).train()
+    hf.train()
+    x = torch.randint(0, 97, (2, 12))
+    y = torch.randint(0, 97, (2, 12))
+
+    def loss_of(logits):
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    loss_of(hf(x).logits).backward()
+    loss_of(model(x)).backward()
+    hf_params = dict(hf.named_parameters())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, hf_params[n].grad, rtol=1e-4, atol=1e-6, msg=f"grad of {n}")
+
+
+def test_bf16_close_to_fp32(tmp_path):
+    _, path = hf_model(tmp_path, "gqa")
+    m32 = Llama.from_pretrained(path)
+    m16 = Llama.from_pretrained(path, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in m16.parameters())
+    x = torch.randint(0, 97, (2, 10))
+    with torch.no_grad():
+        a, b = m32(x), m16(x).float()
+    assert b.dtype == torch.float32 and torch.isfinite(b).all()
+    assert (a - b).abs().max().item() < 0.05 * a.abs().max().item()
+
+
+def test_presets_sizes():
+    tiny, small = LLAMA_CONFIGS["tiny"], LLAMA_CONFIGS["small"]
+    assert 0.5e6 <= Llama(tiny).num_parameters() == tiny.num_parameters() <= 1.0e6
+    assert 15e6 <= Llama(small).num_parameters() == small.num_parameters() <= 30e6
+    # published parameter counts of the real checkpoints
+    assert LLAMA_CONFIGS["llama-3.2-1b"].num_parameters() == 1_235_814_400
+    assert LLAMA_CONFIGS["llama-3.1-8b"].num_parameters() == 8_030_261_248
+    assert abs(LLAMA_CONFIGS["llama-3.1-70b"].num_parameters() - 70.55e9) < 0.05e9
+    assert abs(LLAMA_CONFIGS["llama-3.1-405b"].num_parameters() - 405.85e9) < 0.1e9
+    from llamarl.models import CharTokenizer
+
+    assert tiny.vocab_size == CharTokenizer().vocab_size
+
+
+def test_config_hf_dict_roundtrip_and_transformers_agrees(tmp_path):
+    for name, cfg in LLAMA_CONFIGS.items():
+        assert LlamaConfig.from_hf_dict(cfg.to_hf_dict()) == cfg, name
+    # transformers 5.x writes the new dialect (rope_parameters); we read it back identically
+    hf, path = hf_model(tmp_path, "llama3_rope_tied")
+    import json
+
+    ours = LlamaConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+    assert ours.rope_scaling == LLAMA3 and ours.rope_theta == 500.0 and ours.tie_word_embeddings
+    assert ours.num_key_value_heads == 2 and ours.head_dim == 8
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(num_key_value_heads=3), "multiple of"),
+        (dict(head_dim=7), "even"),
+        (dict(hidden_size=0), "hidden_size"),
+        (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "yarn"),
+        (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "missing"),
+        (dict(eos_token_id=500), "eos_token_id"),
+        (dict(rms_norm_eps=0.0), "rms_norm_eps"),
+    ],
+)
+def test_config_validation(changes, match):
+    base = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    base.update(changes)
+    with pytest.raises(ValueError, match=match):
+        LlamaConfig(**base)
+
+
+def test_from_hf_dict_rejects_other_architectures():
+    d = LLAMA_CONFIGS["tiny"].to_hf_dict()
+    with pytest.raises(ValueError, match="mistral"):
+        LlamaConfig.from_hf_dict({**d, "model_type": "mistral", "architectures": ["MistralForCausalLM"]})
+    with pytest.raises(ValueError, match="attention_bias"):
+        LlamaConfig.from_hf_dict({**d, "attention_bias": True})
+    with pytest.raises(ValueError, match="hidden_act"):
+        LlamaConfig.from_hf_dict({**d, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="missing required"):
+        LlamaConfig.from_hf_dict({"model_type": "llama", "vocab_size": 10})
+
+
+def test_bad_inputs_raise():
+    model = Llama(LLAMA_CONFIGS["tiny"])
+    with pytest.raises(ValueError, match="input_ids"):
+        model(torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="input_ids"):
+        model(torch.ones(1, 3))
+    with pytest.raises(ValueError, match="input_pos"):
+        model(torch.ones(1, 3, dtype=torch.long), cache=KVCache(model.config, 1, 8, dtype=torch.float32, device="cpu"))
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(torch.ones(2, 3, dtype=torch.long), attention_mask=torch.ones(2, 4))

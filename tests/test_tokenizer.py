@@ -1,0 +1,141 @@
+"""Tokenizers: the built-in CharTokenizer and the tokenizer.json-backed one (checked against transformers'
+PreTrainedTokenizerFast for ids, decoding and chat-template rendering)."""
+
+from __future__ import annotations
+
+import json
+import string
+
+import pytest
+
+from llamarl.models import CharTokenizer, HFTokenizer, load_tokenizer
+
+LLAMA3_STYLE_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
+MESSAGES = [
+    {"role": "system", "content": "Answer with a number."},
+    {"role": "user", "content": "What is 12 + 30?  "},
+    {"role": "assistant", "content": "42"},
+    {"role": "user", "content": "And $x^2$ at x=3?"},
+]
+
+
+def test_char_tokenizer_roundtrip_and_alphabet():
+    tok = CharTokenizer()
+    required = string.digits + "+-*/=(),.? \n" + string.ascii_letters + "#\\{}$^_"
+    ids = tok.encode(required)
+    assert len(ids) == len(required) and tok.unk_id not in ids
+    assert tok.decode(ids) == required
+    assert len(set(ids)) == len(set(required))
+    assert all(0 <= i < tok.vocab_size for i in ids)
+    assert len({tok.pad_id, tok.bos_id, tok.eos_id}) == 3
+    assert tok.encode("1+1", add_bos=True)[0] == tok.bos_id
+    assert tok.decode([tok.bos_id, *tok.encode("ab"), tok.eos_id]) == "ab"
+    assert tok.decode([tok.bos_id, *tok.encode("ab"), tok.eos_id], skip_special_tokens=False) == "<bos>ab<eos>"
+    assert tok.encode("é") == [tok.unk_id] and tok.decode([tok.unk_id]) == "\ufffd"
+    with pytest.raises(ValueError, match="outside"):
+        tok.decode([tok.vocab_size])
+
+
+def test_char_tokenizer_chat_template_and_save(tmp_path):
+    tok = CharTokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": "2+2=?"}])
+    assert text == "Q: 2+2=?\nA:"
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=False) == "Q: x\n"
+    tok.save(tmp_path)
+    again = load_tokenizer(tmp_path)
+    assert isinstance(again, CharTokenizer) and again.encode("abc") == tok.encode("abc")
+    assert isinstance(load_tokenizer("char"), CharTokenizer)
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["What is 12 + 30? The answer is 42.", "Compute $x^2$ at x=3, giving 9.", "Natalia sold clips."] * 20
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eot_id|>",
+        "chat_template": LLAMA3_STYLE_TEMPLATE,
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+def test_hf_tokenizer_matches_transformers(hf_dir):
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    tok = load_tokenizer(hf_dir)
+    assert isinstance(tok, HFTokenizer)
+    assert tok.vocab_size == len(ref)
+    assert tok.bos_id == ref.bos_token_id and tok.eos_id == ref.eos_token_id
+    assert tok.pad_id == tok.eos_id  # no pad token in the checkpoint
+    text = "What is 12 + 30?<|eot_id|> Natalia sold 48 clips, é!"
+    ids = tok.encode(text)
+    assert ids == ref.encode(text, add_special_tokens=False)
+    assert tok.encode(text, add_bos=True) == [ref.bos_token_id] + ids
+    assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    assert tok.decode(ids, skip_special_tokens=False) == ref.decode(ids) == text
+    for gen in (True, False):
+        assert tok.apply_chat_template(MESSAGES, add_generation_prompt=gen) == ref.apply_chat_template(
+            MESSAGES, tokenize=False, add_generation_prompt=gen
+        )
+
+
+def test_hf_tokenizer_save_load_and_template_file(hf_dir, tmp_path):
+    tok = load_tokenizer(hf_dir)
+    out = tmp_path / "copy"
+    tok.save(out)
+    again = load_tokenizer(out)
+    assert again.encode("x=3") == tok.encode("x=3") and again.eos_id == tok.eos_id
+    assert again.apply_chat_template(MESSAGES) == tok.apply_chat_template(MESSAGES)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())  # older checkpoints: AddedToken dicts
+    cfg["eos_token"] = {"__type": "AddedToken", "content": "<|end_of_text|>", "special": True}
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert load_tokenizer(out).eos_id == tok.encode("<|end_of_text|>")[0]
+    (out / "chat_template.jinja").write_text("{% for m in messages %}[{{ m['role'] }}]{% endfor %}")
+    assert load_tokenizer(out).apply_chat_template(MESSAGES[:2]) == "[system][user]"
+
+
+def test_tokenizer_errors(hf_dir, tmp_path):
+    tok = load_tokenizer(hf_dir)
+    with pytest.raises(ValueError, match="unknown role tool"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+    with pytest.raises(ValueError, match="'role' and 'content'"):
+        tok.apply_chat_template([{"content": "x"}])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_tokenizer(tmp_path / "missing")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="neither tokenizer.json"):
+        load_tokenizer(empty)
+    (hf_dir / "tokenizer.json").write_text("{broken")
+    with pytest.raises(ValueError, match="not a valid tokenizer.json"):
+        load_tokenizer(hf_dir)
+    bad_cfg = tmp_path / "badcfg"
+    bad_cfg.mkdir()
+    (bad_cfg / "tokenizer_config.json").write_text('{"tokenizer_class": "LlamaTokenizer"}')
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        load_tokenizer(bad_cfg)
+
+
+def test_special_token_not_in_vocab(hf_dir):
+    cfg = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    cfg["eos_token"] = "</s>"
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="eos_token '</s>' is not in the tokenizer vocabulary"):
+        load_tokenizer(hf_dir)
