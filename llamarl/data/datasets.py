@@ -1,0 +1,160 @@
+"""Prompt/answer datasets: local JSONL or Parquet files -> a list of ``Sample``.
+
+A ``Sample(id, prompt, answer)`` is what every stage passes around: the prompt text before any
+formatting (templates, few-shot prefixes and chat templates are ``prompts.py``'s concern) and the
+reference answer *in the form the verifier expects*. GSM8K files store full solutions ending in
+``#### 72``; ``load_dataset`` reduces those to ``"72"`` (``reduce_answer=True``), so the verifier and the
+eval logs see the final answer only.
+
+File formats:
+  * ``.jsonl``: one JSON object per line, blank lines skipped;
+  * ``.parquet``: one row per sample (needs ``pyarrow``).
+``prompt_field``/``answer_field`` name the columns (defaults: GSM8K's ``question``/``answer``). Sample ids
+come from ``id_field`` when every record has it (must be unique), else ``"<file stem>-<index>"``.
+
+Errors name the file, the line (JSONL) or row (Parquet), the missing field and the fields present.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+GSM8K_MARKER = "####"
+SUPPORTED_SUFFIXES = (".jsonl", ".parquet")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One problem: a unique id, the raw prompt text, and the reference answer for the verifier."""
+
+    id: str
+    prompt: str
+    answer: str
+
+
+def reduce_answer(answer: str) -> str:
+    """GSM8K convention: the final answer is what follows the last ``####``; otherwise the stripped text."""
+    if GSM8K_MARKER in answer:
+        return answer.rsplit(GSM8K_MARKER, 1)[1].strip()
+    return answer.strip()
+
+
+def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must be one "
+                                 "JSON object") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{where}: expected a JSON object per line, got {type(obj).__name__}")
+            records.append((f"line {lineno}", obj))
+    return records
+
+
+def _read_parquet(path: Path) -> list[tuple[str, dict]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow (or convert it to .jsonl)") from None
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as e:  # pyarrow raises ArrowInvalid & co. for corrupt files
+        raise ValueError(f"{path}: not a readable Parquet file: {e}") from e
+    return [(f"row {i}", row) for i, row in enumerate(rows)]
+
+
+def _as_text(value: Any, field: str, where: str, path: Path, *, numbers_ok: bool) -> str:
+    if isinstance(value, str):
+        return value
+    if numbers_ok and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    kind = "a string or number" if numbers_ok else "a string"
+    raise ValueError(f"{path} {where}: field {field!r} must be {kind}, got {type(value).__name__} {value!r:.80}")
+
+
+def load_dataset(
+    path: str | os.PathLike,
+    prompt_field: str = "question",
+    answer_field: str = "answer",
+    *,
+    id_field: str | None = "id",
+    reduce_answers: bool = True,
+    limit: int | None = None,
+) -> list[Sample]:
+    """Read ``path`` (.jsonl or .parquet) into samples; see the module docstring for the conventions."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"dataset file {str(p)!r} does not exist")
+    if not p.is_file():
+        raise ValueError(f"dataset path {str(p)!r} is not a file")
+    suffix = p.suffix.lower()
+    if suffix == ".jsonl":
+        records = _read_jsonl(p)
+    elif suffix == ".parquet":
+        records = _read_parquet(p)
+    else:
+        raise ValueError(f"dataset file {str(p)!r}: unsupported extension {suffix!r}; use one of {SUPPORTED_SUFFIXES}")
+    if limit is not None:
+        if limit < 1:
+            raise ValueError(f"limit must be a positive number of samples, got {limit}")
+        records = records[:limit]
+    if not records:
+        raise ValueError(f"dataset file {str(p)!r} holds no records")
+
+    use_ids = id_field is not None and all(id_field in r for _, r in records)
+    samples: list[Sample] = []
+    seen: dict[str, str] = {}
+    for index, (where, rec) in enumerate(records):
+        for field in (prompt_field, answer_field):
+            if field not in rec:
+                raise ValueError(
+                    f"{p} {where}: missing field {field!r}; fields present: {sorted(rec)}. "
+                    "Pick the right ones with prompt_field=/answer_field= (--prompt-field/--answer-field)"
+                )
+        prompt = _as_text(rec[prompt_field], prompt_field, where, p, numbers_ok=False)
+        answer = _as_text(rec[answer_field], answer_field, where, p, numbers_ok=True)
+        if reduce_answers:
+            answer = reduce_answer(answer)
+        sid = _as_text(rec[id_field], id_field, where, p, numbers_ok=True) if use_ids else f"{p.stem}-{index}"
+        if sid in seen:
+            raise ValueError(f"{p} {where}: duplicate id {sid!r} (first seen at {seen[sid]}); ids must be unique")
+        seen[sid] = where
+        samples.append(Sample(sid, prompt, answer))
+    return samples
+
+
+def write_jsonl(
+    samples: Iterable[Sample],
+    path: str | os.PathLike,
+    prompt_field: str = "question",
+    answer_field: str = "answer",
+    id_field: str = "id",
+) -> Path:
+    """Write samples so that ``load_dataset(path, prompt_field, answer_field)`` reads them back unchanged."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for s in samples:
+            f.write(json.dumps({id_field: s.id, prompt_field: s.prompt, answer_field: s.answer}) + "\n")
+    os.replace(tmp, p)
+    return p
+
+
+def check_unique_ids(samples: Sequence[Sample]) -> None:
+    """Raise if two samples share an id (results are keyed by id)."""
+    seen: set[str] = set()
+    for s in samples:
+        if s.id in seen:
+            raise ValueError(f"duplicate sample id {s.id!r}; ids must be unique")
+        seen.add(s.id)

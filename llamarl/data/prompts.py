@@ -1,0 +1,203 @@
+"""Prompt rendering: a ``Sample`` -> the text (and token ids) the policy model sees.
+
+Three layers, each optional:
+  1. template: a raw string with a ``{prompt}`` placeholder, e.g. ``"Question: {prompt}\\nAnswer:"``.
+     Substitution is literal (``str.replace``), so LaTeX braces in a template need no escaping.
+  2. few-shot prefix: k solved examples (``Sample``s, e.g. from the training split) shown before the
+     question. Raw mode renders each as ``template(prompt) + shot_answer_template(answer) + separator``;
+     chat mode renders them as user/assistant turns.
+  3. chat template: ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)`` over
+     ``[system?] + [user, assistant] * k + [user]``; the template decides every special token.
+
+Token ids: raw text is encoded with a BOS when the tokenizer has one (``add_bos=None`` means exactly
+that); chat text is encoded without one, since chat templates write their own.
+
+``PromptDataset`` holds the samples with their rendered text and token ids (encoded once, up front, so a
+prompt over ``max_prompt_tokens`` is reported at construction, not mid-run) and yields shuffled
+batches per epoch, deterministically from ``(seed, epoch)``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Iterator, Protocol, Sequence
+
+from llamarl.data.datasets import Sample, check_unique_ids
+
+PROMPT_PLACEHOLDER = "{prompt}"
+ANSWER_PLACEHOLDER = "{answer}"
+
+
+class Tokenizer(Protocol):
+    bos_id: int | None
+    eos_id: int
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str: ...
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a sample becomes model input (see the module docstring)."""
+
+    template: str = PROMPT_PLACEHOLDER
+    chat: bool = False
+    system: str | None = None
+    shot_answer_template: str = ANSWER_PLACEHOLDER
+    shot_separator: str = "\n"
+    add_bos: bool | None = None  # None: raw text gets the tokenizer's BOS if it has one, chat text none
+
+    def __post_init__(self) -> None:
+        if PROMPT_PLACEHOLDER not in self.template:
+            raise ValueError(f"prompt template {self.template!r} must contain the placeholder {PROMPT_PLACEHOLDER}")
+        if ANSWER_PLACEHOLDER not in self.shot_answer_template:
+            raise ValueError(
+                f"shot_answer_template {self.shot_answer_template!r} must contain the placeholder {ANSWER_PLACEHOLDER}"
+            )
+        if self.system is not None and not self.chat:
+            raise ValueError("a system message needs chat=True (raw prompts have no roles; put it in the template)")
+
+
+def select_shots(pool: Sequence[Sample], k: int, *, seed: int = 0, exclude: Sequence[Sample] = ()) -> list[Sample]:
+    """``k`` distinct examples drawn deterministically from ``pool``, never one whose id is in ``exclude``."""
+    if k < 0:
+        raise ValueError(f"number of few-shot examples must be >= 0, got {k}")
+    banned = {s.id for s in exclude}
+    candidates = [s for s in pool if s.id not in banned]
+    if k > len(candidates):
+        raise ValueError(f"asked for {k} few-shot examples but only {len(candidates)} candidates are available")
+    return random.Random(f"few-shot:{seed}").sample(candidates, k)
+
+
+class PromptFormatter:
+    """Renders samples under a ``PromptFormat`` with fixed few-shot examples."""
+
+    def __init__(self, fmt: PromptFormat = PromptFormat(), *, shots: Sequence[Sample] = (),
+                 tokenizer: Tokenizer | None = None) -> None:
+        if fmt.chat and tokenizer is None:
+            raise ValueError("chat formatting needs a tokenizer (its apply_chat_template renders the messages)")
+        self.fmt = fmt
+        self.shots = tuple(shots)
+        self.tokenizer = tokenizer
+        self._shot_ids = {s.id for s in self.shots}
+
+    def _question(self, prompt: str) -> str:
+        return self.fmt.template.replace(PROMPT_PLACEHOLDER, prompt)
+
+    def _answer(self, answer: str) -> str:
+        return self.fmt.shot_answer_template.replace(ANSWER_PLACEHOLDER, answer)
+
+    def messages(self, sample: Sample) -> list[dict[str, str]]:
+        """The chat messages for ``sample`` (also meaningful in raw mode, for logging)."""
+        msgs: list[dict[str, str]] = []
+        if self.fmt.system is not None:
+            msgs.append({"role": "system", "content": self.fmt.system})
+        for shot in self.shots:
+            msgs.append({"role": "user", "content": self._question(shot.prompt)})
+            msgs.append({"role": "assistant", "content": self._answer(shot.answer)})
+        msgs.append({"role": "user", "content": self._question(sample.prompt)})
+        return msgs
+
+    def render(self, sample: Sample) -> str:
+        """The exact text the model is prompted with."""
+        if sample.id in self._shot_ids:
+            raise ValueError(f"sample {sample.id!r} is also one of the few-shot examples; its answer would leak")
+        if self.fmt.chat:
+            assert self.tokenizer is not None
+            text = self.tokenizer.apply_chat_template(self.messages(sample), add_generation_prompt=True)
+            if not isinstance(text, str):
+                raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected the rendered str")
+            return text
+        prefix = "".join(
+            self._question(s.prompt) + self._answer(s.answer) + self.fmt.shot_separator for s in self.shots
+        )
+        return prefix + self._question(sample.prompt)
+
+    def add_bos(self) -> bool:
+        if self.fmt.add_bos is not None:
+            return self.fmt.add_bos
+        return not self.fmt.chat and getattr(self.tokenizer, "bos_id", None) is not None
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of an already rendered prompt (BOS per ``add_bos``)."""
+        if self.tokenizer is None:
+            raise ValueError("encoding needs a tokenizer; pass tokenizer= to PromptFormatter")
+        return list(self.tokenizer.encode(text, add_bos=self.add_bos()))
+
+    def encode(self, sample: Sample) -> list[int]:
+        """Token ids of ``render(sample)``."""
+        return self.encode_text(self.render(sample))
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A sample with its rendered text and the token ids the generator receives."""
+
+    sample: Sample
+    text: str
+    token_ids: tuple[int, ...]
+
+
+class PromptDataset(Sequence[Prompt]):
+    """Samples rendered and tokenized once; index it, or iterate shuffled batches per epoch."""
+
+    def __init__(
+        self,
+        samples: Sequence[Sample],
+        tokenizer: Tokenizer,
+        fmt: PromptFormat = PromptFormat(),
+        *,
+        shots: Sequence[Sample] = (),
+        max_prompt_tokens: int | None = None,
+        drop_long: bool = False,
+    ) -> None:
+        if not samples:
+            raise ValueError("PromptDataset needs at least one sample")
+        check_unique_ids(samples)
+        self.formatter = PromptFormatter(fmt, shots=shots, tokenizer=tokenizer)
+        prompts: list[Prompt] = []
+        too_long: list[tuple[str, int]] = []
+        for s in samples:
+            text = self.formatter.render(s)
+            ids = tuple(self.formatter.encode_text(text))
+            if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+                too_long.append((s.id, len(ids)))
+                continue
+            prompts.append(Prompt(s, text, ids))
+        if too_long and not drop_long:
+            sid, n = too_long[0]
+            raise ValueError(
+                f"{len(too_long)} of {len(samples)} prompts exceed max_prompt_tokens={max_prompt_tokens} (e.g. "
+                f"sample {sid!r}: {n} tokens); shorten the template/few-shot prefix, raise the limit, or pass "
+                "drop_long=True to skip them"
+            )
+        if not prompts:
+            raise ValueError(f"every prompt exceeds max_prompt_tokens={max_prompt_tokens}")
+        self.prompts = prompts
+        self.dropped_ids: tuple[str, ...] = tuple(sid for sid, _ in too_long)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.prompts[index]
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [p.sample for p in self.prompts]
+
+    def batches(self, batch_size: int, *, epoch: int = 0, seed: int = 0, shuffle: bool = True,
+                drop_last: bool = False) -> Iterator[list[Prompt]]:
+        """One epoch of batches; the order depends only on ``(seed, epoch)``."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        order = list(range(len(self.prompts)))
+        if shuffle:
+            random.Random(f"prompt-batches:{seed}:{epoch}").shuffle(order)
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            if drop_last and len(chunk) < batch_size:
+                return
+            yield [self.prompts[i] for i in chunk]

@@ -1,0 +1,352 @@
+"""Evaluate a policy: generate n completions per prompt, verify them, report accuracy and pass@k.
+
+    python -m llamarl.eval --model PATH --dataset FILE|synthetic:arithmetic \\
+        --reward gsm8k|math|exact|module:function -n 8 -k 1,8 --output results.jsonl
+
+Metrics, over P prompts with n completions each, c_i of them correct (reward >= ``correct_threshold``,
+1.0 by default, so a built-in verifier's 1.0/0.0 is right/wrong):
+  * accuracy   = sum_i c_i / (P n)                       (the mean correctness of a single sample)
+  * pass@k     = mean_i [1 - C(n - c_i, k) / C(n, k)]    (Chen et al. 2021, unbiased for k <= n),
+                 computed as 1 - prod_{j = n - c + 1}^{n} (1 - k / j), which never forms a binomial;
+  * mean_reward, and the number of reward errors/timeouts.
+
+Flow: samples -> ``PromptFormatter`` (template, few-shot, chat template) -> token ids -> batches of
+``batch_size`` prompts through one ``GenerationEngine`` (KV cache reused across batches) -> decoded
+completions -> rewards. With a ``RewardPool`` the completions of a batch are scored in the worker
+processes while the next batch generates; a plain callable is scored in-process (an exception costs
+the sample a 0.0 and is recorded, but there is no timeout). Per-sample records go to JSONL.
+
+``--dataset synthetic:arithmetic[:digits=3,n_terms=2,ops=+-,seed=0,n=200]`` evaluates the built-in
+task's held-out split (n problems; its reward defaults to ``exact`` and its stop token to newline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import json
+import math
+import os
+import sys
+import time
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from llamarl.data import PromptFormat, PromptFormatter, Sample, load_dataset, select_shots
+from llamarl.data.synthetic import SYNTHETIC_PREFIX, parse_synthetic_spec
+from llamarl.rewards import RewardPool, RewardPoolError, load_reward
+
+
+
+# ------------------------------------------------------------------------------------ metrics
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k for one problem with ``c`` correct out of ``n`` samples (Chen et al. 2021)."""
+    if not 0 <= c <= n:
+        raise ValueError(f"need 0 <= correct <= samples, got correct={c}, samples={n}")
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n (samples per prompt), got k={k}, n={n}")
+    if n - c < k:
+        return 1.0
+    prob_all_wrong = 1.0
+    for j in range(n - c + 1, n + 1):
+        prob_all_wrong *= 1.0 - k / j
+    return 1.0 - prob_all_wrong
+
+
+@dataclass(frozen=True)
+class SampleRecord:
+    """One completion and its verdict; a line of the per-sample JSONL."""
+
+    sample_id: str
+    completion_index: int
+    prompt: str
+    completion: str
+    answer: str
+    reward: float
+    correct: bool
+    error: str | None
+    finish_reason: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    accuracy: float
+    pass_at_k: dict[int, float]
+    mean_reward: float
+    num_prompts: int
+    n: int
+    num_errors: int
+    wall_s: float
+    records: list[SampleRecord] = field(repr=False)
+
+    def summary(self) -> dict[str, Any]:
+        """Everything but the per-sample records, JSON-ready."""
+        out = {k: v for k, v in asdict(self).items() if k != "records"}
+        out["pass_at_k"] = {f"pass@{k}": v for k, v in self.pass_at_k.items()}
+        return out
+
+    def format(self) -> str:
+        ks = "  ".join(f"pass@{k}={v:.4f}" for k, v in self.pass_at_k.items())
+        return (
+            f"accuracy={self.accuracy:.4f}  {ks}  mean_reward={self.mean_reward:.4f}  "
+            f"prompts={self.num_prompts}  n={self.n}  reward_errors={self.num_errors}  wall={self.wall_s:.1f}s"
+        )
+
+    def write_jsonl(self, path: str | os.PathLike) -> Path:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(p.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for r in self.records:
+                f.write(json.dumps(asdict(r), ensure_ascii=False) + "\n")
+        os.replace(tmp, p)
+        return p
+
+
+# ------------------------------------------------------------------------------------ evaluation
+RewardLike = str | Callable[[str, str], float] | RewardPool
+
+
+def _score_in_process(
+    fn: Callable[[str, str], float], sample_id: str, completion: str, answer: str
+) -> tuple[float, str | None]:
+    try:
+        reward = float(fn(completion, answer))
+    except Exception as e:
+        return 0.0, f"sample {sample_id!r}: {type(e).__name__}: {e}"
+    if not math.isfinite(reward):
+        return 0.0, f"sample {sample_id!r}: reward function returned {reward}"
+    return reward, None
+
+
+def evaluate(
+    model: Any,
+    tokenizer: Any,
+    samples: Sequence[Sample],
+    reward_fn: RewardLike,
+    n: int = 1,
+    k: Sequence[int] = (1,),
+    temperature: float = 0.0,
+    max_new_tokens: int = 256,
+    batch_size: int = 16,
+    *,
+    fmt: PromptFormat = PromptFormat(),
+    shots: Sequence[Sample] = (),
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_token_ids: Sequence[int] = (),
+    correct_threshold: float = 1.0,
+    engine: Any = None,
+    progress: bool = False,
+) -> EvalResult:
+    """Generate ``n`` completions per sample, score them with ``reward_fn``, compute the metrics.
+
+    ``reward_fn``: a spec string, a ``(completion, answer) -> float`` callable, or a ``RewardPool``.
+    ``engine``: an existing ``GenerationEngine`` to reuse (its batch capacity must fit
+    ``batch_size * n`` rows); by default one is built for this call.
+    """
+    import torch
+    from tqdm import tqdm
+
+    from llamarl.generation import GenerationEngine, SamplingParams
+
+    if not samples:
+        raise ValueError("evaluate needs at least one sample")
+    ks = sorted(set(int(x) for x in k))
+    if not ks or ks[0] < 1 or ks[-1] > n:
+        raise ValueError(f"every k must satisfy 1 <= k <= n={n} (samples per prompt), got k={list(k)}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if isinstance(reward_fn, str):
+        reward_fn = load_reward(reward_fn)
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, n=n,
+        stop_token_ids=tuple(stop_token_ids), seed=seed,
+    )
+    formatter = PromptFormatter(fmt, shots=shots, tokenizer=tokenizer)
+    texts = [formatter.render(s) for s in samples]
+    token_ids = [formatter.encode_text(t) for t in texts]
+    if engine is None:
+        longest = max(len(t) for t in token_ids)
+        engine = GenerationEngine(model, max_batch_size=min(batch_size, len(samples)) * n,
+                                  max_seq_len=max(2, longest + max_new_tokens))
+    elif engine.max_batch_size < min(batch_size, len(samples)) * n:
+        raise ValueError(
+            f"the engine holds {engine.max_batch_size} rows but a batch needs {min(batch_size, len(samples)) * n} "
+            f"(batch_size={batch_size} x n={n}); lower batch_size or build a larger engine"
+        )
+
+    start = time.perf_counter()
+    # (prompt index, sample index, (reward, error) or Future, completion, num tokens, finish reason)
+    pending: list[tuple[int, int, Any, str, int, str]] = []
+    bar = tqdm(total=len(samples), desc="eval", unit="prompt", disable=not progress, file=sys.stderr)
+    for b0 in range(0, len(samples), batch_size):
+        batch = token_ids[b0 : b0 + batch_size]
+        batch_params = replace(params, seed=seed * 1_000_003 + b0)  # fresh randomness per batch
+        with torch.inference_mode():
+            outs = engine.generate(batch, batch_params, eos_token_id=tokenizer.eos_id)
+        for out in outs:
+            i = b0 + out.prompt_index
+            s = samples[i]
+            completion = tokenizer.decode(out.token_ids)
+            if isinstance(reward_fn, RewardPool):
+                scored: Any = reward_fn.submit(s.id, completion, s.answer)
+            else:
+                scored = _score_in_process(reward_fn, s.id, completion, s.answer)
+            pending.append((i, out.sample_index, scored, completion, len(out.token_ids), out.finish_reason))
+        bar.update(len(batch))
+    bar.close()
+
+    records: list[SampleRecord] = []
+    correct_per_prompt = [0] * len(samples)
+    for i, j, scored, completion, num_tokens, finish_reason in pending:
+        if isinstance(scored, Future):
+            res = scored.result()
+            reward, error = res.reward, res.error
+        else:
+            reward, error = scored
+        s = samples[i]
+        correct = reward >= correct_threshold
+        correct_per_prompt[i] += int(correct)
+        records.append(SampleRecord(s.id, j, texts[i], completion, s.answer, reward, correct, error,
+                                    finish_reason, num_tokens))
+    total = len(records)
+    return EvalResult(
+        accuracy=sum(correct_per_prompt) / total,
+        pass_at_k={kk: sum(pass_at_k(n, c, kk) for c in correct_per_prompt) / len(samples) for kk in ks},
+        mean_reward=sum(r.reward for r in records) / total,
+        num_prompts=len(samples),
+        n=n,
+        num_errors=sum(r.error is not None for r in records),
+        wall_s=time.perf_counter() - start,
+        records=records,
+    )
+
+
+# ------------------------------------------------------------------------------------ CLI
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m llamarl.eval", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="checkpoint directory (config.json + safetensors)")
+    p.add_argument("--tokenizer", help="tokenizer directory or 'char' (default: the model directory)")
+    p.add_argument("--dataset", required=True, help=f"a .jsonl/.parquet file or '{SYNTHETIC_PREFIX}[:opts]'")
+    p.add_argument("--reward", help="gsm8k | math | exact | module:function | file.py:function "
+                                    "(default: exact for the synthetic task)")
+    p.add_argument("-n", "--num-samples", dest="n", type=int, default=1, help="completions per prompt (default: 1)")
+    p.add_argument("-k", dest="k", default=None, help="comma-separated k for pass@k (default: 1 and n)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (default: 0, greedy, if n == 1, else 1.0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1, off)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (default: 0, off)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="completion budget (default: 256; 16 for the synthetic task)")
+    p.add_argument("--batch-size", type=int, default=16, help="prompts per generation batch (default: 16)")
+    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N samples")
+    p.add_argument("--prompt-field", default="question", help="dataset field of the prompt (default: question)")
+    p.add_argument("--answer-field", default="answer", help="dataset field holding the answer (default: answer)")
+    p.add_argument("--id-field", default="id", help="dataset field of sample ids, if any (default: id)")
+    p.add_argument("--template", default="{prompt}",
+                   help="raw prompt template with a {prompt} placeholder (default: {prompt})")
+    p.add_argument("--chat", action="store_true", help="render prompts with the tokenizer's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--few-shot", type=int, default=0, help="number of solved examples to prefix (default: 0)")
+    p.add_argument("--few-shot-file", default=None,
+                   help="where few-shot examples come from (default: the synthetic train split, or the dataset "
+                        "itself, in which case the examples are left out of the evaluation)")
+    p.add_argument("--stop", action="append", default=None,
+                   help="stop string that is one token, escapes allowed (e.g. '\\n'); repeatable")
+    p.add_argument("--seed", type=int, default=0, help="sampling and few-shot selection seed (default: 0)")
+    p.add_argument("--reward-workers", type=int, default=2, help="reward worker processes (default: 2)")
+    p.add_argument("--reward-timeout", type=float, default=5.0,
+                   help="seconds per sample before its worker is killed (default: 5)")
+    p.add_argument("--correct-threshold", type=float, default=1.0,
+                   help="a completion counts as correct when its reward >= this (default: 1)")
+    p.add_argument("--device", default="cpu", help="torch device for the model (default: cpu)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="model weight dtype (default: float32)")
+    p.add_argument("--output", default="eval_results.jsonl",
+                   help="per-sample JSONL; the summary goes to <name>.summary.json (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    return p
+
+
+def _stop_ids(tokenizer: Any, stops: Sequence[str]) -> list[int]:
+    ids = []
+    for raw in stops:
+        text = codecs.decode(raw, "unicode_escape")
+        enc = tokenizer.encode(text, add_bos=False)
+        if len(enc) != 1:
+            raise ValueError(f"--stop {raw!r} encodes to {len(enc)} tokens {enc}; a stop must be exactly one token")
+        ids.append(enc[0])
+    return ids
+
+
+def run(args: argparse.Namespace) -> EvalResult:
+    import torch
+
+    from llamarl.models import Llama, load_tokenizer
+
+    synthetic = args.dataset.startswith(SYNTHETIC_PREFIX)
+    same_file_shots = False
+    if synthetic:
+        task, count = parse_synthetic_spec(args.dataset)
+        samples = task.heldout_samples(args.limit or count)
+        shot_pool = task.train_samples(max(args.few_shot * 10, 1)) if args.few_shot else []
+    else:
+        samples = load_dataset(args.dataset, args.prompt_field, args.answer_field, id_field=args.id_field)
+        if args.few_shot_file:
+            shot_pool = load_dataset(args.few_shot_file, args.prompt_field, args.answer_field, id_field=args.id_field)
+        else:
+            shot_pool, same_file_shots = samples, True
+    shots = select_shots(shot_pool, args.few_shot, seed=args.seed) if args.few_shot else []
+    if same_file_shots and shots:
+        used = {s.id for s in shots}
+        samples = [s for s in samples if s.id not in used]
+    if not synthetic and args.limit is not None:
+        samples = samples[: args.limit]
+    reward_spec = args.reward or ("exact" if synthetic else None)
+    if reward_spec is None:
+        raise ValueError("--reward is required for a dataset file (gsm8k, math, exact or module:function)")
+    load_reward(reward_spec)  # a bad spec fails here, before the model is loaded
+    args.reward = reward_spec
+    n = args.n
+    ks = [int(x) for x in args.k.split(",")] if args.k else sorted({1, n})
+    temperature = args.temperature if args.temperature is not None else (0.0 if n == 1 else 1.0)
+    max_new = args.max_new_tokens or (16 if synthetic else 256)
+
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    stops = args.stop if args.stop is not None else (["\\n"] if synthetic else [])
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    model = Llama.from_pretrained(args.model, dtype=dtype, device=args.device).eval()
+    fmt = PromptFormat(template=args.template, chat=args.chat, system=args.system)
+    with RewardPool(reward_spec, num_workers=args.reward_workers, timeout_s=args.reward_timeout) as pool:
+        return evaluate(
+            model, tokenizer, samples, pool, n=n, k=ks, temperature=temperature, max_new_tokens=max_new,
+            batch_size=args.batch_size, fmt=fmt, shots=shots, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+            stop_token_ids=_stop_ids(tokenizer, stops), correct_threshold=args.correct_threshold,
+            progress=not args.no_progress,
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result = run(args)
+    except (FileNotFoundError, ValueError, ImportError, RewardPoolError) as e:
+        print(f"llamarl.eval: error: {e}", file=sys.stderr)
+        return 2
+    out = result.write_jsonl(args.output)
+    summary_path = out.with_name(out.stem + ".summary.json")
+    summary_path.write_text(json.dumps({"dataset": args.dataset, "model": args.model, "reward": args.reward,
+                                        **result.summary()}, indent=2))
+    print(result.format())
+    print(f"per-sample results: {out}\nsummary: {summary_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

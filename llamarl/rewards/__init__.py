@@ -1,0 +1,40 @@
+"""Verifiable rewards: built-in verifiers, reward specs, and a process pool that scores with timeouts.
+
+    from llamarl.rewards import gsm8k_reward, math_reward, exact_reward, load_reward, RewardPool
+    gsm8k_reward("... #### 72", "72") == 1.0          # final number, exact decimal equality
+    math_reward("... \\boxed{\\frac{1}{2}}", "0.5") == 1.0 # last box, math-verify equivalence
+    fn = load_reward("math" | "gsm8k" | "exact" | "pkg.module:function" | "file.py:function")
+    with RewardPool("math", num_workers=4, timeout_s=5.0) as pool:
+        results = pool.score([(sample_id, completion, answer), ...])  # -> list[RewardResult]
+
+Every reward function maps (completion: str, answer: str) to a float; the built-ins return exactly 1.0
+or 0.0 and never raise. Modules: gsm8k, math, exact (verifiers), format (format rewards), deadline
+(thread-safe time budgets), registry (spec -> function), workers (RewardPool).
+"""
+
+from llamarl.rewards.deadline import DeadlineExceeded, call_with_deadline
+from llamarl.rewards.exact import exact_reward
+from llamarl.rewards.format import FORMAT_STYLES, FormattedReward, format_reward
+from llamarl.rewards.gsm8k import gsm8k_reward
+from llamarl.rewards.math import math_reward
+from llamarl.rewards.registry import BUILTIN_REWARDS, RewardFn, RewardSpecError, load_reward
+from llamarl.rewards.workers import RewardPool, RewardPoolError, RewardResult, RewardStats
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "FORMAT_STYLES",
+    "DeadlineExceeded",
+    "FormattedReward",
+    "RewardFn",
+    "RewardPool",
+    "RewardPoolError",
+    "RewardResult",
+    "RewardSpecError",
+    "RewardStats",
+    "call_with_deadline",
+    "exact_reward",
+    "format_reward",
+    "gsm8k_reward",
+    "load_reward",
+    "math_reward",
+]

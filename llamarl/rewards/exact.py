@@ -1,0 +1,24 @@
+"""Exact-match verifier for the built-in synthetic task (``llamarl.data.ArithmeticTask``).
+
+The completion is cut at its first newline (or its end), stripped of surrounding whitespace, and must
+equal the stripped reference answer character for character: ``"579\\n..."`` matches ``"579"``,
+``" 579 "`` matches, ``"5790"``, ``"57"``, ``"579.0"`` and ``"+579"`` do not. There is no partial
+credit: the tiny character-level model either produces the answer or it does not.
+
+Invariant: returns exactly 1.0 or 0.0 and never raises (a non-string scores 0.0).
+"""
+
+from __future__ import annotations
+
+
+def first_line(completion: str) -> str:
+    """The completion up to (not including) its first newline, stripped."""
+    return completion.split("\n", 1)[0].strip()
+
+
+def exact_reward(completion: str, answer: str) -> float:
+    """1.0 iff the first line of ``completion``, stripped, equals ``answer`` stripped."""
+    if not isinstance(completion, str) or not isinstance(answer, str):
+        return 0.0
+    expected = answer.strip()
+    return 1.0 if expected and first_line(completion) == expected else 0.0

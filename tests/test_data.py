@@ -1,0 +1,279 @@
+"""Datasets (JSONL/Parquet loading and its error messages), prompt rendering (templates, few-shot, chat
+templates, token ids), PromptDataset, and the synthetic ArithmeticTask with its exact verifier."""
+
+from __future__ import annotations
+
+import json
+import re
+from fractions import Fraction
+
+import pytest
+
+from llamarl.data import (
+    ArithmeticTask,
+    PromptDataset,
+    PromptFormat,
+    PromptFormatter,
+    Sample,
+    load_dataset,
+    reduce_answer,
+    select_shots,
+    write_jsonl,
+)
+from llamarl.models import CharTokenizer
+from llamarl.rewards import exact_reward, format_reward, load_reward
+
+GSM8K_ROWS = [
+    {"question": "Natalia sold 48 clips in April and half as many in May. How many in total?",
+     "answer": "In May she sold 48/2 = 24.\nIn total 48+24 = 72.\n#### 72"},
+    {"question": "What is 2+2?", "answer": "#### 4"},
+    {"question": "A number question", "answer": 1000},
+]
+
+
+def _write_lines(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------------------------ load_dataset
+def test_load_jsonl_reduces_gsm8k_answers(tmp_path):
+    p = _write_lines(tmp_path / "gsm.jsonl", [json.dumps(r) for r in GSM8K_ROWS] + [""])  # trailing blank ok
+    samples = load_dataset(p)
+    assert [s.answer for s in samples] == ["72", "4", "1000"]
+    assert [s.id for s in samples] == ["gsm-0", "gsm-1", "gsm-2"]
+    assert samples[0].prompt == GSM8K_ROWS[0]["question"]
+    raw = load_dataset(p, reduce_answers=False)
+    assert raw[0].answer == GSM8K_ROWS[0]["answer"]
+    assert len(load_dataset(p, limit=2)) == 2
+
+
+def test_custom_fields_and_ids(tmp_path):
+    rows = [{"uid": "a", "problem": "p1", "solution": "\\frac12"}, {"uid": "b", "problem": "p2", "solution": "3"}]
+    p = _write_lines(tmp_path / "math.jsonl", [json.dumps(r) for r in rows])
+    samples = load_dataset(p, prompt_field="problem", answer_field="solution", id_field="uid")
+    assert samples == [Sample("a", "p1", "\\frac12"), Sample("b", "p2", "3")]
+
+
+def test_parquet_roundtrip(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    table = pa.table({"question": ["q1", "q2"], "answer": ["sol #### 5", "7"], "id": ["x1", "x2"]})
+    pq.write_table(table, tmp_path / "d.parquet")
+    assert load_dataset(tmp_path / "d.parquet") == [Sample("x1", "q1", "5"), Sample("x2", "q2", "7")]
+    expected = r"row 0: missing field 'problem'; fields present: \['answer', 'id', 'question'\]"
+    with pytest.raises(ValueError, match=expected):
+        load_dataset(tmp_path / "d.parquet", prompt_field="problem")
+
+
+@pytest.mark.parametrize(
+    "lines,kwargs,message",
+    [
+        (['{"question": "a", "answer": "1"}', '{"question": "b", "answer": '], {}, r"bad\.jsonl:2: not valid JSON"),
+        (['{"question": "a", "answer": "1"}', "[1, 2]"], {}, r"bad\.jsonl:2: expected a JSON object"),
+        (['{"q": "a", "answer": "1"}'], {}, r"line 1: missing field 'question'; fields present: \['answer', 'q'\]"),
+        (['{"question": "a", "answer": "1"}'], {"answer_field": "solution"}, r"missing field 'solution'"),
+        (['{"question": 5, "answer": "1"}'], {}, r"field 'question' must be a string"),
+        (['{"question": "a", "answer": null}'], {}, r"field 'answer' must be a string or number"),
+        (['{"id": "x", "question": "a", "answer": "1"}', '{"id": "x", "question": "b", "answer": "2"}'], {},
+         r"line 2: duplicate id 'x' \(first seen at line 1\)"),
+        (["", "  "], {}, r"holds no records"),
+    ],
+)
+def test_load_errors_name_the_problem(tmp_path, lines, kwargs, message):
+    p = _write_lines(tmp_path / "bad.jsonl", lines)
+    with pytest.raises(ValueError, match=message):
+        load_dataset(p, **kwargs)
+
+
+def test_missing_file_and_bad_extension(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_dataset(tmp_path / "nope.jsonl")
+    (tmp_path / "d.csv").write_text("question,answer\n")
+    with pytest.raises(ValueError, match=r"unsupported extension '\.csv'"):
+        load_dataset(tmp_path / "d.csv")
+
+
+def test_write_jsonl_roundtrip(tmp_path):
+    samples = [Sample("a", "1+1=", "2"), Sample("b", 'quote " and \\boxed{x}', "-3")]
+    write_jsonl(samples, tmp_path / "out.jsonl")
+    assert load_dataset(tmp_path / "out.jsonl") == samples
+
+
+@pytest.mark.parametrize(
+    "answer,expected", [("sol\n#### 72", "72"), ("#### 1 #### 2", "2"), (" 5 ", "5"), ("\\frac12", "\\frac12")]
+)
+def test_reduce_answer(answer, expected):
+    assert reduce_answer(answer) == expected
+
+
+# ------------------------------------------------------------------------------------ prompts
+SHOTS = [Sample("s1", "1+2=", "3"), Sample("s2", "4+4=", "8")]
+TARGET = Sample("t", "12+30=", "42")
+
+
+def test_raw_template_with_few_shot():
+    f = PromptFormatter(PromptFormat(template="Q: {prompt}"), shots=SHOTS)
+    assert f.render(TARGET) == "Q: 1+2=3\nQ: 4+4=8\nQ: 12+30="
+    g = PromptFormatter(PromptFormat(template="Solve {prompt} and put it in \\boxed{}."))
+    assert g.render(TARGET) == "Solve 12+30= and put it in \\boxed{}."  # braces need no escaping
+    fmt = PromptFormat(template="Q: {prompt}", shot_answer_template=" A: {answer}", shot_separator="\n\n")
+    h = PromptFormatter(fmt, shots=SHOTS)
+    assert h.render(TARGET) == "Q: 1+2= A: 3\n\nQ: 4+4= A: 8\n\nQ: 12+30="
+
+
+def test_chat_template_via_tokenizer():
+    tok = CharTokenizer()  # its template: "Q: <user>\nA: <assistant>\n" ... "A:"
+    f = PromptFormatter(PromptFormat(chat=True, system="Be brief."), shots=SHOTS[:1], tokenizer=tok)
+    assert f.messages(TARGET) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "1+2="},
+        {"role": "assistant", "content": "3"},
+        {"role": "user", "content": "12+30="},
+    ]
+    assert f.render(TARGET) == "Be brief.\nQ: 1+2=\nA: 3\nQ: 12+30=\nA:"
+    assert f.encode(TARGET) == tok.encode(f.render(TARGET), add_bos=False)  # chat text: no extra BOS
+
+
+def test_raw_encoding_adds_bos():
+    tok = CharTokenizer()
+    f = PromptFormatter(tokenizer=tok)
+    assert f.encode(TARGET) == [tok.bos_id] + tok.encode("12+30=")
+    assert PromptFormatter(PromptFormat(add_bos=False), tokenizer=tok).encode(TARGET) == tok.encode("12+30=")
+
+
+def test_prompt_format_validation():
+    with pytest.raises(ValueError, match=r"\{prompt\}"):
+        PromptFormat(template="no placeholder")
+    with pytest.raises(ValueError, match="chat=True"):
+        PromptFormat(system="sys")
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        PromptFormatter(PromptFormat(chat=True))
+    with pytest.raises(ValueError, match="leak"):
+        PromptFormatter(shots=SHOTS).render(SHOTS[0])
+
+
+def test_select_shots_is_deterministic_and_excludes():
+    pool = [Sample(f"p{i}", f"{i}+1=", str(i + 1)) for i in range(20)]
+    a = select_shots(pool, 3, seed=1, exclude=pool[:10])
+    assert a == select_shots(pool, 3, seed=1, exclude=pool[:10])
+    assert len({s.id for s in a}) == 3 and all(int(s.id[1:]) >= 10 for s in a)
+    with pytest.raises(ValueError, match="only 10 candidates"):
+        select_shots(pool, 11, exclude=pool[:10])
+
+
+def test_prompt_dataset_lengths_and_batches():
+    tok = CharTokenizer()
+    samples = ArithmeticTask(seed=3).train_samples(10)
+    ds = PromptDataset(samples, tok)
+    assert len(ds) == 10 and ds[0].token_ids == tuple([tok.bos_id] + tok.encode(samples[0].prompt))
+    epoch0 = [p.sample.id for b in ds.batches(3, epoch=0) for p in b]
+    assert sorted(epoch0) == sorted(s.id for s in samples)  # every prompt once per epoch
+    assert epoch0 == [p.sample.id for b in ds.batches(3, epoch=0) for p in b]  # deterministic
+    assert epoch0 != [p.sample.id for b in ds.batches(3, epoch=1) for p in b]  # reshuffled per epoch
+    assert [len(b) for b in ds.batches(3, drop_last=True)] == [3, 3, 3]
+    long = samples[:2] + [Sample("long", "1" * 40 + "=", "x")]
+    expected = r"1 of 3 prompts exceed max_prompt_tokens=20 \(e.g. sample 'long': 42 tokens\)"
+    with pytest.raises(ValueError, match=expected):
+        PromptDataset(long, tok, max_prompt_tokens=20)
+    kept = PromptDataset(long, tok, max_prompt_tokens=20, drop_long=True)
+    assert len(kept) == 2 and kept.dropped_ids == ("long",)
+    with pytest.raises(ValueError, match="duplicate sample id"):
+        PromptDataset([samples[0], samples[0]], tok)
+
+
+# ------------------------------------------------------------------------------------ ArithmeticTask
+def _exact_value(expr: str) -> Fraction:
+    """Independent reference: Python's own precedence over exact rationals."""
+    assert re.fullmatch(r"\d+([-+*/]\d+)+", expr), expr
+    value = eval(re.sub(r"\d+", lambda m: f"Fraction({m.group(0)})", expr), {"Fraction": Fraction})
+    return value
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"ops": ("+", "-")}, {"digits": 2, "n_terms": 4, "ops": "+-*/"}, {"digits": 1, "n_terms": 3, "ops": "*/"}],
+)
+def test_arithmetic_answers_are_exact(kwargs):
+    task = ArithmeticTask(**kwargs)
+    for s in task.train_samples(300) + task.heldout_samples(100):
+        assert s.prompt.endswith("=") and len(s.prompt) <= task.max_prompt_chars <= 64
+        value = _exact_value(s.prompt[:-1])
+        assert value.denominator == 1, s  # '/' always divides exactly
+        assert s.answer == str(value.numerator)
+        assert set(s.prompt + s.answer) <= set("0123456789+-*/=")
+        assert exact_reward(s.answer + "\n", s.answer) == 1.0
+
+
+def test_arithmetic_default_matches_the_issue_example():
+    s = ArithmeticTask().train_samples(50)
+    assert all(re.fullmatch(r"\d{1,3}\+\d{1,3}=", x.prompt) for x in s)
+    assert all(int(x.answer) == sum(map(int, x.prompt[:-1].split("+"))) for x in s)
+
+
+def test_arithmetic_splits_are_disjoint_deterministic_and_prefix_stable():
+    task = ArithmeticTask(digits=2, seed=7)
+    train = task.train_samples(3000)
+    held = task.heldout_samples(300)
+    assert not {s.prompt for s in train} & {s.prompt for s in held}
+    assert len({s.prompt for s in held}) == 300  # held-out problems are distinct
+    assert all(task.is_heldout(s.prompt) for s in held) and not any(task.is_heldout(s.prompt) for s in train)
+    assert task.heldout_samples(50) == held[:50] and task.train_samples(100) == train[:100]
+    assert ArithmeticTask(digits=2, seed=7).train_samples(100) == train[:100]
+    other = ArithmeticTask(digits=2, seed=8)
+    assert [s.prompt for s in other.train_samples(100)] != [s.prompt for s in train[:100]]
+    assert len({s.id for s in train}) == 3000
+
+
+def test_arithmetic_exports_through_load_dataset(tmp_path):
+    task = ArithmeticTask(ops="+-")
+    path = task.write_jsonl(tmp_path / "heldout.jsonl", "heldout", 25)
+    assert load_dataset(path) == task.heldout_samples(25)
+
+
+def test_arithmetic_validation_and_small_spaces():
+    with pytest.raises(ValueError, match="ops"):
+        ArithmeticTask(ops=("^",))
+    with pytest.raises(ValueError, match="n_terms"):
+        ArithmeticTask(n_terms=1)
+    with pytest.raises(ValueError, match="division supports digits"):
+        ArithmeticTask(digits=6, ops="/")
+    with pytest.raises(ValueError, match="split"):
+        ArithmeticTask().samples("test", 1)
+    tiny = ArithmeticTask(digits=1, n_terms=2, ops="+")  # 100 problems, ~10 held out
+    with pytest.raises(ValueError, match="too small"):
+        tiny.heldout_samples(60)
+
+
+# ------------------------------------------------------------------------------------ exact verifier
+EXACT_CASES = [
+    ("579", "579", 1.0),
+    ("579\n", "579", 1.0),
+    ("579\n123+456=579", "579", 1.0),  # only the first line counts
+    ("  579  \nmore", "579", 1.0),
+    ("579", " 579\n", 1.0),
+    ("-42\n", "-42", 1.0),
+    ("5790", "579", 0.0),  # shares digits
+    ("57", "579", 0.0),
+    ("579.0", "579", 0.0),  # exact, not numeric
+    ("+579", "579", 0.0),
+    ("\n579", "579", 0.0),  # empty first line
+    ("5 79", "579", 0.0),
+    ("", "579", 0.0),
+    ("", "", 0.0),  # an empty reference never matches
+    ("42", "-42", 0.0),
+]
+
+
+@pytest.mark.parametrize("completion,answer,expected", EXACT_CASES)
+def test_exact_reward(completion, answer, expected):
+    assert exact_reward(completion, answer) == expected
+    assert load_reward("exact")(completion, answer) == expected
+
+
+@pytest.mark.parametrize(
+    "completion,expected", [("579\n", 1.0), ("-3", 1.0), ("1.5", 1.0), ("abc", 0.0), ("", 0.0), ("5 7", 0.0)]
+)
+def test_exact_format_reward(completion, expected):
+    assert format_reward(completion, "exact") == expected

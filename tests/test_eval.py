@@ -1,0 +1,219 @@
+"""Evaluation: the unbiased pass@k estimator against brute-force enumeration, evaluate()'s bookkeeping on
+hand-computed cases, and `python -m llamarl.eval` end to end on a tiny checkpoint whose greedy
+completions are checked against transformers' generate."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from llamarl.data import PromptFormat, Sample
+from llamarl.eval import evaluate, main, parse_synthetic_spec, pass_at_k
+from llamarl.generation import GenerationOutput
+from llamarl.models import CharTokenizer
+from llamarl.rewards import RewardPool
+
+transformers = pytest.importorskip("transformers")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ------------------------------------------------------------------------------------ pass@k
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+def test_pass_at_k_equals_subset_enumeration(n):
+    for c in range(n + 1):
+        outcomes = [1] * c + [0] * (n - c)
+        for k in range(1, n + 1):
+            subsets = list(itertools.combinations(outcomes, k))
+            brute = sum(any(s) for s in subsets) / len(subsets)
+            assert pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12)
+            assert pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k), abs=1e-12)
+
+
+def test_pass_at_k_large_n_and_errors():
+    assert pass_at_k(200, 3, 100) == pytest.approx(1 - math.comb(197, 100) / math.comb(200, 100), rel=1e-9)
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        pass_at_k(4, 1, 5)
+    with pytest.raises(ValueError, match="correct"):
+        pass_at_k(4, 5, 1)
+
+
+# ------------------------------------------------------------------------------------ evaluate()
+class ScriptedEngine:
+    """Stands in for GenerationEngine: returns fixed completions per prompt text, records batch sizes."""
+
+    def __init__(self, tok, script: dict[str, list[str]], max_batch_size: int = 64):
+        self.tok, self.script, self.max_batch_size = tok, script, max_batch_size
+        self.batches: list[int] = []
+
+    def generate(self, prompts, params, *, eos_token_id=None):
+        self.batches.append(len(prompts))
+        outs = []
+        for b, ids in enumerate(prompts):
+            completions = self.script[self.tok.decode(ids)]
+            assert len(completions) == params.n
+            for j, text in enumerate(completions):
+                toks = self.tok.encode(text) + [eos_token_id]
+                outs.append(GenerationOutput(b, j, list(ids), toks, [0.0] * len(toks), [0] * len(toks), "stop"))
+        return outs
+
+
+def _scripted_case():
+    tok = CharTokenizer()
+    samples = [Sample(f"p{i}", f"{i}+{i}=", str(2 * i)) for i in range(4)]
+    # prompt i gets exactly i correct completions out of n = 4
+    script = {s.prompt: [s.answer + "\n"] * i + ["x\n"] * (4 - i) for i, s in enumerate(samples)}
+    return tok, samples, ScriptedEngine(tok, script)
+
+
+def test_evaluate_metrics_on_a_scripted_engine():
+    tok, samples, engine = _scripted_case()
+    res = evaluate(None, tok, samples, "exact", n=4, k=(1, 2, 4), batch_size=3, engine=engine,
+                   fmt=PromptFormat(add_bos=False))
+    assert engine.batches == [3, 1]
+    # c = 0, 1, 2, 3 correct of 4: accuracy 6/16; pass@2 = mean(0, 1-3/6, 1-1/6, 1) by hand
+    assert res.accuracy == pytest.approx(6 / 16)
+    assert res.pass_at_k[1] == pytest.approx(6 / 16)
+    assert res.pass_at_k[2] == pytest.approx((0 + 0.5 + 5 / 6 + 1) / 4)
+    assert res.pass_at_k[4] == pytest.approx(3 / 4)
+    assert res.mean_reward == pytest.approx(6 / 16) and res.num_errors == 0
+    assert [(r.sample_id, r.completion_index) for r in res.records[:5]] == [
+        ("p0", 0), ("p0", 1), ("p0", 2), ("p0", 3), ("p1", 0)]  # prompt-major
+    assert res.records[4].completion == "2\n" and res.records[4].correct and res.records[4].num_tokens == 3
+
+
+def test_evaluate_with_a_reward_pool_and_a_raising_function():
+    tok, samples, engine = _scripted_case()
+    with RewardPool("exact", num_workers=1) as pool:
+        pooled = evaluate(None, tok, samples, pool, n=4, k=(1, 4), engine=engine, fmt=PromptFormat(add_bos=False))
+    assert pooled.accuracy == pytest.approx(6 / 16) and pooled.pass_at_k[4] == pytest.approx(3 / 4)
+
+    def flaky(completion, answer):
+        if answer == "4":
+            raise KeyError("no luck")
+        return float(completion.strip() == answer)
+
+    res = evaluate(None, tok, samples, flaky, n=4, k=(1,), engine=engine, fmt=PromptFormat(add_bos=False))
+    assert res.num_errors == 4 and res.accuracy == pytest.approx((1 + 3) / 16)  # p2's two right answers lost
+    assert all("'p2'" in r.error and "KeyError" in r.error for r in res.records if r.sample_id == "p2")
+
+
+def test_evaluate_rejects_bad_arguments():
+    tok, samples, engine = _scripted_case()
+    with pytest.raises(ValueError, match="1 <= k <= n=2"):
+        evaluate(None, tok, samples, "exact", n=2, k=(1, 4), engine=engine)
+    with pytest.raises(ValueError, match="at least one sample"):
+        evaluate(None, tok, [], "exact", engine=engine)
+    with pytest.raises(ValueError, match="the engine holds 4 rows"):
+        evaluate(None, tok, samples, "exact", n=4, batch_size=2, engine=ScriptedEngine(tok, {}, max_batch_size=4))
+
+
+def test_parse_synthetic_spec():
+    task, n = parse_synthetic_spec("synthetic:arithmetic")
+    assert (task.digits, task.n_terms, task.ops, n) == (3, 2, ("+",), 200)
+    task, n = parse_synthetic_spec("synthetic:arithmetic:digits=2,n_terms=3,ops=+-,seed=4,n=7")
+    assert (task.digits, task.n_terms, task.ops, task.seed, n) == (2, 3, ("+", "-"), 4, 7)
+    with pytest.raises(ValueError, match="unknown option"):
+        parse_synthetic_spec("synthetic:arithmetic:digitz=2")
+
+
+# ------------------------------------------------------------------------------------ CLI end to end
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny random Llama over the CharTokenizer vocabulary, saved by transformers (the reference)."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=CharTokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.3,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("eval_model")
+    hf.save_pretrained(path)
+    CharTokenizer().save(path)
+    return hf, path
+
+
+def _hf_greedy(hf, tok, prompt: str, max_new: int) -> str:
+    ids = torch.tensor([[tok.bos_id] + tok.encode(prompt)])
+    with torch.no_grad():
+        out = hf.generate(ids, max_new_tokens=max_new, do_sample=False, eos_token_id=tok.eos_id, pad_token_id=0)
+    return tok.decode(out[0, ids.shape[1]:].tolist())
+
+
+def test_cli_greedy_matches_transformers_and_scores_with_a_user_reward(checkpoint, tmp_path, capsys):
+    hf, path = checkpoint
+    tok = CharTokenizer()
+    prompts = ["12+30=", "7*8=", "99-1=", "What is 2+2?", "abc", "x^2="]
+    reference = [_hf_greedy(hf, tok, p, 8) for p in prompts]
+    answers = reference[:4] + ["WRONG", "WRONG"]  # four prompts are "right" by construction
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"question": p, "answer": a}) + "\n" for p, a in zip(prompts, answers)))
+    (tmp_path / "match.py").write_text(textwrap.dedent(
+        """
+        def reward(completion, answer):
+            return float(completion.strip() == answer.strip())
+        """))
+    out = tmp_path / "res.jsonl"
+    rc = main(["--model", str(path), "--dataset", str(data), "--reward", f"{tmp_path / 'match.py'}:reward",
+               "--max-new-tokens", "8", "--batch-size", "4", "--reward-workers", "1", "--output", str(out),
+               "--no-progress"])
+    assert rc == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["completion"] for r in records] == reference  # the engine's greedy text == transformers'
+    assert [r["reward"] for r in records] == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+    summary = json.loads((tmp_path / "res.summary.json").read_text())
+    assert summary["accuracy"] == pytest.approx(4 / 6) and summary["pass_at_k"] == {"pass@1": pytest.approx(4 / 6)}
+    assert "accuracy=0.6667" in capsys.readouterr().out
+
+
+def test_cli_sampling_pass_at_k_is_consistent_with_its_records(checkpoint, tmp_path):
+    _, path = checkpoint
+    out = tmp_path / "s.jsonl"
+    rc = main(["--model", str(path), "--dataset", "synthetic:arithmetic:digits=1,n=5", "-n", "4", "-k", "1,2,4",
+               "--temperature", "1.0", "--reward-workers", "1", "--output", str(out), "--no-progress", "--seed", "3"])
+    assert rc == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 20 and [r["completion_index"] for r in records[:4]] == [0, 1, 2, 3]
+    summary = json.loads((tmp_path / "s.summary.json").read_text())
+    correct = {}
+    for r in records:
+        assert r["correct"] == (r["reward"] == 1.0)
+        assert r["reward"] == float(r["completion"].split("\n")[0].strip() == r["answer"])  # "exact", by hand
+        correct[r["sample_id"]] = correct.get(r["sample_id"], 0) + r["correct"]
+    for k in (1, 2, 4):
+        expected = sum(1 - math.comb(4 - c, k) / math.comb(4, k) for c in correct.values()) / len(correct)
+        assert summary["pass_at_k"][f"pass@{k}"] == pytest.approx(expected)
+
+
+def test_cli_errors_are_one_line_messages(tmp_path, capsys):
+    rc = main(["--model", str(tmp_path), "--dataset", str(tmp_path / "missing.jsonl"), "--reward", "gsm8k"])
+    assert rc == 2 and "missing.jsonl" in capsys.readouterr().err
+    (tmp_path / "d.jsonl").write_text('{"question": "q", "answer": "1"}\n')
+    rc = main(["--model", str(tmp_path), "--dataset", str(tmp_path / "d.jsonl")])
+    assert rc == 2 and "--reward is required" in capsys.readouterr().err
+    rc = main(["--model", str(tmp_path), "--dataset", str(tmp_path / "d.jsonl"), "--reward", "nope_mod:fn"])
+    assert rc == 2 and "nope_mod" in capsys.readouterr().err
+
+
+def test_python_dash_m_llamarl_eval(checkpoint, tmp_path):
+    _, path = checkpoint
+    out = tmp_path / "cli.jsonl"
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "llamarl.eval", "--model", str(path), "--dataset", "synthetic:arithmetic:n=6",
+         "-n", "2", "--output", str(out)],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "accuracy=" in proc.stdout and "pass@1=" in proc.stdout and "pass@2=" in proc.stdout
+    assert "eval: 100%" in proc.stderr  # the tqdm progress bar
+    assert len(out.read_text().splitlines()) == 12

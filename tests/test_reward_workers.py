@@ -1,0 +1,242 @@
+"""Reward specs (load_reward) and the RewardPool: misbehaving user functions (raising, hanging, killing
+their process, returning junk) cost one sample a 0.0 and a counted error, never the run; stuck and
+dead workers are replaced; close() leaves no child process behind."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import textwrap
+import time
+
+import pytest
+
+from llamarl.rewards import (
+    FormattedReward,
+    RewardPool,
+    RewardPoolError,
+    RewardSpecError,
+    exact_reward,
+    gsm8k_reward,
+    load_reward,
+    math_reward,
+)
+
+USER_REWARDS = textwrap.dedent(
+    """
+    import os
+    import sys
+
+    CALLS = []
+
+    def reward(completion, answer):
+        if completion == "raise":
+            raise ValueError("boom")
+        if completion == "hang":
+            while True:
+                pass
+        if completion == "die":
+            os._exit(7)
+        if completion == "exit":
+            sys.exit(3)
+        if completion == "nan":
+            return float("nan")
+        if completion == "str":
+            return "yes"
+        CALLS.append(completion)
+        return 1.0 if completion == answer else 0.0
+
+    def make_closure(bonus):
+        return lambda completion, answer: float(completion == answer) + bonus
+
+    closure_reward = make_closure(0.5)  # a lambda: not picklable, fine since workers get the spec
+
+    def one_arg(completion):
+        return 1.0
+
+    NOT_CALLABLE = 3
+    """
+)
+
+CHILD_FAILS = textwrap.dedent(
+    """
+    import multiprocessing
+    if multiprocessing.parent_process() is not None:
+        raise RuntimeError("this module refuses to load in a worker")
+
+    def reward(completion, answer):
+        return 1.0
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def user_file(tmp_path_factory):
+    d = tmp_path_factory.mktemp("user_rewards")
+    (d / "my_rewards.py").write_text(USER_REWARDS)
+    (d / "child_fails.py").write_text(CHILD_FAILS)
+    return d
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie still answers kill(pid, 0); it is not running if its state is Z
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+# ------------------------------------------------------------------------------------ load_reward
+def test_builtin_specs():
+    assert load_reward("gsm8k") is gsm8k_reward
+    assert load_reward("math") is math_reward
+    assert load_reward(" exact ") is exact_reward
+
+
+def test_user_function_from_file_and_module(user_file, monkeypatch):
+    fn = load_reward(f"{user_file / 'my_rewards.py'}:reward")
+    assert fn("a", "a") == 1.0 and fn("a", "b") == 0.0
+    monkeypatch.syspath_prepend(str(user_file))
+    fn = load_reward("my_rewards:closure_reward")
+    assert fn("x", "x") == 1.5
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("no_such_module_xyz:reward", "cannot import module 'no_such_module_xyz'"),
+        ("my_rewards:missing", "has no attribute 'missing'"),
+        ("my_rewards:NOT_CALLABLE", "not a function"),
+        ("my_rewards:one_arg", "cannot be called as fn(completion, answer)"),
+        ("gsm9k", "neither a built-in"),
+        ("", "non-empty"),
+        ("/definitely/not/here.py:reward", "does not exist"),
+    ],
+)
+def test_bad_specs_name_the_problem(spec, message, user_file, monkeypatch):
+    monkeypatch.syspath_prepend(str(user_file))
+    with pytest.raises(RewardSpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_reward(spec)
+
+
+def test_format_weight():
+    fn = load_reward("gsm8k", format_weight=0.2)
+    assert isinstance(fn, FormattedReward)
+    assert fn("#### 72", "72") == 1.0  # right and well formatted
+    assert fn("#### 71", "72") == pytest.approx(0.2)  # well formatted only
+    assert fn("the answer is 72", "72") == pytest.approx(0.8)  # right, no '####'
+    assert fn("nothing", "72") == 0.0
+    with pytest.raises(RewardSpecError, match="format_style"):
+        load_reward("os.path:join", format_weight=0.1)
+    with pytest.raises(RewardSpecError, match=r"\[0, 1\]"):
+        load_reward("math", format_weight=1.5)
+
+
+# ------------------------------------------------------------------------------------ RewardPool
+def test_pool_survives_misbehaving_functions(user_file):
+    spec = f"{user_file / 'my_rewards.py'}:reward"
+    items = [
+        ("ok-0", "a", "a"),
+        ("raise-1", "raise", "x"),
+        ("hang-2", "hang", "x"),
+        ("die-3", "die", "x"),
+        ("exit-4", "exit", "x"),
+        ("nan-5", "nan", "x"),
+        ("str-6", "str", "x"),
+        ("wrong-7", "b", "a"),
+        ("ok-8", "a", "a"),
+    ]
+    with RewardPool(spec, num_workers=2, timeout_s=1.0) as pool:
+        initial_pids = set(pool.worker_pids())
+        results = pool.score(items)
+        current_pids = set(pool.worker_pids())
+        assert [r.sample_id for r in results] == [i[0] for i in items]  # input order
+        by_id = {r.sample_id: r for r in results}
+        assert [by_id[k].reward for k in ("ok-0", "wrong-7", "ok-8")] == [1.0, 0.0, 1.0]
+        assert all(by_id[k].error is None for k in ("ok-0", "wrong-7", "ok-8"))
+        for sid in ("raise-1", "hang-2", "die-3", "exit-4", "nan-5", "str-6"):
+            assert by_id[sid].reward == 0.0 and sid in by_id[sid].error  # the error names the sample
+        assert "ValueError: boom" in by_id["raise-1"].error and "my_rewards.py" in by_id["raise-1"].error
+        assert "timeout after 1s" in by_id["hang-2"].error
+        assert "exit code 7" in by_id["die-3"].error
+        assert "SystemExit" in by_id["exit-4"].error
+        assert "nan" in by_id["nan-5"].error and "'yes'" in by_id["str-6"].error
+        stats = pool.stats
+        assert (stats.submitted, stats.completed, stats.timeouts) == (9, 9, 1)
+        assert stats.errors == 5  # raise, die, exit, nan, str
+        assert stats.worker_deaths == 1
+        assert stats.workers_started == 4  # 2 + one replacement for the hang + one for the death
+        assert len(current_pids) == 2 and current_pids != initial_pids  # stuck/dead workers were replaced
+        # the pool keeps working after all that, and futures/asyncio give the same answers
+        assert pool.submit("late", "q", "q").result().reward == 1.0
+        again = asyncio.run(pool.score_async([("as-1", "a", "a"), ("as-2", "raise", "a")]))
+        assert [r.reward for r in again] == [1.0, 0.0] and "as-2" in again[1].error
+    assert all(_gone(pid) for pid in initial_pids | current_pids)
+    assert mp.active_children() == []
+    with pytest.raises(RewardPoolError, match="closed"):
+        pool.submit("after", "a", "a")
+
+
+def test_pool_with_builtin_math_matches_in_process():
+    items = [
+        ("m0", r"\boxed{\frac{2}{4}}", "0.5"),
+        ("m1", r"\boxed{3}", "4"),
+        ("m2", r"\boxed{9^{9^{9}}}", "1"),
+        ("m3", r"so \boxed{\sqrt{8}}", r"2\sqrt2"),
+    ]
+    with RewardPool("math", num_workers=1, timeout_s=20.0) as pool:
+        results = pool.score(items)
+    assert [r.reward for r in results] == [math_reward(c, a) for _, c, a in items] == [1.0, 0.0, 0.0, 1.0]
+    assert all(r.error is None for r in results)
+
+
+def test_pool_fails_fast_on_a_bad_spec():
+    with pytest.raises(RewardSpecError, match="no_such_module_xyz"):
+        RewardPool("no_such_module_xyz:reward")
+    with pytest.raises(ValueError, match="num_workers"):
+        RewardPool("exact", num_workers=0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        RewardPool("exact", timeout_s=0)
+
+
+def test_pool_reports_workers_that_cannot_start(user_file):
+    spec = f"{user_file / 'child_fails.py'}:reward"
+    assert load_reward(spec)("a", "b") == 1.0  # loads in this process...
+    with RewardPool(spec, num_workers=1, timeout_s=5.0) as pool:
+        future = pool.submit("s0", "a", "b")
+        with pytest.raises(RewardPoolError, match="refuses to load in a worker"):
+            future.result(timeout=300)  # liveness bound only
+        with pytest.raises(RewardPoolError, match="failed to start 3 times"):
+            pool.submit("s1", "a", "b")
+    assert mp.active_children() == []
+
+
+def test_pool_rejects_malformed_items():
+    with RewardPool("exact", num_workers=1) as pool:
+        with pytest.raises(TypeError, match="item 0"):
+            pool.score([("only-two", "x")])
+        with pytest.raises(TypeError, match="must be str"):
+            pool.submit("s", 5, "5")
+        assert pool.score([("s", " 5\nmore", "5")])[0].reward == 1.0
+
+
+def test_close_fails_pending_samples_and_is_idempotent(user_file):
+    spec = f"{user_file / 'my_rewards.py'}:reward"
+    pool = RewardPool(spec, num_workers=1, timeout_s=30.0)
+    stuck = pool.submit("stuck", "hang", "x")
+    queued = pool.submit("queued", "a", "a")
+    deadline = time.monotonic() + 120
+    while not stuck.running() and time.monotonic() < deadline:  # wait until the worker has it
+        time.sleep(0.05)
+    pool.close()
+    pool.close()
+    for fut, sid in ((stuck, "stuck"), (queued, "queued")):
+        with pytest.raises(RewardPoolError, match=sid):
+            fut.result(timeout=1)
+    assert mp.active_children() == []
