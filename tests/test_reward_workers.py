@@ -240,3 +240,30 @@ def test_close_fails_pending_samples_and_is_idempotent(user_file):
         with pytest.raises(RewardPoolError, match=sid):
             fut.result(timeout=1)
     assert mp.active_children() == []
+
+
+class _SlowPoll:
+    """Wraps the pool's wake-up pipe so that draining it takes a while: widens the race window."""
+
+    def __init__(self, conn):
+        self._conn = conn
+
+    def poll(self, *args):
+        time.sleep(0.02)
+        return self._conn.poll(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._conn, name)
+
+
+def test_a_submit_during_the_wakeup_drain_is_not_lost():
+    # Regression: the dispatcher used to clear its wake-up flag before draining the wake pipe; a submit
+    # landing in between left the flag set with no byte pending, and the next burst slept forever.
+    with RewardPool("exact", num_workers=1, timeout_s=5.0) as pool:
+        pool.score([("warm", "1", "1")])
+        pool._wake_r = _SlowPoll(pool._wake_r)
+        for burst in range(6):
+            first = pool.submit(f"{burst}-first", "7", "7")
+            time.sleep(0.005)  # the dispatcher wakes and starts draining (slowly)
+            rest = [pool.submit(f"{burst}-{i}", "7", "7") for i in range(4)]
+            assert [f.result(timeout=10).reward for f in [first, *rest]] == [1.0] * 5

@@ -336,10 +336,14 @@ class RewardPool:
                 timeout = max(0.0, min(deadlines, default=math.inf) - now)
                 ready = set(mpc.wait(waitables, None if math.isinf(timeout) else timeout))
                 if self._wake_r in ready:
-                    with self._lock:
-                        self._wake_pending = False
+                    # Drain first, then clear: a submit that lands in between saw the flag still set
+                    # and sent no byte, but its task is already queued and the next _assign_tasks
+                    # (top of the loop, before waiting again) takes it. Clearing before draining lost
+                    # such wake-ups: the flag stayed set with no byte left, and later submits slept.
                     while self._wake_r.poll():
                         self._wake_r.recv_bytes()
+                    with self._lock:
+                        self._wake_pending = False
                 for w in list(self._workers):
                     self._service(w, ready)
         except BaseException as e:  # a bug here must not leave callers waiting forever
