@@ -1,0 +1,169 @@
+"""The LlamaRL algorithm: one asyncio program that drives generator, reward and trainer executors.
+
+Per training step s (policy version v = number of updates applied so far):
+
+    rollouts  = generate(prompts_s, μ = newest weights the generator holds)      generator executor(s)
+    rewards   = score(rollouts)                                                  reward worker processes
+    A         = r − mean(r of the same prompt)           (or GRPO / RLOO)        here
+    π ← AdamW step on the AIPO loss  −Σ min(π/μ, ρ)·A·log π / Σ mask             trainer executor
+    v ← v + 1;  DDMA weight sync trainer → generator buckets, tagged v           trainer → generator
+
+Two coroutines run these concurrently. The producer makes the rollouts of step s as soon as the trainer
+has finished step s − 1 − max_staleness, so the oldest weights any token of step s was sampled with are at
+most ``max_staleness`` versions behind the policy that trains on it (the invariant; every token carries
+its version and each step records ``staleness = v − min version``). A queue of ``max_staleness`` batches
+gives back-pressure. With ``max_staleness = 0`` (sync mode) the same code runs in lock step:
+generate → score → train → sync → generate ... — the baseline every speed-up is measured against.
+
+All process plumbing (spawning, RPC, failures) lives in llamarl.runtime; executors are reached through
+``acall``. An executor failure raises out of ``run`` with the remote traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from llamarl.algorithms import group_advantages
+from llamarl.config import TrainConfig
+from llamarl.generation import SamplingParams
+from llamarl.rewards import RewardPool
+from llamarl.rollouts import Rollout, RolloutBatch, collate
+from llamarl.runlog import RunLog
+from llamarl.runtime import ExecutorGroup
+from llamarl.train_data import TrainData
+
+
+@dataclass
+class Executors:
+    generators: list[ExecutorGroup]  # one group per generator replica (its ranks are TP shards)
+    trainer: ExecutorGroup
+    rewards: RewardPool
+
+
+class Controller:
+    def __init__(self, cfg: TrainConfig, data: TrainData, ex: Executors, log: RunLog, *, tokenizer,
+                 start_step: int = 0, start_version: int = 0,
+                 on_checkpoint: Callable[[int, int, int], Awaitable[None]] | None = None):
+        self.cfg, self.data, self.ex, self.log, self.tok = cfg, data, ex, log, tokenizer
+        self.step, self.version = start_step, start_version
+        self.max_staleness = cfg.run.max_staleness
+        self.on_checkpoint = on_checkpoint
+        self._trained = asyncio.Condition()
+        self._last_step_end = time.perf_counter()
+        g = cfg.generator
+        self.sampling = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
+                                       top_p=g.top_p, n=g.samples_per_prompt)
+
+    # ------------------------------------------------------------------ the algorithm
+    async def run(self) -> None:
+        queue: asyncio.Queue[RolloutBatch] = asyncio.Queue(maxsize=max(1, self.max_staleness))
+        producer = asyncio.create_task(self.produce(queue))
+        try:
+            for step in range(self.step, self.cfg.run.max_steps):
+                batch = await self._next(queue, producer)
+                await self.train(step, batch)
+                if self._due(self.cfg.run.eval_every, step):
+                    await self.evaluate(step + 1)
+                if self.on_checkpoint and self._due(self.cfg.run.checkpoint_every, step):
+                    await self.on_checkpoint(step + 1, self.version, batch.meta["cursor_after"])
+        finally:
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
+
+    async def produce(self, queue: asyncio.Queue) -> None:
+        for step in range(self.step, self.cfg.run.max_steps):
+            await self._wait_trained(step - self.max_staleness)  # staleness bound
+            await queue.put(await self.rollout(step))
+
+    async def rollout(self, step: int) -> RolloutBatch:
+        samples = self.data.next(self.cfg.generator.prompts_per_step)
+        prompts = self.data.encode(samples)
+        t0 = time.perf_counter()
+        params = dataclasses.replace(self.sampling, seed=self.cfg.run.seed * 1_000_003 + step)
+        outputs = await self.generate(prompts, params)
+        t1 = time.perf_counter()
+        n = self.sampling.n
+        rollouts = [
+            Rollout(sample_id=f"{samples[i // n].id}#{i % n}", group=i // n, prompt_ids=prompts[i // n],
+                    completion_ids=o["token_ids"], logprobs=o["logprobs"], versions=o["policy_versions"],
+                    answer=samples[i // n].answer, finish_reason=o["finish_reason"],
+                    text=self.tok.decode(o["token_ids"]))
+            for i, o in enumerate(outputs)
+        ]
+        scores = await self.ex.rewards.score_async([(r.sample_id, r.text, r.answer) for r in rollouts])
+        for r, s in zip(rollouts, scores):
+            r.reward, r.reward_error = s.reward, s.error
+        return RolloutBatch(rollouts, n=n, generate_s=t1 - t0, score_s=time.perf_counter() - t1,
+                            meta={"step": step, "cursor_after": self.data.cursor})
+
+    async def train(self, step: int, batch: RolloutBatch) -> None:
+        t = self.cfg.trainer
+        advantages = group_advantages(batch.rewards(), batch.n, method=t.advantage)
+        stats = (await self.ex.trainer.acall("train_step", collate(batch.rollouts, advantages, self.tok.pad_id)))[0]
+        staleness = self.version - batch.oldest_version
+        sync_s = 0.0
+        if stats["applied"]:  # a non-finite loss skips the update: no new version to sync
+            self.version += 1
+            sync = (await self.ex.trainer.acall("push_weights", self.version))[0]
+            sync_s = sync["seconds"]
+        now = time.perf_counter()
+        self.log.step({
+            "step": step + 1, "policy_version": self.version, "staleness": staleness,
+            "reward_mean": float(batch.rewards().mean()), "step_s": now - self._last_step_end,
+            "sync_s": sync_s, "generate_s": batch.generate_s, "score_s": batch.score_s,
+            "tokens": batch.num_tokens, "tokens_per_s": batch.num_tokens / max(batch.generate_s, 1e-9),
+            "reward_errors": sum(r.reward_error is not None for r in batch.rollouts), **stats,
+        })
+        self._last_step_end = now
+        async with self._trained:
+            self.step = step + 1
+            self._trained.notify_all()
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[dict]:
+        """Split the prompts over the generator replicas; each replica's TP ranks run together."""
+        gens = self.ex.generators
+        parts = [prompts[i::len(gens)] for i in range(len(gens))]
+        results = await asyncio.gather(*(g.acall("generate", p, params) for g, p in zip(gens, parts) if p))
+        per_replica = [r[0] for r in results]  # TP ranks return identical outputs; take rank 0's
+        n = params.n
+        out: list[dict] = [None] * (len(prompts) * n)  # type: ignore[list-item]
+        for g, outs in enumerate(per_replica):
+            for j, o in enumerate(outs):
+                prompt = g + (j // n) * len(gens)
+                out[prompt * n + j % n] = o
+        return out
+
+    async def evaluate(self, step: int) -> dict:
+        """Greedy held-out accuracy of the newest weights: the fraction of problems with reward 1."""
+        held = self.data.heldout
+        greedy = SamplingParams(max_new_tokens=self.cfg.generator.max_new_tokens, temperature=0.0, n=1)
+        outputs = await self.generate(self.data.encode(held), greedy)
+        scores = await self.ex.rewards.score_async(
+            [(s.id, self.tok.decode(o["token_ids"]), s.answer) for s, o in zip(held, outputs)])
+        result = {"accuracy": sum(r.reward >= 1.0 for r in scores) / len(held),
+                  "policy_version": min(min(o["policy_versions"], default=-1) for o in outputs)}
+        self.log.eval(step, result)
+        return result
+
+    # ------------------------------------------------------------------ helpers
+    async def _wait_trained(self, step: int) -> None:
+        async with self._trained:
+            await self._trained.wait_for(lambda: self.step >= step)
+
+    @staticmethod
+    async def _next(queue: asyncio.Queue, producer: asyncio.Task) -> RolloutBatch:
+        """The next batch, or the producer's exception if it failed while we waited."""
+        get = asyncio.ensure_future(queue.get())
+        done, _ = await asyncio.wait({get, producer}, return_when=asyncio.FIRST_COMPLETED)
+        if get in done:
+            return get.result()
+        get.cancel()
+        producer.result()  # raises the producer's error
+        raise RuntimeError("the rollout producer stopped before the last training step")
+
+    def _due(self, every: int, step: int) -> bool:
+        return every > 0 and (step + 1) % every == 0 and step + 1 < self.cfg.run.max_steps

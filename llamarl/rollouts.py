@@ -1,0 +1,102 @@
+"""Rollouts: what a generator produced for one prompt, and how a group of them becomes a training batch.
+
+A rollout is one completion y of a prompt x, sampled by the generator under its policy μ, with, per
+generated token t: the token id y_t, log μ(y_t | x, y_<t) (the engine's convention: log_softmax of the
+temperature-scaled logits, fp32) and the policy version of the weights that produced it.
+
+Collation (``collate``) lays a list of rollouts out for the trainer, right-padded:
+
+    input_ids [B, L]       x ‖ y ‖ pad,  L = max_b (|x_b| + |y_b|)
+    targets   [B, L-1]     input_ids[:, 1:]              (position j predicts token j+1)
+    mask      [B, L-1]     1 where targets[:, j] is a generated token y_t, else 0
+    behavior  [B, L-1]     log μ(y_t) at those positions, 0 elsewhere
+    advantages [B]         one advantage per sequence (broadcast over its tokens by the loss)
+
+Right padding keeps every row's positions at 0..|x|+|y|-1, exactly the positions the generator used
+(it left-pads but numbers positions from each row's first real token), so π and μ see the same context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class Rollout:
+    sample_id: str
+    group: int  # index of its prompt within the step's batch: rollouts of one group share a baseline
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    answer: str
+    finish_reason: str
+    text: str = ""
+    reward: float = 0.0
+    reward_error: str | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.completion_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"rollout {self.sample_id}: {n} completion tokens but {len(self.logprobs)} log-probs and "
+                f"{len(self.versions)} versions; the generator must return one of each per token"
+            )
+
+    @property
+    def min_version(self) -> int:
+        return min(self.versions) if self.versions else -1
+
+
+@dataclass
+class RolloutBatch:
+    """The rollouts of one training step: ``prompts`` groups of ``n`` samples, prompt-major."""
+
+    rollouts: list[Rollout]
+    n: int
+    generate_s: float = 0.0
+    score_s: float = 0.0
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def oldest_version(self) -> int:
+        return min(r.min_version for r in self.rollouts)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.completion_ids) for r in self.rollouts)
+
+    def rewards(self) -> torch.Tensor:
+        return torch.tensor([r.reward for r in self.rollouts], dtype=torch.float32)
+
+
+def collate(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
+    """Tensors for the trainer (see the module docstring for the layout)."""
+    if len(rollouts) == 0:
+        raise ValueError("collate got no rollouts")
+    if advantages.shape != (len(rollouts),):
+        raise ValueError(f"advantages must have shape [{len(rollouts)}], got {tuple(advantages.shape)}")
+    length = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
+    if length < 2:
+        raise ValueError("every rollout is shorter than two tokens: nothing to predict")
+    b = len(rollouts)
+    input_ids = torch.full((b, length), pad_id, dtype=torch.long)
+    mask = torch.zeros(b, length - 1)
+    behavior = torch.zeros(b, length - 1)
+    for i, r in enumerate(rollouts):
+        p, c = len(r.prompt_ids), len(r.completion_ids)
+        input_ids[i, :p] = torch.tensor(r.prompt_ids, dtype=torch.long)
+        if c:
+            input_ids[i, p : p + c] = torch.tensor(r.completion_ids, dtype=torch.long)
+            mask[i, p - 1 : p - 1 + c] = 1.0  # position p-1 predicts the first generated token
+            behavior[i, p - 1 : p - 1 + c] = torch.tensor(r.logprobs, dtype=torch.float32)
+    return {
+        "input_ids": input_ids,
+        "targets": input_ids[:, 1:].clone(),
+        "mask": mask,
+        "behavior_logprobs": behavior,
+        "advantages": advantages.to(torch.float32).clone(),
+    }

@@ -1,0 +1,111 @@
+"""What a training run leaves behind: metrics.jsonl, summary.json, a plot, a progress bar, a summary table.
+
+``metrics.jsonl`` has one JSON object per training step with at least: step, policy_version, staleness
+(trainer version minus the oldest version among the batch's tokens), reward_mean, step_s (wall time since
+the previous step ended), sync_s (weight sync time after the step), and the AIPO metrics of the update
+(ratio_mean, ratio_max, truncated_frac, mismatch_kl, ...). Evaluation rows are separate objects with
+``"event": "eval"``. Lines are flushed as written, so a crashed run keeps everything up to its last step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+
+def _jsonable(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+class RunLog:
+    def __init__(self, out: Path | None, total_steps: int, *, initial_step: int = 0, progress: bool = True):
+        self.out = out
+        self.rows: list[dict] = []
+        self.evals: list[dict] = []
+        self._file = None
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            self._file = open(out / "metrics.jsonl", "a", buffering=1)
+        disable = not progress or not sys.stderr.isatty() and os.environ.get("LLAMARL_PROGRESS") != "1"
+        self.bar = tqdm(total=total_steps, initial=initial_step, desc="rl", unit="step", dynamic_ncols=True,
+                        disable=disable)
+        self._quiet = disable
+
+    def step(self, row: dict) -> None:
+        row = {k: _jsonable(v) for k, v in row.items()}
+        self.rows.append(row)
+        if self._file:
+            self._file.write(json.dumps(row) + "\n")
+        acc = self.evals[-1]["accuracy"] if self.evals else float("nan")
+        post = dict(reward=f"{row['reward_mean']:.3f}", acc=f"{acc:.3f}", stale=row["staleness"],
+                    tok_s=f"{row.get('tokens_per_s', 0):.0f}", sync_ms=f"{1e3 * row['sync_s']:.1f}")
+        self.bar.set_postfix(post, refresh=False)
+        self.bar.update(1)
+        if self._quiet and (row["step"] % 10 == 0):
+            print(f"step {row['step']}: " + " ".join(f"{k} {v}" for k, v in post.items()), flush=True)
+
+    def eval(self, step: int, result: dict) -> None:
+        row = {"event": "eval", "step": step, **{k: _jsonable(v) for k, v in result.items()}}
+        self.evals.append(row)
+        if self._file:
+            self._file.write(json.dumps(row) + "\n")
+        self.bar.write(f"eval @ step {step}: accuracy {row['accuracy']:.3f}")
+
+    def close(self) -> None:
+        self.bar.close()
+        if self._file:
+            self._file.close()
+            self._file = None
+
+    def plot(self, path: Path) -> Path | None:
+        """reward_mean per step and held-out accuracy per evaluation, against step, as a PNG."""
+        if not self.rows:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+        ax.plot([r["step"] for r in self.rows], [r["reward_mean"] for r in self.rows], lw=1, alpha=0.6,
+                label="train reward (mean)")
+        if self.evals:
+            ax.plot([e["step"] for e in self.evals], [e["accuracy"] for e in self.evals], "o-", lw=2,
+                    label="held-out accuracy (greedy)")
+        ax.set_xlabel("step")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+        return path
+
+
+def summary_table(summary: dict) -> str:
+    """A short fixed-width table of the run's headline numbers."""
+    keys = [("mode", "mode"), ("steps", "steps"), ("accuracy_before", "held-out acc before RL"),
+            ("accuracy_after", "held-out acc after RL"), ("wall_s", "wall time (s)"),
+            ("warm_start_s", "warm start (s)"), ("rl_s", "RL (s)"), ("step_s_mean", "step time (s)"),
+            ("sync_s_mean", "weight sync (ms)"), ("max_staleness_seen", "max staleness seen"),
+            ("tokens_per_s", "generated tokens/s"), ("reward_errors", "reward errors"),
+            ("skipped_updates", "skipped updates")]
+    lines = []
+    for k, label in keys:
+        if k not in summary:
+            continue
+        v = summary[k]
+        if k == "sync_s_mean":
+            v = 1e3 * v
+        lines.append(f"  {label:<24} {v:.3f}" if isinstance(v, float) else f"  {label:<24} {v}")
+    return "\n".join(lines)

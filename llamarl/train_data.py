@@ -1,0 +1,74 @@
+"""Where a training run's prompts come from: a deterministic, resumable stream plus a held-out split.
+
+``TrainData`` resolves ``DataConfig.dataset``:
+
+* ``synthetic:arithmetic[:options]`` — the built-in task (llamarl.data.ArithmeticTask): training prompts
+  are its endless train stream, the held-out split its first ``eval_size`` held-out problems (disjoint by
+  construction);
+* a ``.jsonl`` / ``.parquet`` file — the first ``eval_size`` samples of a seeded permutation are held
+  out, the rest are visited epoch by epoch, each epoch in a fresh seeded order.
+
+The stream position is one integer, ``cursor`` (samples handed out so far), which checkpoints record:
+``TrainData(..., cursor=c)`` continues exactly where a run with that cursor stopped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Iterator, Sequence
+
+from llamarl.config import DataConfig
+from llamarl.data import PromptFormat, PromptFormatter, Sample, load_dataset
+from llamarl.eval import SYNTHETIC_PREFIX, parse_synthetic_spec
+
+
+class TrainData:
+    def __init__(self, cfg: DataConfig, tokenizer, *, seed: int = 0, cursor: int = 0):
+        self.cfg = cfg
+        self.formatter = PromptFormatter(PromptFormat(template=cfg.template), tokenizer=tokenizer)
+        if cfg.dataset.startswith(SYNTHETIC_PREFIX):
+            task, _ = parse_synthetic_spec(cfg.dataset)
+            self.heldout = task.heldout_samples(cfg.eval_size)
+            self._stream_fn = lambda: task.iter_split("train")
+        else:
+            samples = load_dataset(cfg.dataset, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field)
+            order = list(range(len(samples)))
+            random.Random(f"{seed}:heldout").shuffle(order)
+            if len(samples) <= cfg.eval_size:
+                raise ValueError(
+                    f"data.dataset {cfg.dataset} has {len(samples)} samples, not more than data.eval_size="
+                    f"{cfg.eval_size}: nothing would be left to train on; lower data.eval_size"
+                )
+            self.heldout = [samples[i] for i in order[: cfg.eval_size]]
+            train = [samples[i] for i in order[cfg.eval_size :]]
+            self._stream_fn = lambda: _epochs(train, seed)
+        if cfg.few_shot:
+            raise ValueError("data.few_shot > 0 is supported by `python -m llamarl.eval`, not yet by training; "
+                             "set data.few_shot=0 or put the examples into data.template")
+        self.cursor = 0
+        self._stream = self._stream_fn()
+        self.seek(cursor)
+
+    def seek(self, cursor: int) -> None:
+        if cursor < self.cursor:
+            self._stream, self.cursor = self._stream_fn(), 0
+        for _ in itertools.islice(self._stream, cursor - self.cursor):
+            pass
+        self.cursor = cursor
+
+    def next(self, n: int) -> list[Sample]:
+        out = list(itertools.islice(self._stream, n))
+        self.cursor += len(out)
+        return out
+
+    def encode(self, samples: Sequence[Sample]) -> list[list[int]]:
+        return [self.formatter.encode(s) for s in samples]
+
+
+def _epochs(samples: list[Sample], seed: int) -> Iterator[Sample]:
+    for epoch in itertools.count():
+        order = list(range(len(samples)))
+        random.Random(f"{seed}:epoch:{epoch}").shuffle(order)
+        for i in order:
+            yield samples[i]

@@ -1,0 +1,139 @@
+"""The training loop end to end with real executor processes (smoke-sized): both modes, the staleness
+bound, checkpoints and resume after a kill, executor failure, config rejection."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from llamarl.config import load_config
+from llamarl.train import main, train
+
+SMOKE = ["--preset", "smoke", "--set", "warm_start.steps=3"]
+
+
+def read_metrics(out: Path) -> tuple[list[dict], list[dict]]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "event" not in r], [r for r in rows if r.get("event") == "eval"]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMARL_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("mode, staleness", [("sync", 0), ("async", 2)])
+def test_loop_runs_and_never_exceeds_the_staleness_bound(tmp_path, mode, staleness):
+    out = tmp_path / "run"
+    cfg = load_config(SMOKE + ["--out", str(out), "--mode", mode, "--max-staleness", str(staleness),
+                               "--max-steps", "5", "--set", "run.checkpoint_every=2"])
+    summary = train(cfg)
+    steps, evals = read_metrics(out)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    assert [r["policy_version"] for r in steps] == [1, 2, 3, 4, 5]
+    for r in steps:
+        assert 0 <= r["staleness"] <= staleness
+        for key in ("reward_mean", "step_s", "sync_s", "ratio_mean", "truncated_frac", "mismatch_kl"):
+            assert key in r
+    if mode == "sync":
+        # lock step: the generator always samples with the newest weights, so π = μ exactly
+        assert all(r["staleness"] == 0 for r in steps)
+        assert all(abs(r["ratio_mean"] - 1.0) < 1e-4 for r in steps)
+    assert [e["step"] for e in evals] == [0, 5]
+    assert summary["mode"] == mode and summary["steps"] == 5
+    written = json.loads((out / "summary.json").read_text())
+    assert {"accuracy_before", "accuracy_after", "wall_s", "mode"} <= set(written)
+    assert (out / "plot.png").stat().st_size > 0
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert ckpts[-1] == "step_000005"
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            continue
+        out += [int(k) for k in kids]
+        todo += [int(k) for k in kids]
+    return out
+
+
+def _executor_pid(root: int, name: str) -> int | None:
+    for pid in _descendants(root):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"LLAMARL_EXECUTOR={name}".encode() in env:
+            return pid
+    return None
+
+
+def _start(args: list[str], tmp_path: Path) -> subprocess.Popen:
+    env = dict(os.environ, LLAMARL_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "llamarl.train", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"run exited early ({proc.returncode}):\n{proc.stdout.read()}")
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError("timed out waiting for the run")
+        time.sleep(0.2)
+
+
+def test_resume_after_kill_continues_from_the_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    # slow the run down (many steps) so it can be killed mid-way, after its step-2 checkpoint
+    proc = _start(SMOKE + ["--out", str(out), "--max-steps", "200", "--set", "run.checkpoint_every=2"], tmp_path)
+    _wait_for(lambda: (out / "checkpoints" / "step_000002").is_dir(), 180, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    cfg = load_config(["--resume", str(out), "--max-steps", "6", "--set", "run.checkpoint_every=2"])
+    train(cfg)
+    steps, _ = read_metrics(out)
+    last = {}
+    for r in steps:  # the killed run may have logged steps after its last checkpoint; the resume redoes them
+        last[r["step"]] = r
+    assert sorted(last) == [1, 2, 3, 4, 5, 6]
+    resumed_from = max(int(p.name[5:]) for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")
+                       and int(p.name[5:]) < 6)
+    assert last[6]["policy_version"] == 6
+    assert resumed_from >= 2
+
+
+def test_a_killed_executor_ends_the_run_with_its_name(tmp_path):
+    out = tmp_path / "run"
+    proc = _start(SMOKE + ["--out", str(out), "--max-steps", "500"], tmp_path)
+    _wait_for(lambda: (out / "metrics.jsonl").is_file() and len(read_metrics(out)[0]) >= 2, 180, proc)
+    victim = _executor_pid(proc.pid, "generator")
+    assert victim is not None, "could not find the generator process"
+    t0 = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    try:
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, output
+    assert time.monotonic() - t0 < 30
+    assert "generator" in output and "executor failed" in output
+    assert _descendants(proc.pid) == []
+
+
+def test_bad_config_is_rejected_before_anything_starts(tmp_path, capsys):
+    assert main(["--set", "trainer.lr=-1", "--out", str(tmp_path / "r")]) == 2
+    assert "trainer.lr" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
