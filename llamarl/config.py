@@ -200,12 +200,16 @@ class WarmStartConfig(_Section):
     """Supervised warm start of the policy on the task's answers before RL (0 steps: none)."""
 
     SECTION = "warm_start"
-    steps: int = 200
+    steps: int = 200  # at most this many steps
     lr: float = 1e-3
     batch_size: int = 32
+    target_accuracy: float = 0.0  # > 0: stop once greedy accuracy on probe training problems reaches it
     cache_dir: str | None = None  # reuse warm-started weights across runs
 
     def check(self) -> None:
+        if not 0.0 <= self.target_accuracy <= 1.0:
+            _fail("warm_start.target_accuracy", "must be in [0, 1] (0 disables the accuracy stop)",
+                  self.target_accuracy)
         self._positive("steps", strict=False)
         self._positive("lr")
         self._positive("batch_size")
@@ -620,8 +624,8 @@ PRESETS: dict[str, TrainConfig] = {
         trainer=TrainerConfig(lr=1e-4, betas=(0.9, 0.98), micro_batch_size=128, rho=2.0, advantage="mean"),
         reward=RewardConfig(reward="exact", workers=1),
         data=DataConfig(dataset="synthetic:arithmetic:digits=2,pad=1", eval_size=200),
-        warm_start=WarmStartConfig(steps=700, lr=2e-3, batch_size=128),
-        run=RunConfig(mode="async", max_staleness=1, max_steps=300, eval_every=50, checkpoint_every=100),
+        warm_start=WarmStartConfig(steps=1500, lr=2e-3, batch_size=128, target_accuracy=0.3),
+        run=RunConfig(mode="async", max_staleness=1, max_steps=600, eval_every=100, checkpoint_every=200),
     ),
 }
 PRESETS["sync"] = dataclasses.replace(PRESETS["default"],

@@ -29,8 +29,9 @@ import torch
 from llamarl.checkpoint import load_latest
 from llamarl.config import ConfigError, TrainConfig, load_config
 from llamarl.controller import Controller, Executors
+from llamarl.generation import SamplingParams, generate
 from llamarl.models import CharTokenizer, Llama, LLAMA_CONFIGS, load_tokenizer
-from llamarl.rewards import RewardPool
+from llamarl.rewards import RewardPool, load_reward
 from llamarl.runlog import RunLog, summary_table
 from llamarl.runtime import ExecutorError, Layout, RewardSpec, run
 from llamarl.train_data import TrainData
@@ -58,9 +59,20 @@ def prepare_policy(cfg: TrainConfig, tokenizer, data: TrainData) -> tuple[Path, 
     model = Llama(model_cfg)
     stream = TrainData(cfg.data, tokenizer, seed=cfg.run.seed + 1)  # its own stream: RL data stays untouched
     log(f"warm start: {ws.steps} supervised steps on {cfg.data.dataset} ({model.num_parameters() / 1e6:.2f}M params)")
+    probe_samples = TrainData(cfg.data, tokenizer, seed=cfg.run.seed + 2).next(128)
+    reward_fn = load_reward(cfg.reward.reward)
+
+    def probe() -> float:  # greedy accuracy on training problems (never the held-out split)
+        outs = generate(model, [stream.formatter.encode(s) for s in probe_samples],
+                        SamplingParams(max_new_tokens=cfg.generator.max_new_tokens, temperature=0.0),
+                        pad_token_id=tokenizer.pad_id)
+        return sum(_safe_reward(reward_fn, tokenizer.decode(o.token_ids), s.answer) >= 1.0
+                   for o, s in zip(outs, probe_samples)) / len(probe_samples)
+
     info = train_supervised(model, stream.next, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size,
                             encode_prompt=stream.formatter.encode, encode_answer=tokenizer.encode,
-                            eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, log=log)
+                            eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, log=log, probe=probe,
+                            target_accuracy=ws.target_accuracy)
     save_atomic(model, tokenizer, path, info)
     return path, {**info, "cached": False}
 
@@ -81,6 +93,13 @@ def _dump_tasks_on_sigusr1(debug_objects=()) -> None:
             print(f"  {obj!r}: {getattr(obj, '__dict__', {})}", file=sys.stderr)
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)
+
+
+def _safe_reward(fn, completion: str, answer: str) -> float:
+    try:
+        return float(fn(completion, answer))
+    except Exception:  # a failing user reward costs the probe sample, not the warm start
+        return 0.0
 
 
 def make_tokenizer(cfg: TrainConfig):
@@ -131,15 +150,15 @@ def train(cfg: TrainConfig) -> dict:
             _dump_tasks_on_sigusr1([pool, *[l for g in [*gens, trainer] for l in g._links]])
             ctrl = Controller(cfg, data, Executors(gens, trainer, pool), runlog, tokenizer=tokenizer,
                               start_step=start_step, start_version=start_version, on_checkpoint=checkpoint)
-            before = await ctrl.evaluate(start_step)
-            t_rl = time.perf_counter()
             try:
-                await rt.supervise(ctrl.run())
+                before = await ctrl.evaluate(start_step)
+                t_rl = time.perf_counter()
+                await ctrl.run()
+                rl_s = time.perf_counter() - t_rl
+                after = await ctrl.evaluate(cfg.run.max_steps)
+                await checkpoint(cfg.run.max_steps, ctrl.version, data.cursor)
             finally:
                 runlog.close()
-            rl_s = time.perf_counter() - t_rl
-            after = await ctrl.evaluate(cfg.run.max_steps)
-            await checkpoint(cfg.run.max_steps, ctrl.version, data.cursor)
             reward_stats = pool.stats
         rows = runlog.rows
         plot = runlog.plot(out / "plot.png")

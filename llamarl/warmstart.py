@@ -73,8 +73,15 @@ def sft_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> t
 
 def train_supervised(model: torch.nn.Module, next_samples: Callable[[int], Sequence[Sample]], *,
                      steps: int, lr: float, batch_size: int, encode_prompt, encode_answer, eos_id: int,
-                     pad_id: int, log: Callable[[str], None] = print, time_budget_s: float | None = None) -> dict:
-    """AdamW on the SFT loss with a linear warm-up over the first 5% of steps, then a constant lr."""
+                     pad_id: int, log: Callable[[str], None] = print, time_budget_s: float | None = None,
+                     probe: Callable[[], float] | None = None, target_accuracy: float = 0.0,
+                     check_every: int = 25) -> dict:
+    """AdamW on the SFT loss with a linear warm-up over the first 5% of steps, then a constant lr.
+
+    With ``probe`` (greedy accuracy on a few training problems) and ``target_accuracy`` > 0, training
+    stops at the first check (every ``check_every`` steps) where the probe reaches the target: small
+    models learn arithmetic through a sharp, seed-dependent transition, and stopping on accuracy rather
+    than on a step count hands RL a policy of the intended strength whatever the transition's timing."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     warm = max(1, steps // 20)
 
@@ -100,6 +107,12 @@ def train_supervised(model: torch.nn.Module, next_samples: Callable[[int], Seque
         if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
             log(f"warm start stopped by its time budget after {done} steps")
             break
+        if probe is not None and target_accuracy > 0 and done % check_every == 0:
+            acc = probe()
+            model.train()
+            if acc >= target_accuracy:
+                log(f"warm start reached probe accuracy {acc:.3f} >= {target_accuracy} after {done} steps")
+                break
     return {"steps": done, "loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
             "seconds": time.perf_counter() - t0}
 

@@ -27,7 +27,8 @@ def test_presets_are_valid_and_the_default_is_the_embedded_default():
     assert {"default", "sync", "smoke"} <= set(PRESETS)
     cfg = load_config([])
     assert cfg == PRESETS["default"]
-    assert (cfg.policy.model, cfg.data.dataset, cfg.run.mode) == ("tiny", "synthetic:arithmetic", "async")
+    assert (cfg.policy.model, cfg.run.mode) == ("tiny", "async")
+    assert cfg.data.dataset.startswith("synthetic:arithmetic")
     assert load_config(["--preset", "sync"]).run == dataclasses.replace(cfg.run, mode="sync", max_staleness=0)
     for preset in PRESETS.values():
         assert TrainConfig.from_dict(preset.to_dict()) == preset

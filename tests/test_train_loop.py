@@ -67,12 +67,19 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _executor_pid(root: int, name: str) -> int | None:
-    for pid in _descendants(root):
+    """The controller's direct child running executor ``name`` (its own helpers inherit the variable)."""
+    try:
+        children = [int(k) for k in Path(f"/proc/{root}/task/{root}/children").read_text().split()]
+    except OSError:
+        return None
+    for pid in children:
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if f"LLAMARL_EXECUTOR={name}".encode() in env:
+        # multiprocessing's resource tracker, started during the spawn, inherits the variable too
+        if f"LLAMARL_EXECUTOR={name}".encode() in env and b"spawn_main" in cmd:
             return pid
     return None
 
@@ -116,7 +123,7 @@ def test_resume_after_kill_continues_from_the_checkpoint(tmp_path):
 
 def test_a_killed_executor_ends_the_run_with_its_name(tmp_path):
     out = tmp_path / "run"
-    proc = _start(SMOKE + ["--out", str(out), "--max-steps", "500"], tmp_path)
+    proc = _start(SMOKE + ["--out", str(out), "--max-steps", "100000"], tmp_path)
     _wait_for(lambda: (out / "metrics.jsonl").is_file() and len(read_metrics(out)[0]) >= 2, 180, proc)
     victim = _executor_pid(proc.pid, "generator")
     assert victim is not None, "could not find the generator process"
