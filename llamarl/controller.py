@@ -97,13 +97,15 @@ class Controller:
         scores = await self.ex.rewards.score_async([(r.sample_id, r.text, r.answer) for r in rollouts])
         for r, s in zip(rollouts, scores):
             r.reward, r.reward_error = s.reward, s.error
-        return RolloutBatch(rollouts, n=n, generate_s=t1 - t0, score_s=time.perf_counter() - t1,
-                            meta={"step": step, "cursor_after": self.data.cursor})
+        batch = RolloutBatch(rollouts, n=n, generate_s=t1 - t0, score_s=time.perf_counter() - t1,
+                             meta={"step": step, "cursor_after": self.data.cursor})
+        # advantages and the trainer's tensors are prepared here, off the trainer's critical path
+        advantages = group_advantages(batch.rewards(), n, method=self.cfg.trainer.advantage)
+        batch.meta["tensors"] = collate(rollouts, advantages, self.tok.pad_id)
+        return batch
 
     async def train(self, step: int, batch: RolloutBatch) -> None:
-        t = self.cfg.trainer
-        advantages = group_advantages(batch.rewards(), batch.n, method=t.advantage)
-        stats = (await self.ex.trainer.acall("train_step", collate(batch.rollouts, advantages, self.tok.pad_id)))[0]
+        stats = (await self.ex.trainer.acall("train_step", batch.meta["tensors"]))[0]
         staleness = self.version - batch.oldest_version
         sync_s = 0.0
         if stats["applied"]:  # a non-finite loss skips the update: no new version to sync

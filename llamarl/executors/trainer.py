@@ -18,6 +18,7 @@ cached copy plan (llamarl.weight_sync.WeightSender) and publishes them as ``vers
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -67,6 +68,7 @@ class TrainerExecutor:
 
     # ------------------------------------------------------------------ commands
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict:
+        t0 = time.perf_counter()
         batch = {k: v.to(self.device) for k, v in batch.items()}
         total_tokens = batch["mask"].sum()
         rows = batch["input_ids"].shape[0]
@@ -88,7 +90,8 @@ class TrainerExecutor:
         if applied:
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return {"applied": applied, "loss": loss_sum, "grad_norm": float(grad_norm), **_combine(metrics)}
+        return {"applied": applied, "loss": loss_sum, "grad_norm": float(grad_norm),
+                "train_s": time.perf_counter() - t0, **_combine(metrics)}
 
     def push_weights(self, version: int) -> dict:
         shards = {name: p.detach() for name, p in self.model.named_parameters()}
