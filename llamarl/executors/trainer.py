@@ -18,7 +18,9 @@ cached copy plan (llamarl.weight_sync.WeightSender) and publishes them as ``vers
 from __future__ import annotations
 
 import math
+import shutil
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,6 +31,7 @@ from llamarl.runtime import RankInfo
 from llamarl.weight_sync import GeneratorLayout, TrainerLayout, WeightSender, llama_param_specs, plan_sync
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 SUM_METRICS = ("tokens",)
 MAX_METRICS = ("ratio_max",)
 
@@ -44,6 +47,7 @@ class TrainerExecutor:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
         self.cfg = trainer
+        self.model_path = model_path
         self.temperature = temperature if temperature > 0 else 1.0
         self.device = torch.device(rank_info.device or "cpu")
         self.model = Llama.from_pretrained(model_path, dtype=DTYPES[trainer["dtype"]], device=self.device)
@@ -101,14 +105,22 @@ class TrainerExecutor:
 
     def save_checkpoint(self, run_dir: str, step: int, policy_version: int, data_cursor: int,
                         keep: int = 3) -> str:
-        path = save_checkpoint(run_dir, step, policy_state=self.model.save_pretrained,
+        path = save_checkpoint(run_dir, step, policy_state=self._save_policy,
                                optimizer_state=self.opt.state_dict(), policy_version=policy_version,
                                data_cursor=data_cursor, rng_state=capture_rng_state(), keep=keep)
         return str(path)
 
     def save_policy(self, path: str) -> str:
-        self.model.save_pretrained(path)
+        self._save_policy(Path(path))
         return path
+
+    def _save_policy(self, path: Path) -> None:
+        """HF weights + config, and the tokenizer files of the directory the run started from."""
+        self.model.save_pretrained(path)
+        for name in TOKENIZER_FILES:
+            src = Path(self.model_path) / name
+            if src.is_file():
+                shutil.copyfile(src, Path(path) / name)
 
     def close(self) -> None:
         self.sender.close()
