@@ -29,7 +29,6 @@ import argparse
 import itertools
 import os
 import tempfile
-import time
 import traceback
 
 import torch

@@ -33,7 +33,7 @@ from llamarl.generation import SamplingParams, generate
 from llamarl.models import CharTokenizer, Llama, LLAMA_CONFIGS, load_tokenizer
 from llamarl.rewards import RewardPool, load_reward
 from llamarl.runlog import RunLog, summary_table
-from llamarl.runtime import ExecutorError, Layout, RewardSpec, run
+from llamarl.runtime import ExecutorError, RewardSpec, run
 from llamarl.train_data import TrainData
 from llamarl.warmstart import cache_key, default_cache_dir, save_atomic, train_supervised
 

@@ -14,16 +14,12 @@ full weights - within fp32 tolerance:
 from __future__ import annotations
 
 import copy
-import datetime
-import os
-import time
-import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from dist_harness import launch
 from llamarl.models import Llama, LlamaConfig
 from llamarl.parallel import FSDPConfig, accumulate_gradients, apply_fsdp, local_shards, sync_sources
 from llamarl.weight_sync import TrainerLayout, llama_param_specs
@@ -88,43 +84,6 @@ def test_bad_config_and_unsharded_model_raise():
 
 
 # ------------------------------------------------------------------------------------ multi process
-def _entry(fn, rank: int, world: int, workdir: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
-        result = fn(rank, world)
-        torch.save(result, f"{workdir}/result{rank}.pt")
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(f"{workdir}/error{rank}.txt", "w") as f:
-            f.write(traceback.format_exc())
-        os._exit(1)
-
-
-def _launch(fn, world: int, workdir, timeout: float = 150.0) -> list[dict]:
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "llamarl.models", "llamarl.parallel"])
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, str(workdir)), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in hung:
-        procs[r].kill()
-        procs[r].join(5)
-    errors = [open(f"{workdir}/error{r}.txt").read() for r in range(world) if os.path.exists(f"{workdir}/error{r}.txt")]
-    assert not errors, "rank failures:\n" + "\n".join(errors)
-    assert not hung, f"ranks {hung} did not finish within {timeout} s"
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return [torch.load(f"{workdir}/result{r}.pt") for r in range(world)]
-
-
 def _compare(sharded, reference: Llama, rank: int, world: int) -> dict:
     """Max |difference| of this rank's shards (and their offsets/shapes) against the reference weights."""
     ref = dict(reference.named_parameters())
@@ -223,7 +182,7 @@ def _fsdp_worker(rank: int, world: int) -> dict:
 
 
 def test_fsdp_matches_single_process_trainer(tmp_path):
-    results = _launch(_fsdp_worker, 2, tmp_path)
+    results = launch(_fsdp_worker, 2, tmp_path)
     for rank, res in enumerate(results):
         for case in ("fp32_mean", "accumulation", "sum_masked", "bf16_mixed"):
             d = res[case]

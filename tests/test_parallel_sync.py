@@ -19,15 +19,11 @@ torch.distributed transport (``DistSender`` -> ``DistInbox``) into fresh buckets
 
 from __future__ import annotations
 
-import datetime
-import os
-import time
-import traceback
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from dist_harness import launch
 from llamarl.models import Llama, LlamaConfig
 from llamarl.runtime.placement import Layout
 
@@ -191,45 +187,8 @@ def _worker(rank: int, world: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------ launching
-def _entry(fn, rank: int, world: int, workdir: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
-        result = fn(rank, world)
-        torch.save(result, f"{workdir}/result{rank}.pt")
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(f"{workdir}/error{rank}.txt", "w") as f:
-            f.write(traceback.format_exc())
-        os._exit(1)
-
-
-def _launch(fn, world: int, workdir, timeout: float = 150.0) -> list[dict]:
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "llamarl.models", "llamarl.parallel"])
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, str(workdir)), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in hung:
-        procs[r].kill()
-        procs[r].join(5)
-    errors = [open(f"{workdir}/error{r}.txt").read() for r in range(world) if os.path.exists(f"{workdir}/error{r}.txt")]
-    assert not errors, "rank failures:\n" + "\n".join(errors)
-    assert not hung, f"ranks {hung} did not finish within {timeout} s"
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return [torch.load(f"{workdir}/result{r}.pt") for r in range(world)]
-
-
 def test_fsdp_trainer_syncs_exact_weights_into_tp_generator(tmp_path):
-    results = _launch(_worker, 4, tmp_path)
+    results = launch(_worker, 4, tmp_path)
     for name, spec in LAYOUTS.items():
         t_ranks, g_ranks = _executor_ranks(spec)
         for r in t_ranks:

@@ -1,0 +1,52 @@
+"""Shared harness for the multi-process gloo tests: run ``fn(rank, world)`` on ``world`` processes.
+
+Each rank joins a gloo group through a file store in ``workdir``, runs ``fn`` and saves its result;
+a failing rank's traceback is collected and shown, and every wait is bounded so a hang is an error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _entry(fn, rank: int, world: int, workdir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        result = fn(rank, world)
+        torch.save(result, f"{workdir}/result{rank}.pt")
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        with open(f"{workdir}/error{rank}.txt", "w") as f:
+            f.write(traceback.format_exc())
+        os._exit(1)
+
+
+def launch(fn, world: int, workdir, timeout: float = 150.0) -> list[dict]:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "llamarl.models", "llamarl.parallel"])
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, str(workdir)), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        procs[r].kill()
+        procs[r].join(5)
+    errors = [open(f"{workdir}/error{r}.txt").read() for r in range(world) if os.path.exists(f"{workdir}/error{r}.txt")]
+    assert not errors, "rank failures:\n" + "\n".join(errors)
+    assert not hung, f"ranks {hung} did not finish within {timeout} s"
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return [torch.load(f"{workdir}/result{r}.pt") for r in range(world)]
