@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # The GPU check: how every GPU claim of llamarl gets verified on the project's H200 (offline).
 #
-#   OUT=/some/dir bash scripts/gpu_check.sh [--quick]
+#   OUT=/some/dir [BENCHES="weight_sync aipo_loss ..."] [TRAIN=0] bash scripts/gpu_check.sh [--quick]
+#
+# --quick: build + gpu tests only. BENCHES picks benchmarks (default: all GPU ones); TRAIN=0 skips the
+# training-loop run. A device command may run 10 minutes at most: pick a subset that fits.
 #
 # 1. installs the Python dependencies the GPU machine lacks from a carried wheelhouse (.wheels/, made
 #    here with `bash scripts/fetch_gpu_wheels.sh`; no network on the GPU machine),
 # 2. builds llamarl._C in place with nvcc (sm_80/sm_90 + PTX), offline,
 # 3. runs the `gpu`-marked tests, then the GPU benchmarks,
 # 4. writes at most a handful of files under $OUT (the device tool returns <= 8):
-#    build.log, tests.log, benchmarks.md (all benchmark tables), benchmarks.json, summary.txt.
+#    build.log, tests.log, benchmarks.md (all benchmark tables), benchmarks.json, summary.txt,
+#    train_summary.json (the training loop on the GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -45,10 +49,21 @@ run_bench() {  # name, timeout seconds, args...
   fi
 }
 if [ "$QUICK" != "--quick" ]; then
-  for spec in "weight_sync 120 --full" "aipo_loss 150 --full" "quant_matmul 90 --full" "generation 150 --full"; do
-    # shellcheck disable=SC2086
-    [ -f "benchmarks/${spec%% *}.py" ] && run_bench $spec
+  # each benchmark's default mode is its full, GPU-sized one
+  declare -A LIMIT=([weight_sync]=120 [aipo_loss]=150 [quant_matmul]=90 [generation]=150 [quant_quality]=90)
+  for name in ${BENCHES:-weight_sync aipo_loss quant_matmul generation quant_quality}; do
+    run_bench "$name" "${LIMIT[$name]:-120}"
   done
+
+  # the training loop on the GPU: trainer and generator processes sharing the card, weights via CUDA IPC
+  if [ "${TRAIN:-1}" = "0" ]; then
+    summary "train on cuda: skipped (TRAIN=0)"
+  elif timeout 240 python3 -m llamarl.train --out "$BENCH_TMP/train" --max-steps 100 --set run.device=cuda \
+       > "$BENCH_TMP/train.log" 2>&1; then
+    summary "train on cuda: ok"; cp "$BENCH_TMP/train/summary.json" "$OUT/train_summary.json"
+  else
+    summary "train on cuda: FAILED, last lines:"; tail -n 15 "$BENCH_TMP/train.log" | tee -a "$OUT/summary.txt"
+  fi
 fi
 
 cat "$BENCH_TMP"/*.md > "$OUT/benchmarks.md" 2>/dev/null || true
