@@ -393,7 +393,7 @@ NAMED_FLAGS: dict[str, tuple[str, str]] = {
 
 def add_config_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--preset``, ``--config``, ``--set`` and the named flags to ``parser`` (for entry points)."""
-    parser.add_argument("--preset", default="default", help=f"named preset: {', '.join(PRESETS)}")
+    parser.add_argument("--preset", default="default", help=f"named preset: {', '.join(_presets())}")
     parser.add_argument("--config", metavar="FILE.yaml", help="YAML file with sections as in TrainConfig")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one field, e.g. --set trainer.lr=3e-4 (repeatable; wins over all)")
@@ -404,10 +404,11 @@ def add_config_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace, *, check_environment: bool = True) -> TrainConfig:
     """The ``TrainConfig`` described by parsed ``add_config_args`` arguments (see module docstring)."""
-    if args.preset not in PRESETS:
-        _fail("--preset", f"unknown preset{_did_you_mean(args.preset, PRESETS)}; presets: {', '.join(PRESETS)}",
+    presets = _presets()
+    if args.preset not in presets:
+        _fail("--preset", f"unknown preset{_did_you_mean(args.preset, presets)}; presets: {', '.join(presets)}",
               args.preset)
-    data = PRESETS[args.preset].to_dict()
+    data = presets[args.preset].to_dict()
     explicit: set[str] = set()
     if args.config:
         path = Path(args.config)
@@ -436,7 +437,7 @@ def config_from_args(args: argparse.Namespace, *, check_environment: bool = True
         data = _merge(data, {section: {name: _Text(value)}}, "command line")
         explicit.add(dotted)
     _apply_layout_shorthand(data, explicit)
-    _apply_mode_rule(data, explicit, PRESETS[args.preset])
+    _apply_mode_rule(data, explicit, presets[args.preset])
     run = data["run"]
     if run.get("resume") is not None and run.get("out") is None:
         resume = Path(str(run["resume"]))
@@ -614,27 +615,7 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     raise TypeError(f"{path}: unsupported annotation {tp!r} in config dataclass")
 
 
-# Named presets. Numbers are plausible starting points for the tiny CPU model; the integrator tunes them.
-PRESETS: dict[str, TrainConfig] = {
-    # The embedded default: the tiny char-level Llama learns 2-digit addition (zero-padded operands) —
-    # a cached supervised warm start to ~40-50% held-out accuracy, then asynchronous AIPO RL.
-    "default": TrainConfig(
-        policy=PolicyConfig(model="tiny"),
-        generator=GeneratorConfig(prompts_per_step=16, samples_per_prompt=8, max_new_tokens=4, temperature=1.0),
-        trainer=TrainerConfig(lr=1e-4, betas=(0.9, 0.98), micro_batch_size=128, rho=2.0, advantage="mean"),
-        reward=RewardConfig(reward="exact", workers=1),
-        data=DataConfig(dataset="synthetic:arithmetic:digits=2,pad=1", eval_size=200),
-        warm_start=WarmStartConfig(steps=1500, lr=2e-3, batch_size=128, target_accuracy=0.3),
-        run=RunConfig(mode="async", max_staleness=1, max_steps=600, eval_every=100, checkpoint_every=200),
-    ),
-}
-PRESETS["sync"] = dataclasses.replace(PRESETS["default"],
-                                      run=dataclasses.replace(PRESETS["default"].run, mode="sync", max_staleness=0))
-PRESETS["smoke"] = TrainConfig(
-    generator=GeneratorConfig(prompts_per_step=4, samples_per_prompt=2, max_new_tokens=4),
-    trainer=TrainerConfig(lr=3e-4, micro_batch_size=8),
-    reward=RewardConfig(workers=1),
-    data=DataConfig(eval_size=8),
-    warm_start=WarmStartConfig(steps=5, batch_size=8),
-    run=RunConfig(max_steps=3, eval_every=0, checkpoint_every=2),
-)
+def _presets() -> dict[str, TrainConfig]:
+    from llamarl.presets import PRESETS  # presets build on the dataclasses above
+
+    return PRESETS

@@ -12,7 +12,6 @@ import yaml
 
 from llamarl.checkpoint import save_checkpoint
 from llamarl.config import (
-    PRESETS,
     ConfigError,
     GeneratorConfig,
     RunConfig,
@@ -20,6 +19,7 @@ from llamarl.config import (
     TrainerConfig,
     load_config,
 )
+from llamarl.presets import PRESETS
 from llamarl.runtime import Layout
 
 
