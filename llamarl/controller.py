@@ -128,13 +128,12 @@ class Controller:
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[dict]:
         """Split the prompts over the generator replicas; each replica's TP ranks run together."""
         gens = self.ex.generators
-        parts = [prompts[i::len(gens)] for i in range(len(gens))]
-        results = await asyncio.gather(*(g.acall("generate", p, params) for g, p in zip(gens, parts) if p))
-        per_replica = [r[0] for r in results]  # TP ranks return identical outputs; take rank 0's
+        busy = [g for g in range(len(gens)) if g < len(prompts)]  # replica g takes prompts g, g+R, g+2R, ...
+        results = await asyncio.gather(*(gens[g].acall("generate", prompts[g::len(gens)], params) for g in busy))
         n = params.n
         out: list[dict] = [None] * (len(prompts) * n)  # type: ignore[list-item]
-        for g, outs in enumerate(per_replica):
-            for j, o in enumerate(outs):
+        for g, per_rank in zip(busy, results):
+            for j, o in enumerate(per_rank[0]):  # TP ranks return identical outputs; take rank 0's
                 prompt = g + (j // n) * len(gens)
                 out[prompt * n + j % n] = o
         return out

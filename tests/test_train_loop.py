@@ -27,11 +27,12 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMARL_CACHE_DIR", str(tmp_path / "cache"))
 
 
-@pytest.mark.parametrize("mode, staleness", [("sync", 0), ("async", 2)])
-def test_loop_runs_and_never_exceeds_the_staleness_bound(tmp_path, mode, staleness):
+@pytest.mark.parametrize("mode, staleness, replicas", [("sync", 0, 1), ("async", 2, 1), ("async", 1, 2)])
+def test_loop_runs_and_never_exceeds_the_staleness_bound(tmp_path, mode, staleness, replicas):
     out = tmp_path / "run"
     cfg = load_config(SMOKE + ["--out", str(out), "--mode", mode, "--max-staleness", str(staleness),
-                               "--max-steps", "5", "--set", "run.checkpoint_every=2"])
+                               "--max-steps", "5", "--set", "run.checkpoint_every=2",
+                               "--set", f"generator.replicas={replicas}"])
     summary = train(cfg)
     steps, evals = read_metrics(out)
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
