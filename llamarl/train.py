@@ -42,14 +42,15 @@ def log(msg: str) -> None:
     print(f"[llamarl] {msg}", file=sys.stderr, flush=True)
 
 
-def prepare_policy(cfg: TrainConfig, tokenizer, data: TrainData) -> tuple[Path, dict]:
+def prepare_policy(cfg: TrainConfig, tokenizer) -> tuple[Path, dict]:
     """The HF directory the trainer starts from: a given checkpoint, or the (cached) warm start."""
     if cfg.policy.model not in LLAMA_CONFIGS:
         return Path(cfg.policy.model), {"cached": None, "seconds": 0.0}
     ws = cfg.warm_start
     model_cfg = LLAMA_CONFIGS[cfg.policy.model]
+    # everything the warm-started weights depend on (the probe uses the reward and the generation length)
     key = cache_key("warmstart-v1", model_cfg.to_hf_dict(), dataclasses.replace(ws, cache_dir=None), cfg.data,
-                    cfg.run.seed)
+                    cfg.run.seed, cfg.reward.reward, cfg.generator.max_new_tokens)
     path = (Path(ws.cache_dir) if ws.cache_dir else default_cache_dir()) / f"{cfg.policy.model}-{key}"
     if (path / "warmstart.json").is_file():
         info = json.loads((path / "warmstart.json").read_text())
@@ -77,7 +78,7 @@ def prepare_policy(cfg: TrainConfig, tokenizer, data: TrainData) -> tuple[Path, 
     return path, {**info, "cached": False}
 
 
-def _dump_tasks_on_sigusr1(debug_objects=()) -> None:
+def _dump_tasks_on_sigusr1() -> None:
     """``kill -USR1 <pid>`` prints every asyncio task's stack: what the controller is waiting for."""
     import asyncio
     import signal
@@ -85,12 +86,6 @@ def _dump_tasks_on_sigusr1(debug_objects=()) -> None:
     def dump() -> None:
         for task in asyncio.all_tasks():
             task.print_stack(file=sys.stderr)
-            w = getattr(task, "_fut_waiter", None)
-            kids = getattr(w, "_children", None)
-            if kids:
-                print(f"  gather children: {[k._state for k in kids]}", file=sys.stderr)
-        for obj in debug_objects:
-            print(f"  {obj!r}: {getattr(obj, '__dict__', {})}", file=sys.stderr)
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)
 
@@ -139,7 +134,7 @@ def train(cfg: TrainConfig) -> dict:
         policy_dir, warm = resume.policy_dir, {"cached": None, "seconds": 0.0}
         log(f"resuming from {resume.path} (step {resume.step}, policy version {resume.policy_version})")
     else:
-        policy_dir, warm = prepare_policy(cfg, tokenizer, data)
+        policy_dir, warm = prepare_policy(cfg, tokenizer)
     model_config = json.loads((Path(policy_dir) / "config.json").read_text())
     start_step = resume.step if resume else 0
     start_version = resume.policy_version if resume else 0
@@ -147,6 +142,7 @@ def train(cfg: TrainConfig) -> dict:
     layout = dataclasses.replace(cfg.layout(), reward=RewardSpec(0))  # rewards: RewardPool worker processes
 
     async def main(rt) -> dict:
+        _dump_tasks_on_sigusr1()
         gens = rt.spawn_role("generator", "llamarl.executors.generator:GeneratorExecutor", init_kwargs=dict(
             model_config=model_config, dtype=cfg.policy.dtype, trainer_ranks=cfg.trainer.ranks,
             replicas=g.replicas, max_batch_size=max(g.prompts_per_step * g.samples_per_prompt, cfg.data.eval_size),
@@ -165,7 +161,6 @@ def train(cfg: TrainConfig) -> dict:
 
         with RewardPool(cfg.reward.reward, num_workers=max(1, cfg.reward.workers),
                         timeout_s=cfg.reward.timeout_s) as pool:
-            _dump_tasks_on_sigusr1([pool, *[l for g in [*gens, trainer] for l in g._links]])
             ctrl = Controller(cfg, data, Executors(gens, trainer, pool), runlog, tokenizer=tokenizer,
                               start_step=start_step, start_version=start_version, on_checkpoint=checkpoint)
             try:
