@@ -16,7 +16,7 @@ On-disk layout of a run directory::
 
 Atomicity: everything is written into a temporary directory inside ``checkpoints/`` (same filesystem),
 every file and directory is fsynced, ``MANIFEST.json`` is written and fsynced last, and only then is the
-directory renamed to ``step_XXXXXX`` with ``os.replace`` (atomic), its parent fsynced and the ``latest``
+directory renamed to ``step_NNNNNN`` with ``os.replace`` (atomic), its parent fsynced and the ``latest``
 pointer replaced atomically. A crash at any point leaves either the old set of checkpoints or the old
 set plus the complete new one; never a half-written ``step_*``. Readers trust the manifest, not the
 pointer: ``load_latest`` returns the highest-step checkpoint whose manifest matches its files, so a

@@ -90,9 +90,8 @@ def test_bad_schedule_shape_and_devices_are_rejected():
         copy_ops(torch.zeros(4, 4).t(), torch.zeros(16), [])
 
 
+@pytest.mark.skipif(build_info()["cuda"] and native().cuda_device_count() > 0, reason="a CUDA device is present")
 def test_cuda_entry_points_raise_clearly_without_cuda():
-    if build_info()["cuda"] and native().cuda_device_count() > 0:
-        pytest.skip("a CUDA device is present")
     if not build_info()["cuda"]:
         with pytest.raises(RuntimeError, match="built without CUDA"):
             native().copy_ops_cuda(1, 1, 1, 1, as_ops([]))

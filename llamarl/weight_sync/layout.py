@@ -53,8 +53,27 @@ _REPLICATED = re.compile(
 _QUANTIZABLE = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
 
 
+class _Shaped:
+    """Row view of a tensor's shape: rows = dim 0, cols = the product of the other dims."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return math.prod(self.shape[1:])
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
 @dataclass(frozen=True)
-class ParamSpec:
+class ParamSpec(_Shaped):
     """One parameter: its full (unsharded) shape and dtype, and how tensor parallelism splits it."""
 
     name: str
@@ -73,18 +92,6 @@ class ParamSpec:
         if self.tp_split == 1 and len(self.shape) != 2:
             raise ValueError(f"ParamSpec {self.name!r}: a row-parallel (tp_split=1) split needs a 2-D weight, "
                              f"got shape {self.shape}")
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0]
-
-    @property
-    def cols(self) -> int:
-        return math.prod(self.shape[1:])
-
-    @property
-    def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
 
 
 def llama_tp_split(name: str) -> int | None:
@@ -263,7 +270,7 @@ class GeneratorLayout:
 
 
 @dataclass(frozen=True)
-class SyncTensor:
+class SyncTensor(_Shaped):
     """A tensor the sync moves: a parameter as is, or the q / scale half of a quantized one."""
 
     name: str
@@ -272,18 +279,6 @@ class SyncTensor:
     tp_split: int | None
     param: str  # the ParamSpec it comes from
     kind: str  # "param" | "qweight" | "scale"
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0]
-
-    @property
-    def cols(self) -> int:
-        return math.prod(self.shape[1:])
-
-    @property
-    def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
 
 
 def sync_tensors(specs: Sequence[ParamSpec], generator: GeneratorLayout) -> tuple[SyncTensor, ...]:
