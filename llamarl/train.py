@@ -29,7 +29,7 @@ import torch
 from llamarl.checkpoint import load_latest
 from llamarl.config import ConfigError, TrainConfig, load_config
 from llamarl.controller import Controller, Executors
-from llamarl.generation import SamplingParams, generate
+from llamarl.eval import evaluate
 from llamarl.models import CharTokenizer, Llama, LLAMA_CONFIGS, load_tokenizer
 from llamarl.rewards import RewardPool, load_reward
 from llamarl.runlog import RunLog, summary_table
@@ -64,11 +64,8 @@ def prepare_policy(cfg: TrainConfig, tokenizer) -> tuple[Path, dict]:
     reward_fn = load_reward(cfg.reward.reward)
 
     def probe() -> float:  # greedy accuracy on training problems (never the held-out split)
-        outs = generate(model, [stream.formatter.encode(s) for s in probe_samples],
-                        SamplingParams(max_new_tokens=cfg.generator.max_new_tokens, temperature=0.0),
-                        pad_token_id=tokenizer.pad_id)
-        return sum(_safe_reward(reward_fn, tokenizer.decode(o.token_ids), s.answer) >= 1.0
-                   for o, s in zip(outs, probe_samples)) / len(probe_samples)
+        return evaluate(model, tokenizer, probe_samples, reward_fn, max_new_tokens=cfg.generator.max_new_tokens,
+                        batch_size=len(probe_samples), fmt=stream.formatter.fmt).accuracy
 
     info = train_supervised(model, stream.next, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size,
                             encode_prompt=stream.formatter.encode, encode_answer=tokenizer.encode,
@@ -88,13 +85,6 @@ def _dump_tasks_on_sigusr1() -> None:
             task.print_stack(file=sys.stderr)
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)
-
-
-def _safe_reward(fn, completion: str, answer: str) -> float:
-    try:
-        return float(fn(completion, answer))
-    except Exception:  # a failing user reward costs the probe sample, not the warm start
-        return 0.0
 
 
 def make_tokenizer(cfg: TrainConfig):

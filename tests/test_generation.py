@@ -15,15 +15,6 @@ VOCAB = 89
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23, 24], [30]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny shapes: one intra-op thread is fastest and avoids oversubscribing a shared CPU (restored after)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """(transformers model, our model loaded from its save_pretrained directory)."""

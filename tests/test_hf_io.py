@@ -22,15 +22,6 @@ CFG = LlamaConfig(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny shapes: one intra-op thread is fastest and avoids oversubscribing a shared CPU (restored after)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def ours(tied: bool = False, seed: int = 0) -> Llama:
     torch.manual_seed(seed)
     m = Llama(CFG.replace(tie_word_embeddings=tied)).eval()

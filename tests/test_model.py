@@ -43,15 +43,6 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny shapes: one intra-op thread is fastest and avoids oversubscribing a shared CPU (restored after)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def hf_model(tmp_path, name: str, **extra):
     kw = copy.deepcopy(dict(max_position_embeddings=64, initializer_range=0.1, rms_norm_eps=1e-5, **CONFIGS[name]))
     kw.update(extra)  # (deep copy: transformers edits rope dicts in place)
