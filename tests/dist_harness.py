@@ -1,4 +1,5 @@
-"""Shared harness for the multi-process gloo tests: run ``fn(rank, world)`` on ``world`` processes.
+"""Shared harness for the multi-process gloo tests: run ``fn(rank, world)`` on ``world`` processes,
+and build the seeded reference models they compare against.
 
 Each rank joins a gloo group through a file store in ``workdir``, runs ``fn`` and saves its result;
 a failing rank's traceback is collected and shown, and every wait is bounded so a hang is an error.
@@ -13,6 +14,8 @@ import traceback
 
 import torch
 import torch.multiprocessing as mp
+
+from llamarl.models import Llama, LlamaConfig
 
 
 def _entry(fn, rank: int, world: int, workdir: str) -> None:
@@ -50,3 +53,14 @@ def launch(fn, world: int, workdir, timeout: float = 150.0) -> list[dict]:
     assert not hung, f"ranks {hung} did not finish within {timeout} s"
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     return [torch.load(f"{workdir}/result{r}.pt") for r in range(world)]
+
+
+def random_model(cfg: LlamaConfig, seed: int = 0) -> Llama:
+    """A seeded random Llama with norm weights away from 1, so a wrongly replicated norm would show."""
+    torch.manual_seed(seed)
+    m = Llama(cfg)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return m

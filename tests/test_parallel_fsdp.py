@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_harness import launch
+from dist_harness import launch, random_model
 from llamarl.models import Llama, LlamaConfig
 from llamarl.parallel import FSDPConfig, accumulate_gradients, apply_fsdp, local_shards, sync_sources
 from llamarl.weight_sync import TrainerLayout, llama_param_specs
@@ -29,16 +29,6 @@ CFG = LlamaConfig(vocab_size=67, hidden_size=48, intermediate_size=80, num_hidde
 LR = 1e-3
 FP32_ATOL = 2e-6  # on updated weights (|w| ~ 0.02-1.5, an AdamW step moves each by ~LR)
 GRAD_RTOL = 1e-5  # on gradients, relative to the largest gradient entry
-
-
-def _model(seed: int = 0) -> Llama:
-    torch.manual_seed(seed)
-    m = Llama(CFG)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if n.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return m
 
 
 def _optimizer(params):
@@ -69,7 +59,7 @@ def _batch(seed: int, rows: int = 8, seq: int = 10):
 # ------------------------------------------------------------------------------------ single process
 def test_apply_fsdp_needs_a_process_group():
     with pytest.raises(RuntimeError, match="init_process_group"):
-        apply_fsdp(_model())
+        apply_fsdp(random_model(CFG))
 
 
 def test_bad_config_and_unsharded_model_raise():
@@ -78,7 +68,7 @@ def test_bad_config_and_unsharded_model_raise():
     with pytest.raises(ValueError, match="param_dtype"):
         FSDPConfig(param_dtype=torch.int8)
     with pytest.raises(ValueError, match="not a DTensor: call apply_fsdp"):
-        local_shards(_model())
+        local_shards(random_model(CFG))
     with pytest.raises(TypeError, match="needs a llamarl Llama"):
         apply_fsdp(torch.nn.Linear(2, 2))
 
@@ -104,7 +94,7 @@ def _compare(sharded, reference: Llama, rank: int, world: int) -> dict:
             # factor would hide in the weights.
             g = grads[name].grad.to_local().double()
             worst_grad = max(worst_grad, float((g - ref[name].grad[a:b].double()).abs().max()) / scale)
-    initial = _model().parameters()
+    initial = random_model(CFG).parameters()
     moved = max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(reference.parameters(), initial))
     return {"max_diff": worst, "grad_rel": worst_grad, "moved": moved}
 
@@ -115,13 +105,13 @@ def _fsdp_worker(rank: int, world: int) -> dict:
     half = slice(rank * 4, rank * 4 + 4)
 
     # fp32, mean reduction, two AdamW steps; the second through hidden_states + lm_head.weight.
-    ref = _model()
+    ref = random_model(CFG)
     opt = _optimizer(ref.parameters())
     for step, ids in enumerate(batches):
         opt.zero_grad()
         (_mean_loss if step == 0 else _mean_loss_via_hidden)(ref, ids).backward()
         opt.step()
-    m = apply_fsdp(_model())
+    m = apply_fsdp(random_model(CFG))
     opt = _optimizer(m.parameters())
     for step, ids in enumerate(batches):
         opt.zero_grad()
@@ -132,11 +122,11 @@ def _fsdp_worker(rank: int, world: int) -> dict:
         t.data_ptr() == p.to_local().data_ptr() for t, p in zip(sync_sources(m).values(), m.parameters()))
 
     # Gradient accumulation: 2 micro-batches of 2 rows per rank = the same 8-row batch.
-    ref = _model()
+    ref = random_model(CFG)
     opt = _optimizer(ref.parameters())
     _mean_loss(ref, batches[0]).backward()
     opt.step()
-    m = apply_fsdp(_model())
+    m = apply_fsdp(random_model(CFG))
     opt = _optimizer(m.parameters())
     local = batches[0][half]
     accumulate_gradients(m, [local[:2], local[2:]], lambda mb: _mean_loss(m, mb))
@@ -149,18 +139,18 @@ def _fsdp_worker(rank: int, world: int) -> dict:
     mask[:4, 6:] = 0  # rank 0's rows have fewer valid tokens than rank 1's
     mask[5, 3:] = 0
     n_global = float(mask[:, 1:].sum())
-    ref = _model()
+    ref = random_model(CFG)
     opt = _optimizer(ref.parameters())
     (_ce_sum(ref(ids), ids, mask) / n_global).backward()
     opt.step()
-    m = apply_fsdp(_model(), config=FSDPConfig(grad_reduce="sum"))
+    m = apply_fsdp(random_model(CFG), config=FSDPConfig(grad_reduce="sum"))
     opt = _optimizer(m.parameters())
     (_ce_sum(m(ids[half]), ids[half], mask[half]) / n_global).backward()
     opt.step()
     out["sum_masked"] = _compare(m, ref, rank, world)
 
     # bf16 mixed precision: bf16 forward/backward per rank's half, fp32 reduce and fp32 master update.
-    ref = _model()
+    ref = random_model(CFG)
     grads = [torch.zeros_like(p) for p in ref.parameters()]
     for r in range(world):
         low = copy.deepcopy(ref).to(torch.bfloat16)
@@ -171,7 +161,7 @@ def _fsdp_worker(rank: int, world: int) -> dict:
         p.grad = g
     opt = _optimizer(ref.parameters())
     opt.step()
-    m = apply_fsdp(_model(), config=FSDPConfig(mixed_precision=True))
+    m = apply_fsdp(random_model(CFG), config=FSDPConfig(mixed_precision=True))
     opt = _optimizer(m.parameters())
     _mean_loss(m, batches[0][half]).backward()
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in m.parameters())

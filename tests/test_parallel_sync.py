@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dist_harness import launch
+from dist_harness import launch, random_model
 from llamarl.models import Llama, LlamaConfig
 from llamarl.runtime.placement import Layout
 
@@ -34,16 +34,6 @@ ROWS = 4  # global batch rows (split over the trainer ranks)
 LR = 1e-3
 FP32_ATOL = 2e-6  # updated weights vs the single-process trainer
 LOGITS_ATOL = 2e-5  # TP logits vs the single-process model
-
-
-def _model(seed: int = 0) -> Llama:
-    torch.manual_seed(seed)
-    m = Llama(CFG)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if n.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return m
 
 
 def _batch(seed: int) -> torch.Tensor:
@@ -79,7 +69,7 @@ def _train(rank, t_ranks, g_ranks, t_group, plan, batches, ref_states) -> dict:
     dist.all_gather_object(handles, None)  # the generator leader's control handle (not needed here)
     dist.all_gather_object(handles, None)  # every generator rank's bucket handle
     sender = WeightSender(plan, t, [handles[r] for r in g_ranks], num_threads=1, timeout=60)
-    model = apply_fsdp(_model(), t_group)
+    model = apply_fsdp(random_model(CFG), t_group)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     per = ROWS // world
     for version, ids in enumerate(batches, start=1):
@@ -167,7 +157,7 @@ def _phase(rank: int, spec: str) -> dict:
                      GeneratorLayout(tp_size=len(g_ranks)))
     batches = [_batch(20), _batch(21)]
     if rank in t_ranks:
-        ref = _model()  # the single-process trainer on the whole batch
+        ref = random_model(CFG)  # the single-process trainer on the whole batch
         opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
         states = []
         for ids in batches:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_harness import launch
+from dist_harness import launch, random_model
 from llamarl.models import Llama, LlamaConfig
 from llamarl.parallel import (
     ColumnParallelLinear,
@@ -33,16 +33,6 @@ TIED = CFG.replace(tie_word_embeddings=True)
 FP32_ATOL = 2e-5
 
 
-def _model(cfg: LlamaConfig, seed: int = 0) -> Llama:
-    torch.manual_seed(seed)
-    m = Llama(cfg)
-    with torch.no_grad():  # norms away from 1 so a wrongly replicated norm would show
-        for n, p in m.named_parameters():
-            if n.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return m
-
-
 def _tp_copy(full: Llama, tp) -> Llama:
     m = Llama(full.config)
     m.load_state_dict(full.state_dict())
@@ -52,7 +42,7 @@ def _tp_copy(full: Llama, tp) -> Llama:
 # ------------------------------------------------------------------------------------ single process
 def test_local_params_are_the_weight_sync_slices():
     """For every TP size and rank, each local tensor equals GeneratorLayout.shard of the full weight."""
-    full = _model(CFG)
+    full = random_model(CFG)
     sd = full.state_dict()
     specs = {s.name: s for s in llama_param_specs(sd)}
     for size in (1, 2, 3, 6):
@@ -69,7 +59,7 @@ def test_local_params_are_the_weight_sync_slices():
 
 
 def test_module_types_and_local_heads():
-    m = _tp_copy(_model(CFG), TPGroup(None, 1, 3))
+    m = _tp_copy(random_model(CFG), TPGroup(None, 1, 3))
     attn, mlp = m.model.layers[0].self_attn, m.model.layers[0].mlp
     assert all(isinstance(getattr(attn, n), ColumnParallelLinear) for n in ("q_proj", "k_proj", "v_proj"))
     assert isinstance(attn.o_proj, RowParallelLinear) and isinstance(mlp.down_proj, RowParallelLinear)
@@ -81,13 +71,13 @@ def test_module_types_and_local_heads():
 
 
 def test_tied_embeddings_stay_tied():
-    m = _tp_copy(_model(TIED), TPGroup(None, 0, 2))
+    m = _tp_copy(random_model(TIED), TPGroup(None, 0, 2))
     assert m.lm_head.weight is m.model.embed_tokens.weight
     assert "lm_head.weight" not in dict(m.named_parameters())
 
 
 def test_tp1_is_the_single_process_model():
-    full = _model(CFG)
+    full = random_model(CFG)
     ids = torch.randint(0, CFG.vocab_size, (2, 7))
     m = _tp_copy(full, None)  # no process group: size 1, no collectives
     with torch.no_grad():
@@ -98,10 +88,10 @@ def test_bad_tp_sizes_raise_clear_errors():
     with pytest.raises(ValueError, match=r"num_key_value_heads=6 .* divisible by 4.*valid TP sizes.*\[1, 2, 3, 6\]"):
         check_tp_size(CFG, 4)
     with pytest.raises(ValueError, match="divisible by 4"):
-        parallelize_llama(_model(CFG), TPGroup(None, 0, 4))
+        parallelize_llama(random_model(CFG), TPGroup(None, 0, 4))
     with pytest.raises(ValueError, match="divisible by 5"):
         tp_local_config(CFG, 5)
-    m = _tp_copy(_model(CFG), TPGroup(None, 0, 2))
+    m = _tp_copy(random_model(CFG), TPGroup(None, 0, 2))
     with pytest.raises(ValueError, match="already tensor parallel"):
         parallelize_llama(m, TPGroup(None, 0, 2))
     with pytest.raises(TypeError, match="needs a llamarl Llama"):
@@ -127,7 +117,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _check_tp(cfg: LlamaConfig, group, seed: int) -> dict:
     """Every TP check for one config and group, against a single-process model in this process."""
-    full = _model(cfg, seed)
+    full = random_model(cfg, seed)
     torch.manual_seed(100 + seed)
     ids = torch.randint(0, cfg.vocab_size, (2, 9))
     tp = _tp_copy(full, group)

@@ -60,10 +60,6 @@ class GeneratorExecutor:
             outs = self.engine.generate(prompts, params, pad_token_id=self.pad_id)
         return [dataclasses.asdict(o) | {"prompt_token_ids": None} for o in outs]
 
-    def wait_for_version(self, version: int, timeout: float = 60.0) -> int:
-        self.receiver.wait_for_version(version, timeout)
-        return self.receiver.latest_version
-
     def close(self) -> None:
         self.receiver.close()
         self.buckets.close()

@@ -110,10 +110,6 @@ class TrainerExecutor:
                                data_cursor=data_cursor, rng_state=capture_rng_state(), keep=keep)
         return str(path)
 
-    def save_policy(self, path: str) -> str:
-        self._save_policy(Path(path))
-        return path
-
     def _save_policy(self, path: Path) -> None:
         """HF weights + config, and the tokenizer files of the directory the run started from."""
         self.model.save_pretrained(path)
