@@ -28,8 +28,9 @@ Layouts: W[R, K] and q[R, K] row-major with unit stride along K (row stride may 
 bigger buffer is fine); scale[R] fp32 contiguous; x[..., K] (flattened to [M, K]); output [..., N].
 
 Kernels:
-- ``_quantize_kernel``: BLOCK_R rows per program, two passes over K (absmax, then quantize; the second
-  pass re-reads the row block from L2).
+- ``_quantize_kernel``: BLOCK_R rows per program. When BLOCK_K >= K (the default for K <= 16384) the
+  row block is loaded once and quantized from registers (one HBM read: quantize runs at copy speed);
+  otherwise two passes over K (absmax, then quantize; the second pass re-reads the block, from L2).
 - ``_qlinear_kernel``: grid (tiles of [BLOCK_M, BLOCK_N], SPLIT_K).
   BLOCK_M < 16 is the decode GEMV path (no tensor-core padding of M=1 to 16): weights stream through
   registers in 16-byte vector loads, x is broadcast, products accumulate elementwise in a
@@ -120,35 +121,56 @@ def _load_weight_f32(ptrs, mask, BF16_BITS: tl.constexpr):
 
 
 @triton.jit
+def _row_scale(absmax, QMAX_: tl.constexpr):
+    """scale = absmax / QMAX (IEEE division), 1.0 where that is 0."""
+    scale = tl.math.div_rn(absmax, QMAX_)
+    return tl.where(scale == 0.0, 1.0, scale)
+
+
+@triton.jit
+def _quantize_values(w, scale, QMAX_: tl.constexpr, IS_FP8: tl.constexpr, Q_TY: tl.constexpr):
+    """Codes of w [R, K] (fp32) for per-row scale [R]: RNE of clamp(w / scale, +-QMAX)."""
+    v = tl.math.div_rn(w, scale[:, None])
+    v = tl.minimum(tl.maximum(v, -QMAX_), QMAX_)
+    if IS_FP8:
+        q = _round_to_grid(v, 3, -6).to(Q_TY)
+    else:
+        q = _round_to_int(v).to(tl.int8)
+    return q
+
+
+@triton.jit
 def _quantize_kernel(
     w_ptr, q_ptr, scale_ptr, R, K, stride_w, stride_q,
     QMAX_: tl.constexpr, IS_FP8: tl.constexpr, W_BF16_BITS: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE_TILE: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < R
     rows64 = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
 
-    amax = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask = row_mask[:, None] & (k0 + cols < K)[None, :]
-        w = _load_weight_f32(w_ptr + rows64[:, None] * stride_w + (k0 + cols)[None, :], mask, W_BF16_BITS)
-        amax = tl.maximum(amax, tl.abs(w))
-    scale = tl.math.div_rn(tl.max(amax, axis=1), QMAX_)
-    scale = tl.where(scale == 0.0, 1.0, scale)
-    tl.store(scale_ptr + rows64, scale, mask=row_mask)
+    if SINGLE_TILE:  # BLOCK_K >= K: the row block is read from memory once and stays in registers
+        mask = row_mask[:, None] & (cols < K)[None, :]
+        w = _load_weight_f32(w_ptr + rows64[:, None] * stride_w + cols[None, :], mask, W_BF16_BITS)
+        scale = _row_scale(tl.max(tl.abs(w), axis=1), QMAX_)
+        tl.store(scale_ptr + rows64, scale, mask=row_mask)
+        q = _quantize_values(w, scale, QMAX_, IS_FP8, q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], q, mask=mask)
+    else:
+        amax = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            mask = row_mask[:, None] & (k0 + cols < K)[None, :]
+            w = _load_weight_f32(w_ptr + rows64[:, None] * stride_w + (k0 + cols)[None, :], mask, W_BF16_BITS)
+            amax = tl.maximum(amax, tl.abs(w))
+        scale = _row_scale(tl.max(amax, axis=1), QMAX_)
+        tl.store(scale_ptr + rows64, scale, mask=row_mask)
 
-    for k0 in range(0, K, BLOCK_K):
-        mask = row_mask[:, None] & (k0 + cols < K)[None, :]
-        w = _load_weight_f32(w_ptr + rows64[:, None] * stride_w + (k0 + cols)[None, :], mask, W_BF16_BITS)
-        v = tl.math.div_rn(w, scale[:, None])
-        v = tl.minimum(tl.maximum(v, -QMAX_), QMAX_)
-        if IS_FP8:
-            q = _round_to_grid(v, 3, -6).to(q_ptr.dtype.element_ty)
-        else:
-            q = _round_to_int(v).to(tl.int8)
-        tl.store(q_ptr + rows64[:, None] * stride_q + (k0 + cols)[None, :], q, mask=mask)
+        for k0 in range(0, K, BLOCK_K):
+            mask = row_mask[:, None] & (k0 + cols < K)[None, :]
+            w = _load_weight_f32(w_ptr + rows64[:, None] * stride_w + (k0 + cols)[None, :], mask, W_BF16_BITS)
+            q = _quantize_values(w, scale, QMAX_, IS_FP8, q_ptr.dtype.element_ty)
+            tl.store(q_ptr + rows64[:, None] * stride_q + (k0 + cols)[None, :], q, mask=mask)
 
 
 @triton.jit
@@ -335,7 +357,11 @@ def _check_pow2(cfg, fields) -> None:
 def _default_quantize_config(K: int) -> QuantizeConfig:
     if INTERPRETED:  # big tiles: the interpreter's cost is per loop iteration, not per element
         return QuantizeConfig(block_r=32, block_k=min(1024, triton.next_power_of_2(K)))
-    return QuantizeConfig(block_r=8, block_k=min(512, triton.next_power_of_2(K)), num_warps=4)
+    block_k = triton.next_power_of_2(K)
+    if block_k <= 16384:  # whole rows in registers, one read of the weight (<= 64 fp32 values per thread)
+        block_r = max(1, min(16, 8192 // block_k))
+        return QuantizeConfig(block_r=block_r, block_k=block_k, num_warps=8 if block_r * block_k >= 8192 else 4)
+    return QuantizeConfig(block_r=8, block_k=512, num_warps=4)  # very long rows: two passes over K
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -459,7 +485,7 @@ def quantize(
         _quantize_kernel[(triton.cdiv(R, cfg.block_r),)](
             w.view(torch.int16) if bf16_bits else w, q, scale, R, K, w.stride(0), q.stride(0),
             QMAX_=QMAX[mode], IS_FP8=mode == "fp8", W_BF16_BITS=bf16_bits, BLOCK_R=cfg.block_r,
-            BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+            BLOCK_K=cfg.block_k, SINGLE_TILE=cfg.block_k >= K, num_warps=cfg.num_warps,
         )
     return q, scale
 

@@ -22,7 +22,10 @@ def quantize_ref(w: "torch.Tensor", mode: str) -> "tuple[torch.Tensor, torch.Ten
         raise ValueError(f"quantization mode must be one of {sorted(QUANT_QMAX)}, got {mode!r}")
     qmax = QUANT_QMAX[mode]
     wf = w.float()
-    scale = wf.abs().amax(dim=1) / qmax
+    amax = wf.abs().amax(dim=1)
+    # a tensor divisor, not the Python scalar: CUDA turns `t / scalar` into t * (1/scalar), which is
+    # not the correctly rounded quotient the kernel (and the CPU) computes
+    scale = amax / torch.full_like(amax, qmax)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     v = (wf / scale[:, None]).clamp(-qmax, qmax)
     q = torch.round(v).to(torch.int8) if mode == "int8" else v.to(torch.float8_e4m3fn)

@@ -339,9 +339,11 @@ def build(fn, sig, consts, aligned_args, **opts):
 
 sig = {"w_ptr": "*i16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "R": "i32", "K": "i32", "stride_w": "i32",
        "stride_q": "i32", "QMAX_": "constexpr", "IS_FP8": "constexpr", "W_BF16_BITS": "constexpr",
-       "BLOCK_R": "constexpr", "BLOCK_K": "constexpr"}
-build(Q._quantize_kernel, sig, dict(QMAX_=448.0, IS_FP8=True, W_BF16_BITS=True, BLOCK_R=8, BLOCK_K=512),
-      ["w_ptr", "q_ptr", "scale_ptr", "K", "stride_w", "stride_q"], num_warps=4)
+       "BLOCK_R": "constexpr", "BLOCK_K": "constexpr", "SINGLE_TILE": "constexpr"}
+for single, (br, bk, warps) in [(False, (8, 512, 4)), (True, (2, 4096, 8))]:
+    ptx = build(Q._quantize_kernel, sig, dict(QMAX_=448.0, IS_FP8=True, W_BF16_BITS=True, BLOCK_R=br, BLOCK_K=bk,
+                SINGLE_TILE=single), ["w_ptr", "q_ptr", "scale_ptr", "K", "stride_w", "stride_q"], num_warps=warps)
+    assert "div.rn.f32" in ptx, "quantize must use the correctly rounded division"
 for qty, (bm, bn, bk, split) in [("*i8", (1, 32, 256, 1)), ("*fp8e4nv", (16, 64, 128, 2))]:
     sig = {"x_ptr": "*bf16", "q_ptr": qty, "scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
            "ws_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_qn": "i32",
