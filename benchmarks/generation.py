@@ -9,7 +9,8 @@ and how many generated tokens agree between the two implementations.
     python -m benchmarks.generation --quick           # CPU, "small" (~22M) fp32 model, < 1 minute
     python -m benchmarks.generation                   # GPU: Llama-3.2-1B-shaped bf16, batch 1/16/64,
                                                       #      prompt 64, 128 new tokens
-On CUDA our engine is measured with CUDA graphs (the default) and, for reference, eagerly.
+On CUDA our engine is measured with CUDA graphs (the default) and, at the first batch size, also eagerly
+(for reference); `--profile` adds the kernel count and top kernels of batch-1 decode steps.
 
 A last row, "rl", is the generator's real workload: max(1, B/8) prompts x n=8 samples, temperature 1
 (no top-k/top-p), stopping at EOS, with B the largest batch. Our engine prefills each prompt once and
@@ -45,6 +46,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads on CPU (default 1 with --quick: stable numbers on a shared CPU)")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--profile", action="store_true", help="CUDA: note the top kernels of batch-1 decode steps")
     args = ap.parse_args()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     full = not args.quick
@@ -54,7 +56,7 @@ def parse_args() -> argparse.Namespace:
         batch="1,16,64" if full else "1,8",
         prompt_len=64 if full else 32,
         new_tokens=128 if full else 32,
-        iters=5 if full else 3,
+        iters=3,
     )
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -114,14 +116,15 @@ def hf_generate(hf, inp: torch.Tensor, **kw) -> torch.Tensor:
         return hf.generate(input_ids=inp, attention_mask=torch.ones_like(inp), pad_token_id=0, **kw)
 
 
-def fixed_length_row(args, cfg, ours, hf, device, B: int, param_bytes: int) -> dict:
-    """Greedy, exactly new_tokens tokens per row, no EOS: the same work for both implementations."""
+def fixed_length_row(args, cfg, ours, hf, device, B: int, param_bytes: int, eager: bool) -> dict:
+    """Greedy, exactly new_tokens tokens per row, no EOS: the same work for both implementations
+    (``eager``: also time our engine without CUDA graphs, for reference)."""
     g = torch.Generator().manual_seed(B)
     prompts = torch.randint(3, cfg.vocab_size, (B, args.prompt_len), generator=g)
     prompt_lists = prompts.tolist()
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0)
     fns, first = {}, {}
-    variants = [("ours", None)] + ([("ours_eager", False)] if device.type == "cuda" else [])
+    variants = [("ours", None)] + ([("ours_eager", False)] if eager and device.type == "cuda" else [])
     for name, graphs in variants:
         engine = GenerationEngine(ours, max_batch_size=B, max_seq_len=args.prompt_len + args.new_tokens, cuda_graphs=graphs)
         fns[name] = lambda e=engine: e.generate(prompt_lists, params, eos_token_id=())
@@ -179,6 +182,28 @@ def rl_row(args, cfg, ours, hf, device) -> dict:
     return row
 
 
+def profile_decode(args, cfg, ours, device, steps: int = 16, top: int = 12) -> str:
+    """Kernel count and the top kernels (GPU time) of ``steps`` CUDA-graph decode steps at batch 1."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = GenerationEngine(ours, max_batch_size=1, max_seq_len=args.prompt_len + steps + 1)
+    prompt = [list(range(3, 3 + args.prompt_len))]
+    params = SamplingParams(max_new_tokens=steps, temperature=0.0)
+    engine.generate(prompt, params, eos_token_id=())  # capture outside the profile
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompt, params, eos_token_id=())
+        torch.cuda.synchronize(device)
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total_us = sum(e.self_device_time_total for e in kernels)
+    launches = sum(e.count for e in kernels)
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    lines = [f"profile, batch 1, {steps} tokens (prefill included): {launches} kernel runs, "
+             f"{total_us / 1e3:.2f} ms GPU time; top kernels (count, ms):"]
+    lines += [f"{e.key[:70]} ({e.count}, {e.self_device_time_total / 1e3:.3f})" for e in kernels[:top]]
+    return "; ".join(lines)
+
+
 def main() -> None:
     args = parse_args()
     if args.threads:
@@ -195,11 +220,11 @@ def main() -> None:
         f"threads={torch.get_num_threads()}"
     )
     for B in args.batches:
-        row = report.add(**fixed_length_row(args, cfg, ours, hf, device, B, param_bytes))
-        print(row, flush=True)
+        report.add(**fixed_length_row(args, cfg, ours, hf, device, B, param_bytes, eager=B == args.batches[0]))
     if hf is not None:
-        row = report.add(**rl_row(args, cfg, ours, hf, device))
-        print(row, flush=True)
+        report.add(**rl_row(args, cfg, ours, hf, device))
+    if args.profile and device.type == "cuda":
+        report.note(profile_decode(args, cfg, ours, device))
     if device.type == "cpu":
         report.note("CPU peak memory is the coarse ru_maxrss growth of the process (0 once the high-water mark is reached).")
     report.note("same_tokens: share of generated tokens identical between the two (bf16 greedy may diverge after a near-tie).")
