@@ -1,75 +1,93 @@
 #!/usr/bin/env bash
 # The GPU check: how every GPU claim of llamarl gets verified on the project's H200 (offline).
 #
-#   OUT=/some/dir [BENCHES="weight_sync aipo_loss ..."] [TRAIN=0] bash scripts/gpu_check.sh [--quick]
+#   OUT=/some/dir [BUDGET=540] [TESTS=1] [BENCHES="weight_sync aipo_loss ..."] [TRAIN=1] \
+#     bash scripts/gpu_check.sh
 #
-# --quick: build + gpu tests only. BENCHES picks benchmarks (default: all GPU ones); TRAIN=0 skips the
-# training-loop run. A device command may run 10 minutes at most: pick a subset that fits.
+# BENCHES picks benchmarks (default: all GPU ones; "none" for none); TESTS=0 skips the gpu tests and
+# TESTS_K="expr" selects some of them (pytest -k); TRAIN=0 skips the training loop;
+# BENCH_ARGS_<name>="..." passes arguments to one benchmark and
+# LIMIT_<name> (tests, train, a benchmark) overrides a stage's timeout in seconds. BUDGET is the
+# wall-clock budget in seconds: every stage's timeout is cut to what is left of it, and stages that would
+# start with under 20 s left are skipped, so that the files under $OUT are always complete when a device
+# command's limit (10 minutes) ends it.
 #
-# 1. installs the Python dependencies the GPU machine lacks from a carried wheelhouse (.wheels/, made
-#    here with `bash scripts/fetch_gpu_wheels.sh`; no network on the GPU machine),
-# 2. builds llamarl._C in place with nvcc (sm_80/sm_90 + PTX), offline,
-# 3. runs the `gpu`-marked tests, then the GPU benchmarks,
-# 4. writes at most a handful of files under $OUT (the device tool returns <= 8):
-#    build.log, tests.log, benchmarks.md (all benchmark tables), benchmarks.json, summary.txt,
-#    train_summary.json (the training loop on the GPU).
+# 1. installs the few Python wheels the GPU machine lacks from a carried wheelhouse (.wheels/, made
+#    here with `bash scripts/fetch_gpu_wheels.sh`; the GPU machine has no network),
+# 2. builds llamarl._C in place with nvcc (sm_90 SASS + PTX by default), offline,
+# 3. runs the `gpu`-marked tests, the GPU benchmarks and the training loop on CUDA,
+# 4. writes at most six files under $OUT, appended as each stage ends: summary.txt, build.log,
+#    tests.log, benchmarks.md (every benchmark's table), benchmarks.json, logs.txt (benchmark/train
+#    output), plus train_summary.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
-QUICK=${1:-}
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 LLAMARL_CUDA_ARCHS=${LLAMARL_CUDA_ARCHS:-90}
+START=$SECONDS
+BUDGET=${BUDGET:-540}
 BENCH_TMP=$(mktemp -d)
-summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
-: > "$OUT/summary.txt"
+summary() { echo "[$((SECONDS - START))s] $*" | tee -a "$OUT/summary.txt"; }
+left() { echo $((BUDGET - (SECONDS - START))); }
+limit() {  # the stage limit $1 cut to the budget left; empty when under 20 s are left
+  local l; l=$(left); [ "$l" -lt 20 ] && return 1; [ "$1" -lt "$l" ] && echo "$1" || echo "$l"
+}
+: > "$OUT/summary.txt"; : > "$OUT/logs.txt"; : > "$OUT/benchmarks.md"
 
 summary "date: $(date -u +%FT%TZ)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | sed 's/^/gpu: /' | tee -a "$OUT/summary.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | tee -a "$OUT/summary.txt"
 
 if [ -d .wheels ]; then
-  python3 -m pip install --no-index --find-links .wheels --no-deps .wheels/*.whl > "$OUT/build.log" 2>&1 \
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir .wheels/*.whl > "$OUT/build.log" 2>&1 \
     || summary "wheelhouse install FAILED (see build.log)"
 fi
 if python3 -m pip install --no-build-isolation --no-deps -e . >> "$OUT/build.log" 2>&1; then
   summary "build: ok $(python3 -c 'import llamarl._C as C; print(C.build_info())')"
 else
-  summary "build: FAILED (see build.log)"; exit 1
+  summary "build: FAILED (see build.log)"; tail -n 30 "$OUT/build.log"; exit 1
 fi
 
-timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests > "$OUT/tests.log" 2>&1
-summary "gpu tests: exit $? — $(tail -n 1 "$OUT/tests.log")"
+if [ "${TESTS:-1}" != "0" ] && t=$(limit "${LIMIT_tests:-150}"); then
+  timeout "$t" python3 -m pytest -m gpu ${TESTS_K:+-k "$TESTS_K"} -q -p no:cacheprovider -o addopts="" --timeout 60 -rfE tests \
+    > "$OUT/tests.log" 2>&1
+  summary "gpu tests: exit $? — $(tail -n 1 "$OUT/tests.log")"
+fi
 
-run_bench() {  # name, timeout seconds, args...
-  local name=$1 t=$2; shift 2
-  if OUT="$BENCH_TMP" timeout "$t" python3 -m "benchmarks.$name" "$@" > "$BENCH_TMP/$name.log" 2>&1; then
+run_bench() {  # name, timeout seconds
+  local name=$1 t args_var="BENCH_ARGS_$1"
+  if ! t=$(limit "$2"); then summary "bench $name: skipped (budget)"; return; fi
+  # shellcheck disable=SC2086
+  if OUT="$BENCH_TMP" timeout "$t" python3 -m "benchmarks.$name" ${!args_var:-} > "$BENCH_TMP/$name.log" 2>&1; then
     summary "bench $name: ok"
   else
     summary "bench $name: FAILED (exit $?), last lines:"; tail -n 15 "$BENCH_TMP/$name.log" | tee -a "$OUT/summary.txt"
   fi
-}
-if [ "$QUICK" != "--quick" ]; then
-  # each benchmark's default mode is its full, GPU-sized one
-  declare -A LIMIT=([weight_sync]=120 [aipo_loss]=150 [quant_matmul]=90 [generation]=150 [quant_quality]=90)
-  for name in ${BENCHES:-weight_sync aipo_loss quant_matmul generation quant_quality}; do
-    run_bench "$name" "${LIMIT[$name]:-120}"
-  done
-
-  # the training loop on the GPU: trainer and generator processes sharing the card, weights via CUDA IPC
-  if [ "${TRAIN:-1}" = "0" ]; then
-    summary "train on cuda: skipped (TRAIN=0)"
-  elif timeout 240 python3 -m llamarl.train --out "$BENCH_TMP/train" --max-steps 100 --set run.device=cuda \
-       > "$BENCH_TMP/train.log" 2>&1; then
-    summary "train on cuda: ok"; cp "$BENCH_TMP/train/summary.json" "$OUT/train_summary.json"
-  else
-    summary "train on cuda: FAILED, last lines:"; tail -n 15 "$BENCH_TMP/train.log" | tee -a "$OUT/summary.txt"
-  fi
-fi
-
-cat "$BENCH_TMP"/*.md > "$OUT/benchmarks.md" 2>/dev/null || true
-python3 - "$BENCH_TMP" "$OUT/benchmarks.json" <<'PY'
+  { echo "===== $name"; cat "$BENCH_TMP/$name.log"; } >> "$OUT/logs.txt"
+  cat "$BENCH_TMP"/*.md > "$OUT/benchmarks.md" 2>/dev/null
+  python3 - "$BENCH_TMP" "$OUT/benchmarks.json" <<'PY'
 import json, pathlib, sys
 src, dst = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 dst.write_text(json.dumps({p.stem: json.loads(p.read_text()) for p in sorted(src.glob("*.json"))}, indent=1))
 PY
-echo "results in $OUT"
+}
+# each benchmark's default mode is its full, GPU-sized one
+declare -A LIMIT=([weight_sync]=90 [aipo_loss]=150 [quant_matmul]=60 [generation]=120 [quant_quality]=60)
+BENCHES=${BENCHES:-weight_sync quant_matmul aipo_loss generation quant_quality}
+[ "$BENCHES" = "none" ] && BENCHES=""
+for name in $BENCHES; do l="LIMIT_$name"; run_bench "$name" "${!l:-${LIMIT[$name]:-90}}"; done
+
+# the training loop on the GPU: trainer and generator processes sharing the card, weights via CUDA IPC
+if [ "${TRAIN:-1}" = "0" ]; then
+  summary "train on cuda: skipped (TRAIN=0)"
+elif ! t=$(limit "${LIMIT_train:-150}"); then
+  summary "train on cuda: skipped (budget)"
+elif timeout "$t" python3 -m llamarl.train --out "$BENCH_TMP/train" --max-steps "${TRAIN_STEPS:-100}" \
+     --set run.device=cuda > "$BENCH_TMP/train.log" 2>&1; then
+  summary "train on cuda: ok"; cp "$BENCH_TMP/train/summary.json" "$OUT/train_summary.json"
+  { echo "===== train"; tail -n 40 "$BENCH_TMP/train.log"; } >> "$OUT/logs.txt"
+else
+  summary "train on cuda: FAILED, last lines:"; tail -n 15 "$BENCH_TMP/train.log" | tee -a "$OUT/summary.txt"
+  { echo "===== train"; tail -n 80 "$BENCH_TMP/train.log"; } >> "$OUT/logs.txt"
+fi
+summary "done; results in $OUT"
