@@ -145,6 +145,9 @@ def fixed_length_row(args, cfg, ours, hf, device, B: int, param_bytes: int, eage
         row["hf_peak_MiB"] = m["hf"].peak_mem_bytes / 2**20
         row["ratio_ours_vs_hf"] = row["ours_tok_s"] / row["hf_tok_s"]
         row["same_tokens"] = f"{(first['hf'] == first['ours']).float().mean().item():.1%}"
+        row["same_first_token"] = f"{(first['hf'][:, 0] == first['ours'][:, 0]).float().mean().item():.1%}"
+    if "ours_eager" in first:
+        row["graph_vs_eager_same"] = f"{(first['ours_eager'] == first['ours']).float().mean().item():.1%}"
     return row
 
 
