@@ -11,6 +11,9 @@ _EXPORTS = {
     # name -> module (relative to this package) that defines it
     "fused_aipo_loss": "aipo_loss",
     "fused_logprobs": "logprobs",
+    "rms_norm": "fused_ops",
+    "rope": "fused_ops",
+    "silu_mul": "fused_ops",
     "quantize": "quant",
     "dequantize": "quant",
     "quantized_linear": "quant",

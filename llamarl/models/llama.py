@@ -35,6 +35,22 @@ Three ways to call the model (``hidden_states`` takes the same arguments and sto
 The cache protocol used here: ``cache.start`` (LongTensor [rows]), ``cache.max_seq_len``,
 ``cache.has_padding`` (host bool: False promises every start is 0, which lets decode skip the mask) and
 ``cache.update(layer, k, v, input_pos) -> (k_all, v_all)`` with k, v [B, kv_heads, T, head_dim].
+
+Residual stream: layers pass it on in two parts, like vLLM's: layer i returns (mlp_out, h) and layer
+i + 1's input norm computes the stream ``mlp_out + h`` itself (the final norm does it after the last
+layer), so every residual add sits right before a norm. This is the same arithmetic in the same dtype
+as ``x + f(x)``; it lets the fused kernels below do each add in the norm's pass over the row.
+
+Fused kernels (llamarl_kernels.fused_ops): for bf16/fp16 activations on CUDA with autograd off (the
+kernels have no backward: generation, evaluation, ``no_grad`` log-probs), RMSNorm with the residual add
+before it, RoPE on q and k, and SiLU(gate)·up each run as one Triton kernel with eager's roundings:
+RoPE and SiLU·up are bitwise equal to the eager ops; RMSNorm differs only where its fp32 mean (a
+reduction in another order) moves the rounding of an element, by one ulp (21 of 8.4M elements on an
+H200 in bf16). A Llama-3.2-1B decode forward then launches 272 kernels instead of 663 (about 17 per
+layer instead of 41), and its CUDA-graph replay takes 1.40 ms instead of 1.94 ms on an H200. The CPU,
+fp32 and autograd paths are the eager code below. ``LLAMARL_FUSED_OPS=0`` in the environment (read
+once, at import: ``FUSED_OPS``) turns the kernels off, for A/B measurements; when they are on, a
+failing kernel raises, it never falls back.
 """
 
 from __future__ import annotations
@@ -49,6 +65,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from llamarl.models.config import LlamaConfig
+
+FUSED_OPS = os.environ.get("LLAMARL_FUSED_OPS", "1") != "0"
+_FUSED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _fused(x: torch.Tensor) -> bool:
+    """Whether an op on activations ``x`` runs as a fused Triton kernel (see the module docstring)."""
+    return FUSED_OPS and x.is_cuda and x.dtype in _FUSED_DTYPES and not torch.is_grad_enabled()
+
+
+def _kernels():
+    """llamarl_kernels.fused_ops, imported on first use: Triton is loaded only when a fused op runs."""
+    from llamarl_kernels import fused_ops
+
+    return fused_ops
 
 
 # ------------------------------------------------------------------------------------ RoPE
@@ -92,7 +123,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """n(x); with ``residual``: h = x + residual and (n(h), h), the add fused into the norm's kernel."""
+        if _fused(x) and self.weight.dtype == x.dtype:
+            return _kernels().rms_norm(x, self.weight, self.eps, residual)
+        if residual is None:
+            return self._norm(x)
+        h = x + residual
+        return self._norm(h), h
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # same math, one kernel
@@ -126,8 +168,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: _AttnContext) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, Dh = self.n_heads, self.n_kv, self.head_dim
-        q = apply_rope(self.q_proj(x).view(B, T, H, Dh), ctx.cos, ctx.sin)
-        k = apply_rope(self.k_proj(x).view(B, T, Hkv, Dh), ctx.cos, ctx.sin)
+        q = self.q_proj(x).view(B, T, H, Dh)
+        k = self.k_proj(x).view(B, T, Hkv, Dh)
+        if _fused(q):
+            q, k = _kernels().rope(q, k, ctx.cos, ctx.sin)
+        else:
+            q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
         v = self.v_proj(x).view(B, T, Hkv, Dh)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, Dh]
         if ctx.cache is not None:
@@ -161,6 +207,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(f, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused(x):
+            return self.down_proj(_kernels().silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -172,9 +220,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: _AttnContext) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, x: torch.Tensor, ctx: _AttnContext, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream entering the layer is ``x + residual`` (``x`` for the first layer, residual None);
+        returns (mlp_out, h), whose sum is the stream leaving it (see the module docstring)."""
+        if residual is None:
+            h, a = x, self.input_layernorm(x)
+        else:
+            a, h = self.input_layernorm(x, residual)  # h = x + residual
+        a, h = self.post_attention_layernorm(self.self_attn(a, ctx), h)  # h = attn_out + h
+        return self.mlp(a), h
 
 
 class LlamaBackbone(nn.Module):
@@ -319,10 +375,10 @@ class Llama(nn.Module):
                 f"input_ids must be an integer tensor [batch, seq], got {input_ids.dtype} {tuple(input_ids.shape)}"
             )
         ctx = self._context(input_ids, input_pos, cache, attention_mask, positions)
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, ctx)
-        return self.model.norm(x)
+            x, residual = layer(x, ctx, residual)
+        return self.model.norm(x, residual)[0]  # LlamaConfig has >= 1 layer, so residual is set
 
     def forward(
         self,
