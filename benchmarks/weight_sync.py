@@ -187,6 +187,8 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     ap.add_argument("--threads", type=int, default=None, help="CPU copy threads (default: all cores, max 8)")
     ap.add_argument("--streams", type=int, default=4, help="CUDA copy streams")
+    ap.add_argument("--more-streams", type=int, nargs="*", default=[1, 8],
+                    help="CUDA: also time the DDMA sync with these stream counts")
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--no-baselines", action="store_true", help="skip the two baselines")
     args = ap.parse_args()
@@ -250,6 +252,16 @@ def main() -> None:
         with WeightSender(plan, 0, [handle], device=device, num_threads=threads, num_streams=args.streams,
                           timeout=300) as sender:
             m_ours = measure(lambda: sender.sync(weights, next(version)), warmup=2, iters=iters, device=device)
+            st = sender.sync(weights, next(version))
+            report.note(f"ddma, one more sync's own split: {st.seconds * 1e3:.3f} ms wall = slot claim wait "
+                        f"{st.wait_seconds * 1e3:.3f} ms + quantize/copy (+stream sync) {st.copy_seconds * 1e3:.3f} ms "
+                        f"+ publish and bookkeeping {(st.seconds - st.wait_seconds - st.copy_seconds) * 1e3:.3f} ms")
+            for streams in args.more_streams if device.type == "cuda" else []:
+                sender.num_streams = streams
+                m_s = measure(lambda: sender.sync(weights, next(version)), warmup=1, iters=iters, device=device)
+                row(f"ddma (ours), {streams} stream{'s' if streams > 1 else ''}", m_s, nbytes,
+                    ceiling_s=ceiling.median_s)
+            sender.num_streams = args.streams
         v, sums = gen("checksums", "bf16")
         bad = [n for n, t in weights.items() if sums[n] != checksum(t)]
         if bad:
