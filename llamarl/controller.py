@@ -17,6 +17,11 @@ generate → score → train → sync → generate ... — the baseline every sp
 
 All process plumbing (spawning, RPC, failures) lives in llamarl.runtime; executors are reached through
 ``acall``. An executor failure raises out of ``run`` with the remote traceback.
+
+Groups of several ranks (an FSDP trainer, a tensor-parallel generator replica) get every command on every
+rank (their collectives need all of them) and answer with one result per rank: the trainer's ranks agree
+on every number (rank 0's is used; a sync takes as long as its slowest rank), the TP ranks of a replica
+return identical samples (rank 0's are used, the others are checked against them).
 """
 
 from __future__ import annotations
@@ -110,8 +115,8 @@ class Controller:
         sync_s = 0.0
         if stats["applied"]:  # a non-finite loss skips the update: no new version to sync
             self.version += 1
-            sync = (await self.ex.trainer.acall("push_weights", self.version))[0]
-            sync_s = sync["seconds"]
+            per_rank = await self.ex.trainer.acall("push_weights", self.version)
+            sync_s = max(s["seconds"] for s in per_rank)  # the version is published when the last rank is done
         now = time.perf_counter()
         self.log.step({
             "step": step + 1, "policy_version": self.version, "staleness": staleness,
@@ -133,6 +138,9 @@ class Controller:
         n = params.n
         out: list[dict] = [None] * (len(prompts) * n)  # type: ignore[list-item]
         for g, per_rank in zip(busy, results):
+            if any(r != per_rank[0] for r in per_rank[1:]):
+                raise RuntimeError(f"the tensor-parallel ranks of generator replica {g} returned different outputs; "
+                                   "they must hold the same weight version and sampling seed")
             for j, o in enumerate(per_rank[0]):  # TP ranks return identical outputs; take rank 0's
                 prompt = g + (j // n) * len(gens)
                 out[prompt * n + j % n] = o

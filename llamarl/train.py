@@ -8,6 +8,16 @@ trainer process and reward worker processes, weights moving trainer → generato
                             [--mode async|sync] [--max-staleness K] [--model HF_DIR] [--dataset FILE]
                             [--reward NAME|module:function] [--resume DIR] [--set section.key=value ...]
 
+Scale-out: ``--set trainer.ranks=R_t`` shards the trainer over R_t processes (FSDP2),
+``--set generator.tp=R_g`` makes each generator replica tensor parallel over R_g processes (R_g must divide
+the model's attention and key/value heads), ``--set generator.replicas=D`` runs D replicas. Locally every
+executor is a spawned process; under torchrun global rank 0 is the controller and the others are the
+executors of the same layout, so the job needs exactly 1 + R_t + R_g*D processes (reward workers are
+processes of the controller and take no rank)::
+
+    # 1 controller + 2 trainer ranks + 2 generator (TP) ranks
+    torchrun --standalone --nproc-per-node 5 -m llamarl.train --set trainer.ranks=2 --set generator.tp=2
+
 Outputs in the run directory (``--out``, default ``runs/<timestamp>``): config.yaml, metrics.jsonl (one
 object per step), summary.json (held-out accuracy before/after RL, wall time, mode, ...), plot.png
 (reward and accuracy against step), checkpoints/ (atomic; ``--resume DIR`` continues from the newest).
@@ -33,7 +43,7 @@ from llamarl.eval import evaluate
 from llamarl.models import CharTokenizer, Llama, LLAMA_CONFIGS, load_tokenizer
 from llamarl.rewards import RewardPool, load_reward
 from llamarl.runlog import RunLog, summary_table
-from llamarl.runtime import ExecutorError, RewardSpec, run
+from llamarl.runtime import ExecutorError, RewardSpec, TorchrunEnv, run, serve_torchrun
 from llamarl.train_data import TrainData
 from llamarl.warmstart import cache_key, default_cache_dir, save_atomic, train_supervised
 
@@ -96,24 +106,59 @@ def make_tokenizer(cfg: TrainConfig):
 
 
 def check_supported(cfg: TrainConfig) -> None:
-    """Settings the config accepts but this training loop does not run yet: refuse them up front."""
+    """Settings the config accepts but this training loop does not run: refuse them up front."""
     missing = {
         "generator.quantization": (cfg.generator.quantization != "none",
                                    "int8/fp8 generators work in the generation engine and `python -m "
                                    "llamarl.eval`, but quantize-on-sync into the training loop's generator is "
                                    "not wired yet; use generator.quantization=none"),
-        "generator.tp": (cfg.generator.tp != 1, "tensor-parallel generators exist (llamarl.parallel) but are "
-                         "not wired into the training loop yet; use generator.tp=1 (and more replicas)"),
-        "trainer.ranks": (cfg.trainer.ranks != 1, "the FSDP2 trainer exists (llamarl.parallel) but is not "
-                          "wired into the training loop yet; use trainer.ranks=1"),
+        "trainer.parallel": (cfg.trainer.ranks > 1 and cfg.trainer.parallel != "fsdp",
+                             f"a trainer of {cfg.trainer.ranks} ranks shards with FSDP; "
+                             f"{cfg.trainer.parallel!r} is not implemented, use trainer.parallel=fsdp"),
     }
     for field, (bad, why) in missing.items():
         if bad:
             raise ConfigError(f"{field}: {why}")
+    if cfg.generator.tp > 1:
+        heads = _attention_heads(cfg)
+        if heads is not None and (heads[0] % cfg.generator.tp or heads[1] % cfg.generator.tp):
+            valid = [r for r in range(1, heads[1] + 1) if heads[0] % r == 0 and heads[1] % r == 0]
+            raise ConfigError(f"generator.tp: tensor parallelism splits attention by heads, so it must divide "
+                              f"num_attention_heads={heads[0]} and num_key_value_heads={heads[1]} of "
+                              f"{cfg.policy.model}; got {cfg.generator.tp}, valid: {valid}")
+    tr = TorchrunEnv.detect()
+    need = executor_layout(cfg).world_size
+    if tr is not None and tr.world_size != need:
+        raise ConfigError(f"trainer.ranks/generator.tp/generator.replicas: under torchrun the job needs 1 controller "
+                          f"+ {cfg.trainer.ranks} trainer + {cfg.generator.tp}x{cfg.generator.replicas} generator "
+                          f"= {need} processes, but torchrun started WORLD_SIZE={tr.world_size}; use "
+                          f"--nproc-per-node {need} (one node) or change the layout")
+
+
+def _attention_heads(cfg: TrainConfig) -> tuple[int, int] | None:
+    """(attention heads, key/value heads) of the policy model, or None if its config cannot be read here."""
+    if cfg.policy.model in LLAMA_CONFIGS:
+        c = LLAMA_CONFIGS[cfg.policy.model]
+        return c.num_attention_heads, c.num_key_value_heads
+    path = Path(cfg.policy.model) / "config.json"
+    if not path.is_file():
+        return None  # check_environment reports a missing model directory
+    raw = json.loads(path.read_text())
+    heads = int(raw["num_attention_heads"])
+    return heads, int(raw.get("num_key_value_heads") or heads)
+
+
+def executor_layout(cfg: TrainConfig):
+    """The process layout of a run: the config's, with reward scoring in the controller's worker pool."""
+    return dataclasses.replace(cfg.layout(), reward=RewardSpec(0))
 
 
 def train(cfg: TrainConfig) -> dict:
     check_supported(cfg)
+    layout = executor_layout(cfg)
+    tr = TorchrunEnv.detect()
+    if tr is not None and tr.rank != 0:  # a torchrun executor rank: serve the controller, then exit
+        sys.exit(serve_torchrun(layout, tr))
     t_start = time.perf_counter()
     out = Path(cfg.run.out) if cfg.run.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     cfg.save(out)
@@ -128,8 +173,8 @@ def train(cfg: TrainConfig) -> dict:
     model_config = json.loads((Path(policy_dir) / "config.json").read_text())
     start_step = resume.step if resume else 0
     start_version = resume.policy_version if resume else 0
-    g, threads = cfg.generator, max(1, (os.cpu_count() or 2) // 2)
-    layout = dataclasses.replace(cfg.layout(), reward=RewardSpec(0))  # rewards: RewardPool worker processes
+    g = cfg.generator
+    threads = max(1, (os.cpu_count() or 2) // (layout.world_size - 1))  # CPU threads per executor process
 
     async def main(rt) -> dict:
         _dump_tasks_on_sigusr1()
@@ -137,10 +182,10 @@ def train(cfg: TrainConfig) -> dict:
             model_config=model_config, dtype=cfg.policy.dtype, trainer_ranks=cfg.trainer.ranks,
             replicas=g.replicas, max_batch_size=max(g.prompts_per_step * g.samples_per_prompt, cfg.data.eval_size),
             pad_id=tokenizer.pad_id, threads=threads), env={"LLAMARL_EXECUTOR": "generator"})
-        handles = [(await grp.acall("handle"))[0] for grp in gens]
+        handles = [h for grp in gens for h in await grp.acall("handle")]  # every TP rank of every replica
         trainer, = rt.spawn_role("trainer", "llamarl.executors.trainer:TrainerExecutor", init_kwargs=dict(
             model_path=str(policy_dir), trainer=dataclasses.asdict(cfg.trainer), temperature=g.temperature,
-            generator_handles=handles, generator_replicas=g.replicas,
+            generator_handles=handles, generator_replicas=g.replicas, generator_tp=g.tp,
             resume=str(resume.path) if resume else None, seed=cfg.run.seed, threads=threads),
             env={"LLAMARL_EXECUTOR": "trainer"})
         await trainer.acall("push_weights", start_version)

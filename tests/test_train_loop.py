@@ -143,7 +143,7 @@ def test_a_killed_executor_ends_the_run_with_its_name(tmp_path):
 
 @pytest.mark.parametrize("override, field", [("trainer.lr=-1", "trainer.lr"),
                                              ("generator.quantization=int8", "generator.quantization"),
-                                             ("trainer.ranks=2", "trainer.ranks")])
+                                             ("generator.tp=3", "generator.tp")])
 def test_bad_config_is_rejected_before_anything_starts(tmp_path, capsys, override, field):
     assert main(["--set", override, "--out", str(tmp_path / "r")]) == 2
     assert field in capsys.readouterr().err

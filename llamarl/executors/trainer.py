@@ -13,6 +13,32 @@ gradient skips the update (``applied=False``), leaving weights and optimizer sta
 
 ``push_weights(version)`` writes this rank's parameters straight into every generator's buckets with the
 cached copy plan (llamarl.weight_sync.WeightSender) and publishes them as ``version``.
+
+Sharded trainer (``trainer.ranks`` = R_t > 1, FSDP2; the executor group's process group is the mesh).
+Every rank loads the policy and keeps its dim-0 shard of each parameter (``llamarl.parallel.apply_fsdp``,
+in the policy dtype, no mixed-precision policy: the numerics are those of one process); AdamW runs on the
+shards. Protocol of one command (the controller calls every rank with the same arguments):
+
+    train_step    every rank gets the same collated batch of B sequences (B % R_t == 0, checked by the
+                  config) and trains on its B/R_t contiguous rows, in micro-batches of micro_batch_size,
+                  each loss weighted by its share of the *global* token count. Gradients are summed over
+                  ranks (FSDP "sum" reduction, one reduce-scatter after the last micro-batch), so the
+                  sharded gradient is, up to fp rounding, the single-process gradient of the whole batch
+                  Σ_r Σ_m (tokens_rm / tokens) ∇L_rm (exactly the token-mean AIPO loss for norm="token";
+                  for norm="sequence" it is the same per-micro-batch weighting one process uses).
+                  Every rank runs the same number of forward/backward passes (FSDP's all-gathers are
+                  collectives); a micro-batch without tokens still runs, with weight 0. The gradient norm
+                  is global (``clip_grad_norm_``: identical on every rank); per-rank loss and metrics are
+                  all-gathered and combined, so the skip decision (non-finite loss or norm) and every
+                  returned number are the same on all ranks.
+    push_weights  each rank sends its own shards (``sync_sources``: no gather) with a WeightSender built
+                  from ``plan_sync(.., TrainerLayout(world_size=R_t), ..)`` and its rank; rank 0 claims the
+                  slot, the last rank to finish publishes the version.
+    save_checkpoint  weights (``full_state_dict``) and optimizer state (``full_optimizer_state``) are
+                  gathered on every rank; rank 0 alone writes the checkpoint (atomically, the single-process
+                  format, so a run resumes on any number of ranks) and tells the others its path or error.
+    resume        every rank loads the full optimizer state and keeps its shards; RNG states are rank 0's.
+The single-rank path (R_t = 1) never touches torch.distributed.
 """
 
 from __future__ import annotations
@@ -23,10 +49,13 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from llamarl.algorithms import aipo_loss, token_logprobs
 from llamarl.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
 from llamarl.models import Llama
+from llamarl.parallel import (FSDPConfig, accumulate_gradients, apply_fsdp, clip_grad_norm_, full_optimizer_state,
+                              full_state_dict, load_full_optimizer_state, sync_sources)
 from llamarl.runtime import RankInfo
 from llamarl.weight_sync import GeneratorLayout, TrainerLayout, WeightSender, llama_param_specs, plan_sync
 
@@ -38,11 +67,13 @@ MAX_METRICS = ("ratio_max",)
 
 class TrainerExecutor:
     def __init__(self, *, model_path: str, trainer: dict, temperature: float, generator_handles: list,
-                 generator_replicas: int = 1, resume: str | None = None, seed: int = 0,
+                 generator_replicas: int = 1, generator_tp: int = 1, resume: str | None = None, seed: int = 0,
                  threads: int | None = None, rank_info: RankInfo):
-        if rank_info.world_size != 1:
-            raise ValueError("a sharded trainer (trainer.ranks > 1) is not wired into the training loop yet; "
-                             "use trainer.ranks=1")
+        self.rank, self.world = rank_info.rank, rank_info.world_size
+        self.sharded = self.world > 1
+        if self.sharded and trainer["parallel"] != "fsdp":
+            raise ValueError(f"trainer.parallel={trainer['parallel']!r}: a trainer of {self.world} ranks shards with "
+                             "FSDP; use trainer.parallel=fsdp")
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
@@ -50,28 +81,38 @@ class TrainerExecutor:
         self.model_path = model_path
         self.temperature = temperature if temperature > 0 else 1.0
         self.device = torch.device(rank_info.device or "cpu")
-        self.model = Llama.from_pretrained(model_path, dtype=DTYPES[trainer["dtype"]], device=self.device)
+        dtype = DTYPES[trainer["dtype"]]
+        self.model = Llama.from_pretrained(model_path, dtype=dtype, device=self.device)
+        if self.sharded:  # over this group's process group (the default group of an executor process)
+            apply_fsdp(self.model, None, FSDPConfig(grad_reduce="sum"))
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=trainer["lr"], betas=tuple(trainer["betas"]),
                                      weight_decay=trainer["weight_decay"])
         # KL penalty target: the policy the run started from, frozen (only kept when kl_coef > 0)
         self.ref = None
         if trainer["kl_coef"] > 0:
-            self.ref = Llama.from_pretrained(model_path, dtype=DTYPES[trainer["dtype"]], device=self.device)
+            self.ref = Llama.from_pretrained(model_path, dtype=dtype, device=self.device)
             self.ref.eval().requires_grad_(False)
+            if self.sharded:
+                apply_fsdp(self.ref, None, FSDPConfig())
         loss = trainer["loss"]
         self.fused = loss == "fused" or (loss == "auto" and self.device.type == "cuda")
         if resume:
             ckpt = load_checkpoint(resume)
-            self.opt.load_state_dict(ckpt.optimizer_state())
+            if self.sharded:
+                load_full_optimizer_state(self.opt, ckpt.optimizer_state())
+            else:
+                self.opt.load_state_dict(ckpt.optimizer_state())
             if ckpt.rng_state:
                 restore_rng_state(ckpt.rng_state)
-        plan = plan_sync(llama_param_specs(self.model.config, dtype=DTYPES[trainer["dtype"]]),
-                         TrainerLayout(world_size=1), GeneratorLayout(tp_size=1, replicas=generator_replicas))
-        self.sender = WeightSender(plan, rank_info.rank, generator_handles, device=self.device)
+        plan = plan_sync(llama_param_specs(self.model.config, dtype=dtype), TrainerLayout(world_size=self.world),
+                         GeneratorLayout(tp_size=generator_tp, replicas=generator_replicas))
+        self.sender = WeightSender(plan, self.rank, generator_handles, device=self.device)
 
     # ------------------------------------------------------------------ commands
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict:
+        if self.sharded:
+            return self._sharded_train_step(batch)
         t0 = time.perf_counter()
         batch = {k: v.to(self.device) for k, v in batch.items()}
         total_tokens = batch["mask"].sum()
@@ -98,21 +139,26 @@ class TrainerExecutor:
                 "train_s": time.perf_counter() - t0, **_combine(metrics)}
 
     def push_weights(self, version: int) -> dict:
-        shards = {name: p.detach() for name, p in self.model.named_parameters()}
+        if self.sharded:
+            shards = sync_sources(self.model)  # this rank's dim-0 shards, views of FSDP's storage
+        else:
+            shards = {name: p.detach() for name, p in self.model.named_parameters()}
         stats = self.sender.sync(shards, version)
         return {"seconds": stats.seconds, "bytes": stats.bytes, "copy_seconds": stats.copy_seconds,
                 "wait_seconds": stats.wait_seconds}
 
     def save_checkpoint(self, run_dir: str, step: int, policy_version: int, data_cursor: int,
                         keep: int = 3) -> str:
+        if self.sharded:
+            return self._sharded_save_checkpoint(run_dir, step, policy_version, data_cursor, keep)
         path = save_checkpoint(run_dir, step, policy_state=self._save_policy,
                                optimizer_state=self.opt.state_dict(), policy_version=policy_version,
                                data_cursor=data_cursor, rng_state=capture_rng_state(), keep=keep)
         return str(path)
 
-    def _save_policy(self, path: Path) -> None:
+    def _save_policy(self, path: Path, model: Llama | None = None) -> None:
         """HF weights + config, and the tokenizer files of the directory the run started from."""
-        self.model.save_pretrained(path)
+        (model if model is not None else self.model).save_pretrained(path)
         for name in TOKENIZER_FILES:
             src = Path(self.model_path) / name
             if src.is_file():
@@ -120,6 +166,70 @@ class TrainerExecutor:
 
     def close(self) -> None:
         self.sender.close()
+
+    # ------------------------------------------------------------------ the sharded (FSDP) path
+    def _sharded_train_step(self, batch: dict[str, torch.Tensor]) -> dict:
+        """``train_step`` on R_t ranks: this rank's rows of the batch; see the module docstring."""
+        t0 = time.perf_counter()
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        rows = batch["input_ids"].shape[0]
+        if rows % self.world:
+            raise ValueError(f"train_step got {rows} sequences, which do not split evenly over trainer.ranks="
+                             f"{self.world}; make generator.prompts_per_step x samples_per_prompt a multiple of it")
+        total_tokens = batch["mask"].sum().clamp(min=1.0)
+        per = rows // self.world
+        mine = {k: v[self.rank * per:(self.rank + 1) * per] for k, v in batch.items()}
+        mb = self.cfg["micro_batch_size"]
+        parts = [{k: v[lo:lo + mb] for k, v in mine.items()} for lo in range(0, per, mb)]
+        metrics: list[tuple[float, dict]] = []
+
+        def weighted_loss(part: dict[str, torch.Tensor]) -> torch.Tensor:
+            share = part["mask"].sum() / total_tokens
+            if share == 0:  # no tokens: still a forward/backward, FSDP's collectives need every rank
+                return self.model(part["input_ids"]).float().sum() * 0.0
+            loss, m = self._loss(part)
+            metrics.append((float(share), m))
+            return loss * share
+
+        self.opt.zero_grad(set_to_none=True)
+        losses = accumulate_gradients(self.model, parts, weighted_loss, average=False)
+        if self.ref is not None:
+            self.ref.reshard()  # its root stays unsharded after a forward without backward
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg["grad_clip"])  # collective
+        local = {"loss": math.fsum(losses), "grads": any(p.grad is not None for p in self.model.parameters()),
+                 "metrics": _combine(metrics)}
+        per_rank: list = [None] * self.world
+        dist.all_gather_object(per_rank, local)
+        loss_sum = math.fsum(r["loss"] for r in per_rank)
+        applied = math.isfinite(loss_sum) and bool(torch.isfinite(grad_norm)) and all(r["grads"] for r in per_rank)
+        if applied:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return {"applied": applied, "loss": loss_sum, "grad_norm": float(grad_norm),
+                "train_s": time.perf_counter() - t0, **_merge_ranks([r["metrics"] for r in per_rank])}
+
+    def _sharded_save_checkpoint(self, run_dir: str, step: int, policy_version: int, data_cursor: int,
+                                 keep: int) -> str:
+        """Gather weights and optimizer state on every rank; rank 0 writes; every rank returns its path."""
+        full = full_state_dict(self.model)  # collectives, in the same order on every rank
+        optimizer_state = full_optimizer_state(self.opt)
+        result: list = [None]
+        if self.rank == 0:
+            try:
+                model = _llama_of(self.model.config, full)
+                path = save_checkpoint(run_dir, step, policy_state=lambda d: self._save_policy(d, model),
+                                       optimizer_state=optimizer_state, policy_version=policy_version,
+                                       data_cursor=data_cursor, rng_state=capture_rng_state(), keep=keep)
+                result = [("ok", str(path))]
+            except Exception as exc:
+                result = [("error", f"{type(exc).__name__}: {exc}")]
+                dist.broadcast_object_list(result, src=0)
+                raise
+        dist.broadcast_object_list(result, src=0)
+        status, text = result[0]
+        if status != "ok":
+            raise RuntimeError(f"trainer rank 0 failed to write the checkpoint: {text}")
+        return text
 
     # ------------------------------------------------------------------ the loss
     def _loss(self, part: dict[str, torch.Tensor]):
@@ -173,3 +283,26 @@ def _combine(parts: list[tuple[float, dict]]) -> dict:
             else:
                 out[k] = out.get(k, 0.0) + share * v
     return out
+
+
+def _merge_ranks(per_rank: list[dict]) -> dict:
+    """Combine every rank's ``_combine`` output: the shares are global, so weighted means and counts add
+    up over ranks and maxima take the max (the same result as ``_combine`` over all micro-batches)."""
+    out: dict[str, float] = {}
+    for m in per_rank:
+        for k, v in m.items():
+            if k in MAX_METRICS:
+                out[k] = max(out.get(k, -math.inf), v)
+            else:
+                out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def _llama_of(config, state: dict[str, torch.Tensor]) -> Llama:
+    """A plain ``Llama`` holding ``state`` (full tensors, e.g. ``full_state_dict``) without copying them."""
+    with torch.device("meta"):
+        model = Llama(config)
+    if config.tie_word_embeddings:
+        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+    model.load_state_dict(state, assign=True)
+    return model

@@ -3,6 +3,8 @@
     from llamarl.parallel import apply_fsdp, FSDPConfig, sync_sources, accumulate_gradients
     model = apply_fsdp(Llama(cfg), trainer_group, FSDPConfig(mixed_precision=True))
     sender.sync(sync_sources(model), version)          # this rank's dim-0 shards, no gather
+    norm = clip_grad_norm_(model.parameters(), 1.0)    # global norm, same on every rank
+    state = full_optimizer_state(opt)                  # checkpoint format of one process (collective)
 
     from llamarl.parallel import parallelize_llama
     with torch.device("meta"):
@@ -19,7 +21,10 @@ from llamarl.parallel.fsdp import (
     LocalShard,
     accumulate_gradients,
     apply_fsdp,
+    clip_grad_norm_,
+    full_optimizer_state,
     full_state_dict,
+    load_full_optimizer_state,
     local_shards,
     sync_sources,
 )
@@ -38,6 +43,7 @@ from llamarl.parallel.tensor_parallel import (
 
 __all__ = [
     "ColumnParallelLinear", "FSDPConfig", "LocalShard", "RowParallelLinear", "TPGroup", "VocabParallelEmbedding",
-    "VocabParallelLMHead", "accumulate_gradients", "apply_fsdp", "check_tp_size", "full_state_dict",
-    "local_shards", "parallelize_llama", "sync_sources", "tp_local_config", "tp_shard", "vocab_parallel_logprobs",
+    "VocabParallelLMHead", "accumulate_gradients", "apply_fsdp", "check_tp_size", "clip_grad_norm_",
+    "full_optimizer_state", "full_state_dict", "load_full_optimizer_state", "local_shards", "parallelize_llama",
+    "sync_sources", "tp_local_config", "tp_shard", "vocab_parallel_logprobs",
 ]

@@ -26,6 +26,11 @@ the fp32 master rows (``local_shards(model, dtype=torch.bfloat16)`` casts them f
 ``model.hidden_states`` is registered as an FSDP forward method, so the fused loss path (hidden states
 + lm_head weight) works: after it, the root's parameters (lm_head) stay unsharded until backward.
 
+The training loop's helpers around the sharded step (llamarl.executors.trainer): ``clip_grad_norm_``
+(the global norm of the unsharded gradient, reduced over the mesh, so every rank clips by the same
+factor), ``full_optimizer_state`` / ``load_full_optimizer_state`` (AdamW state gathered into, and cut back
+out of, the unsharded optimizer's ``state_dict`` format, so checkpoints move between any numbers of ranks).
+
 Works on CPU with gloo (torch 2.13): sharding, bf16 mixed precision, mean and sum reductions (sum uses
 FSDP's "force sum" reductions because gloo lacks PREMUL_SUM), gradient accumulation.
 """
@@ -40,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from llamarl.models import Llama
 from llamarl.weight_sync.layout import chunk_bounds
@@ -172,6 +177,64 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
             for n, p in model.named_parameters()}
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for FSDP (DTensor) gradients; returns the global L2 norm.
+
+    The norm is that of the whole, unsharded gradient: each rank takes the norm of its shards and the
+    squares are summed over the mesh (a collective: call it on every rank), so every rank gets the same
+    norm and scales its shards by the same factor min(1, max_norm / (norm + 1e-6)). ``max_norm`` 0 or
+    inf only measures. A non-finite norm is returned as is (the caller decides to skip the step).
+    """
+    params = [p for p in parameters if p.grad is not None]
+    grads = [p.grad for p in params]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if 0 < max_norm < float("inf") and bool(torch.isfinite(norm)):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()`` with every sharded (DTensor) state tensor gathered whole, on the CPU.
+
+    A collective (call it on every rank, in the same order). The result has exactly the format of the
+    unsharded optimizer's ``state_dict()`` (integer parameter ids in ``param_groups`` order), so a
+    checkpoint written by R_t ranks loads into 1 rank and vice versa (``load_full_optimizer_state``).
+    """
+    sd = optimizer.state_dict()
+    state = {i: {k: (v.full_tensor().cpu() if isinstance(v, DTensor) else v) for k, v in s.items()}
+             for i, s in sd["state"].items()}
+    return {"state": state, "param_groups": sd["param_groups"]}
+
+
+def load_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load a full (unsharded) optimizer state into an optimizer over FSDP parameters, on every rank.
+
+    Each state tensor shaped like its (global) parameter is cut to this rank's ``Shard(0)`` rows locally
+    (no communication: every rank holds the full state); other entries (``step``) load as they are.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    ids = [i for group in state["param_groups"] for i in group["params"]]
+    if len(ids) != len(params):
+        raise ValueError(f"the optimizer state has {len(ids)} parameters but this optimizer has {len(params)}; "
+                         "it belongs to another model")
+    out = {}
+    for i, p in zip(ids, params):
+        if i not in state["state"]:
+            continue
+        entry = {}
+        for k, v in state["state"][i].items():
+            if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape) \
+                    and v.dim() > 0:
+                v = distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+            entry[k] = v
+        out[i] = entry
+    optimizer.load_state_dict({"state": out, "param_groups": state["param_groups"]})
 
 
 def accumulate_gradients(model: nn.Module, micro_batches: Sequence[T] | Iterable[T],

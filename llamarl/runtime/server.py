@@ -9,7 +9,8 @@ differs):
    CPU, ``nccl`` on CUDA, rendezvous at the bootstrap's master address); ``RANK``/``WORLD_SIZE``/
    ``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` are set to the group-local values so library code that
    reads them sees this group (``LOCAL_RANK`` is the CUDA device index, so code that picks its GPU
-   from it gets the right one; the launcher's originals are kept as ``LLAMARL_GLOBAL_*``);
+   from it gets the right one; the launcher's originals are kept as ``LLAMARL_GLOBAL_*``, and torchrun's
+   ``TORCHELASTIC_USE_AGENT_STORE`` is removed because the group's store is hosted by its own rank 0);
 3. import ``"pkg.module:Class"`` and construct ``Class(**init_kwargs, rank_info=RankInfo(...))``;
 4. answer ``Reply(0, True, pid)`` (or the constructor's failure), then serve calls in arrival order:
    every public method of the object is a command; ``__close__`` calls the object's ``close()`` if it
@@ -112,9 +113,12 @@ def serve(conn: Connection) -> int:
 
 def _start_executor(boot: Bootstrap) -> Any:
     os.environ.update(boot.env)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
         if key in os.environ:
             os.environ.setdefault(f"LLAMARL_GLOBAL_{key}", os.environ[key])
+    # The group's rendezvous store is hosted by its rank 0, not by the torchrun agent: with this variable
+    # set, torch.distributed's tcp:// rendezvous would only connect as a client and wait forever.
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     import torch
     import torch.distributed as dist
 

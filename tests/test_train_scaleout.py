@@ -1,0 +1,212 @@
+"""The training loop's scale-out: an FSDP trainer over R_t ranks and tensor-parallel generators over R_g ranks.
+
+Executors (real processes placed by a ``Layout``), for "2+2" (trainer=2, generator=2x1), "1+3"
+(trainer=1, generator=3x1) and "2+1" with the fused loss, on a random Llama whose heads split over 2 and 3
+ranks (vocab 67 and intermediate 80: uneven shards); the AIPO loss carries KL and entropy terms:
+
+  * trainer: the weights after one ``train_step`` (micro-batches, global-norm clipping, AdamW), as written
+    by ``save_checkpoint`` (gathered, rank 0), equal those of a single-process ``TrainerExecutor`` on the
+    same batch within fp32 tolerance; loss, gradient norm and metrics agree; every trainer rank returns
+    the same numbers;
+  * weight sync: after ``push_weights`` every generator rank's bucket slot of that version holds exactly
+    (byte equality) its tensor-parallel slice of those trainer weights;
+  * generator: every TP rank returns identical samples (greedy and seeded sampling); the greedy tokens and
+    their log-probs (the log-softmax of the TP logits) match a single-process model with the same weights.
+
+End to end: ``train()`` with trainer.ranks=2, generator.tp=2 (smoke preset) finishes, writes metrics and
+a checkpoint that a single-rank trainer resumes from; the same layout under real torchrun (5 processes:
+controller + 2 + 2) exits 0; bad scale-out settings are refused naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_harness import random_model
+from llamarl.config import TrainerConfig, load_config
+from llamarl.executors.trainer import TrainerExecutor
+from llamarl.generation import SamplingParams, generate
+from llamarl.models import Llama, LlamaConfig
+from llamarl.rollouts import Rollout, collate
+from llamarl.runtime import Layout, RankInfo, Runtime
+from llamarl.train import main, train
+from llamarl.weight_sync import (AttachedBuckets, GeneratorBuckets, GeneratorLayout, TrainerLayout, VersionControl,
+                                 llama_param_specs, plan_sync)
+
+CFG = LlamaConfig(vocab_size=67, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=12,
+                  num_key_value_heads=6, head_dim=8, max_position_embeddings=64)
+TRAINER = dataclasses.asdict(TrainerConfig(lr=1e-3, weight_decay=0.1, grad_clip=0.5, micro_batch_size=3,
+                                           loss="reference", kl_coef=0.05, entropy_coef=0.01))
+FUSED = {**TRAINER, "loss": "fused"}  # the Triton loss (interpreted on CPU) on the FSDP root's lm_head
+ROWS = 8  # sequences per step: 4 per rank on 2 ranks, micro-batches of 3 + 1 (one process: 3 + 3 + 2)
+FP32_ATOL = 2e-6  # updated weights vs the single-process trainer (an AdamW step moves each by ~lr)
+LOGPROB_ATOL = 2e-5  # TP log-probs vs the single-process model (row-parallel sums in another order)
+GENERATOR = "llamarl.executors.generator:GeneratorExecutor"
+TRAINER_EXECUTOR = "llamarl.executors.trainer:TrainerExecutor"
+SMOKE = ["--preset", "smoke", "--set", "warm_start.steps=3"]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMARL_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    rollouts = []
+    for i in range(ROWS):
+        p, c = 2 + int(torch.randint(0, 4, (), generator=g)), 1 + int(torch.randint(0, 6, (), generator=g))
+        tokens = torch.randint(3, CFG.vocab_size, (p + c,), generator=g).tolist()
+        logprobs = (-4.2 + 0.5 * torch.randn(c, generator=g)).tolist()  # μ near uniform: some ratios truncate
+        rollouts.append(Rollout(f"s{i}", i // 2, tokens[:p], tokens[p:], logprobs, [0] * c, "", "length"))
+    return collate(rollouts, torch.randn(ROWS, generator=g), pad_id=0)
+
+
+def _single_process_step(model_dir: Path, batch, trainer: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The reference: a one-rank TrainerExecutor (the unchanged R_t = 1 path) in this process."""
+    plan = plan_sync(llama_param_specs(CFG), TrainerLayout(world_size=1), GeneratorLayout())
+    buckets = GeneratorBuckets.create(plan, 0, storage="shm")
+    ex = TrainerExecutor(model_path=str(model_dir), trainer=trainer, temperature=1.0,
+                         generator_handles=[buckets.handle()],
+                         rank_info=RankInfo("trainer", "trainer", 0, 1, 1, 0, "cpu", "gloo"))
+    try:
+        stats = ex.train_step(batch)
+        return stats, {n: p.detach().clone() for n, p in ex.model.named_parameters()}
+    finally:
+        ex.close()
+        buckets.close()
+
+
+def _bucket_bytes_match(handles, plan, weights: dict[str, torch.Tensor], version: int) -> list[str]:
+    """Names of tensors whose bytes in the slot holding ``version`` differ from their TP slice (per rank)."""
+    bad = []
+    specs = {s.name: s for s in plan.specs}
+    for h in handles:
+        ctl = VersionControl.attach(h.control)
+        att = AttachedBuckets.attach(h, ctl)
+        try:
+            slots = [i for i, s in enumerate(ctl.snapshot()["slots"]) if s["version"] == version]
+            assert len(slots) == 1 and ctl.latest_version == version, ctl.snapshot()
+            layout = plan.buckets[h.rank]
+            for p in layout.placements:
+                start = slots[0] * layout.slot_nbytes[p.bucket] + p.offset
+                got = att.flat(p.bucket)[start:start + p.nbytes]
+                want = plan.generator.shard(weights[p.name], specs[p.name], h.rank).reshape(-1).view(torch.uint8)
+                if not torch.equal(got, want):
+                    bad.append(f"rank {h.rank}: {p.name}")
+        finally:
+            att.close()
+            ctl.close()
+    return bad
+
+
+@pytest.mark.parametrize("t_ranks, g_ranks, trainer_cfg", [(2, 2, TRAINER), (1, 3, TRAINER), (2, 1, FUSED)],
+                         ids=["2+2", "1+3", "2+1-fused"])
+def test_sharded_trainer_and_tp_generator_match_one_process(tmp_path, t_ranks, g_ranks, trainer_cfg):
+    model_dir = tmp_path / "model"
+    random_model(CFG).save_pretrained(model_dir)
+    batch = _batch()
+    ref_stats, ref_weights = _single_process_step(model_dir, batch, trainer_cfg)
+    prompts = [[1, 5, 9, 13], [1, 7], [1, 30, 31]]
+
+    with Runtime(Layout.parse(f"trainer={t_ranks},generator={g_ranks}x1,reward=0")) as rt:
+        gen, = rt.spawn_role("generator", GENERATOR, init_kwargs=dict(
+            model_config=CFG.to_hf_dict(), dtype="float32", trainer_ranks=t_ranks, max_batch_size=8, threads=1))
+        handles = gen.call("handle").result()
+        trainer, = rt.spawn_role("trainer", TRAINER_EXECUTOR, init_kwargs=dict(
+            model_path=str(model_dir), trainer=trainer_cfg, temperature=1.0, generator_handles=handles,
+            generator_tp=g_ranks, threads=1))
+        trainer.call("push_weights", 0).result()
+        per_rank_stats = trainer.call("train_step", batch).result()
+        trainer.call("push_weights", 1).result()
+        paths = trainer.call("save_checkpoint", str(tmp_path / "run"), 1, 1, 0).result()
+        greedy = gen.call("generate", prompts, SamplingParams(max_new_tokens=6, temperature=0.0)).result()
+        sampled = gen.call("generate", prompts, SamplingParams(max_new_tokens=6, temperature=1.0, n=2)).result()
+        plan = plan_sync(llama_param_specs(CFG), TrainerLayout(world_size=t_ranks),
+                         GeneratorLayout(tp_size=g_ranks))
+
+        # trainer: gathered weights (rank 0's checkpoint) == the single-process trainer
+        assert len(set(paths)) == 1
+        trained = Llama.from_pretrained(Path(paths[0]) / "policy")
+        weights = {n: p.detach() for n, p in trained.named_parameters()}
+        assert set(weights) == set(ref_weights)
+        diff = max(float((weights[n] - ref_weights[n]).abs().max()) for n in weights)
+        assert diff <= FP32_ATOL, f"sharded trainer differs from one process by {diff:.3g}"
+        moved = max(float((weights[n] - p.detach()).abs().max()) for n, p in random_model(CFG).named_parameters())
+        assert moved > 100 * FP32_ATOL  # the step really changed the weights
+        stats = per_rank_stats[0]
+        assert all({k: v for k, v in s.items() if k != "train_s"} == {k: v for k, v in stats.items() if k != "train_s"}
+                   for s in per_rank_stats), "trainer ranks disagree"
+        assert stats["applied"] and stats["grad_norm"] > TRAINER["grad_clip"]  # clipping was active
+        for key in ("loss", "grad_norm", "ratio_mean", "ratio_max", "truncated_frac", "mismatch_kl", "entropy",
+                    "kl_ref", "tokens"):
+            assert stats[key] == pytest.approx(ref_stats[key], rel=1e-5, abs=1e-6), key
+
+        # weight sync: every generator rank holds exactly its slice of those weights
+        assert _bucket_bytes_match(handles, plan, weights, version=1) == []
+
+    # generator: TP ranks agree exactly; greedy tokens and log-probs match one process
+    for outs in (greedy, sampled):
+        assert all(r == outs[0] for r in outs[1:]), "TP ranks returned different samples"
+        assert all(v == 1 for o in outs[0] for v in o["policy_versions"])
+    reference = generate(trained, prompts, SamplingParams(max_new_tokens=6, temperature=0.0))
+    for o, r in zip(greedy[0], reference):
+        assert o["token_ids"] == r.token_ids
+        assert max(abs(a - b) for a, b in zip(o["logprobs"], r.logprobs)) <= LOGPROB_ATOL
+
+
+def _rows(out: Path) -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "event" not in r]
+
+
+def test_train_with_fsdp_trainer_and_tp_generator_then_resume_on_one_rank(tmp_path):
+    out = tmp_path / "run"
+    summary = train(load_config(SMOKE + ["--out", str(out), "--max-steps", "3", "--set", "trainer.ranks=2",
+                                         "--set", "generator.tp=2", "--set", "run.checkpoint_every=2"]))
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3] and [r["policy_version"] for r in rows] == [1, 2, 3]
+    assert all(r["applied"] and r["sync_s"] > 0 and 0 <= r["staleness"] <= 1 for r in rows)
+    assert summary["steps"] == 3 and summary["policy_version"] == 3
+    assert (out / "checkpoints" / "step_000003" / "policy" / "config.json").is_file()
+    # the sharded trainer's checkpoint has the single-process format: one rank resumes from it
+    train(load_config(["--resume", str(out), "--max-steps", "4"]))
+    rows = _rows(out)
+    assert rows[-1]["step"] == 4 and rows[-1]["policy_version"] == 4
+
+
+@pytest.mark.parametrize("override, field", [
+    (["--set", "trainer.ranks=2", "--set", "trainer.parallel=ddp"], "trainer.parallel"),
+    (["--set", "generator.tp=4"], "generator.tp"),  # the tiny model has 2 key/value heads
+])
+def test_unsupported_scale_out_is_refused_naming_the_field(tmp_path, capsys, override, field):
+    assert main(override + ["--out", str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err.split("invalid configuration: ")[1].startswith(field)
+    assert not (tmp_path / "r").exists()
+
+
+def test_torchrun_world_size_must_fit_the_layout(tmp_path, capsys, monkeypatch):
+    for key, value in dict(RANK="1", WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
+        monkeypatch.setenv(key, value)
+    assert main(SMOKE + ["--set", "trainer.ranks=2", "--set", "generator.tp=2", "--out", str(tmp_path / "r")]) == 2
+    assert "--nproc-per-node 5" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_torchrun_runs_the_sharded_layout(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "5",
+           "-m", "llamarl.train", *SMOKE, "--max-steps", "2", "--set", "trainer.ranks=2", "--set", "generator.tp=2",
+           "--out", str(out)]
+    env = {**os.environ, "LLAMARL_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [r["policy_version"] for r in _rows(out)] == [1, 2]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
