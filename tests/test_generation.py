@@ -295,7 +295,30 @@ def test_cuda_graph_decode_matches_eager(models):
         assert [o.token_ids for o in x] == [o.token_ids for o in y]
         for ox, oy in zip(x, y):
             assert max(abs(u - v) for u, v in zip(ox.logprobs, oy.logprobs)) < 1e-4
-    assert {16, 8} <= set(graphs.graphs._graphs)  # graphs were captured for both buckets
+    assert {16, 8} <= {b for b, _ in graphs.graphs._graphs}  # graphs were captured for both buckets
     # and the CUDA result agrees with the CPU reference
     c = generate(cpu_model, prompts, greedy, eos_token_id=())
     assert [o.token_ids for o in c] == [o.token_ids for o in graphs.generate(prompts, greedy, eos_token_id=())]
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_follow_weights_repointed_to_other_storage(models):
+    """The weight sync re-points parameters at another slot's storage and sets ``model.weights_key``:
+    the graphs must then read the new storage (a graph captured on the old slot reads stale weights)."""
+    from llamarl.weight_sync.buckets import load_views
+
+    _, cpu_model = models
+    model = Llama(cpu_model.config).cuda().eval()
+    model.load_state_dict(cpu_model.state_dict())
+    engine = GenerationEngine(model, max_batch_size=4, max_seq_len=40, cuda_graphs=True)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    before = [o.token_ids for o in engine.generate(PROMPTS, greedy, eos_token_id=())]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    slot_b = {n: p.detach() + 0.5 * torch.randn(p.shape, generator=g, device="cuda", dtype=p.dtype)
+              for n, p in model.named_parameters()}
+    load_views(model, slot_b, strict=True, where="test slot b")  # what WeightReceiver does on a slot change
+    model.weights_key = ("test", "b")
+    after = [o.token_ids for o in engine.generate(PROMPTS, greedy, eos_token_id=())]
+    eager = GenerationEngine(model, max_batch_size=4, max_seq_len=40, cuda_graphs=False)
+    assert after == [o.token_ids for o in eager.generate(PROMPTS, greedy, eos_token_id=())]
+    assert after != before  # the new weights really changed the samples

@@ -96,6 +96,29 @@ def test_sync_changes_a_bound_transformers_model_in_place(tiny_plan):
         b.close()
 
 
+def test_bound_module_weights_key_names_the_slot_it_points_at(tiny_plan):
+    """Double buffering re-points the parameters; ``weights_key`` (what CUDA-graph decoders key their graphs
+    by) must change with the slot and be the same whenever the same slot comes back."""
+    transformers = pytest.importorskip("transformers")
+    generator_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY, tie_word_embeddings=False))
+    full = {k: v.detach().clone() for k, v in generator_model.state_dict().items()}
+    b = GeneratorBuckets.create(tiny_plan, 0, storage="shm", slots=2)
+    try:
+        r = WeightReceiver(b)
+        r.bind(generator_model)
+        seen = {}
+        for version in range(1, 5):
+            sync_full(tiny_plan, [b.handle()], {k: v * version for k, v in full.items()}, version=version)
+            with r.reading() as v:
+                assert v == version
+                ptr = generator_model.model.embed_tokens.weight.data_ptr()
+                seen.setdefault(generator_model.weights_key, set()).add(ptr)
+        assert len(seen) == 2 and all(len(ptrs) == 1 for ptrs in seen.values())  # one key per slot address
+        r.close()
+    finally:
+        b.close()
+
+
 def test_mismatched_module_or_specs_raise_clearly(tiny_plan):
     b = GeneratorBuckets.create(tiny_plan, 0, storage="shm", slots=1)
     try:

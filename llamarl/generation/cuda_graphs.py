@@ -17,8 +17,12 @@ follows produces exactly the eager result.
 ``capture=False`` runs the very same static-shape step (static buffers, buckets, whole-cache masked
 attention) eagerly, on any device; the CPU tests use it to check everything but the capture itself.
 
-Invariants the caller keeps: the model's parameters and the cache tensors are never re-allocated after a
-capture (weight sync must copy in place, ``param.copy_``); quantization happens before the first capture.
+Weights: a graph reads the parameter addresses it was captured with. Copying new values into the same
+tensors (``param.copy_``) needs nothing; code that re-points the parameters at other storage (the weight
+sync's double-buffered slots, llamarl.weight_sync.receiver) must set ``model.weights_key`` to a hashable
+identity of that storage: graphs are kept per (batch bucket, weights_key), so each slot gets its own.
+Invariants the caller keeps: the cache tensors are never re-allocated after a capture, parameters are
+never re-pointed without a new ``weights_key``, and quantization happens before the first capture.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ class CUDAGraphDecoder:
         self.buckets = _buckets(max_batch_size)
         self.tokens = torch.zeros(max_batch_size, 1, dtype=torch.long, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (bucket, weights_key)
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
     def bucket(self, rows: int) -> int:
@@ -58,7 +62,7 @@ class CUDAGraphDecoder:
         h = self.model.hidden_states(self.tokens[:b], self.slot, self.cache)
         return self.model.lm_head(h[:, -1])
 
-    def _capture(self, b: int) -> None:
+    def _capture(self, b: int, key: tuple) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -68,7 +72,7 @@ class CUDAGraphDecoder:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self._step(b)
-        self._graphs[b] = (graph, logits)
+        self._graphs[key] = (graph, logits)
 
     def decode(self, tokens: torch.Tensor, slot: int) -> torch.Tensor:
         """Logits [rows, V] (model dtype; a view of a static buffer valid until the next call)."""
@@ -78,8 +82,9 @@ class CUDAGraphDecoder:
         self.slot.fill_(slot)
         if not self.capture:
             return self._step(b)[:rows]
-        if b not in self._graphs:
-            self._capture(b)
-        graph, logits = self._graphs[b]
+        key = (b, getattr(self.model, "weights_key", None))
+        if key not in self._graphs:
+            self._capture(b, key)
+        graph, logits = self._graphs[key]
         graph.replay()
         return logits[:rows]

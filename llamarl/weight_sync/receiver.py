@@ -10,6 +10,11 @@ Invariant: between ``acquire`` and ``release`` the held slot is READY or DRAININ
 every tensor the generator reads belongs to the same complete version (see versioning.py). Outside a
 hold the views may be overwritten at any time: compute only inside ``reading()``.
 
+A bound module's parameters are re-pointed (not copied) when a hold lands on another slot, so the
+receiver also sets ``module.weights_key`` to an identity of the slot's storage: a CUDA-graph decoder
+(llamarl.generation.cuda_graphs) keeps one graph per key, since a captured graph reads the addresses it
+was captured with and would otherwise keep reading the old slot - stale, or being rewritten.
+
 TP ranks of one replica read the same version: the leader acquires the newest, broadcasts the number,
 and the other ranks ``acquire(version=v)``.
 """
@@ -51,13 +56,17 @@ class WeightReceiver:
         self._slot, self._version = slot, v
         if self._module is not None and self._bound_slot != slot:
             try:
-                load_views(self._module, self.buckets.tensors(slot), strict=self._strict,
-                           where=f"generator rank {self.buckets.rank} slot {slot}")
+                self._bind_slot(slot)
             except BaseException:
                 self.release()
                 raise
-            self._bound_slot = slot
         return v
+
+    def _bind_slot(self, slot: int) -> None:
+        load_views(self._module, self.buckets.tensors(slot), strict=self._strict,
+                   where=f"generator rank {self.buckets.rank} slot {slot}")
+        self._module.weights_key = (id(self.buckets), slot)
+        self._bound_slot = slot
 
     def release(self) -> None:
         """End the hold; the slot may be rewritten from now on."""
@@ -95,9 +104,7 @@ class WeightReceiver:
         """Make ``module``'s parameters views of the held slot, now and on every later acquire."""
         self._module, self._strict, self._bound_slot = module, strict, None
         if self._slot is not None:
-            load_views(module, self.buckets.tensors(self._slot), strict=strict,
-                       where=f"generator rank {self.buckets.rank} slot {self._slot}")
-            self._bound_slot = self._slot
+            self._bind_slot(self._slot)
 
     @property
     def latest_version(self) -> int:
