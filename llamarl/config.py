@@ -135,6 +135,10 @@ class TrainerConfig(_Section):
     # "aipo": weight each token by min(pi/mu, rho); "none": plain policy gradient that treats stale
     # samples as on-policy (w = 1) — only for the ablation that shows why the correction matters
     correction: Literal["aipo", "none"] = "aipo"
+    # skip samples whose advantage is 0 (a group with equal rewards): they add nothing to the gradient,
+    # so the update is the same with less work; applies only where that is exact (token-mean loss,
+    # kl_coef = entropy_coef = 0), see llamarl.rollouts. AIPO metrics then cover the trained tokens.
+    skip_zero_advantage: bool = True
 
     def check(self) -> None:
         self._positive("ranks")

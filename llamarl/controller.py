@@ -106,7 +106,10 @@ class Controller:
                              meta={"step": step, "cursor_after": self.data.cursor})
         # advantages and the trainer's tensors are prepared here, off the trainer's critical path
         advantages = group_advantages(batch.rewards(), n, method=self.cfg.trainer.advantage)
-        batch.meta["tensors"] = collate(rollouts, advantages, self.tok.pad_id)
+        t = self.cfg.trainer
+        exact = t.norm == "token" and t.kl_coef == 0 and t.entropy_coef == 0  # see llamarl.rollouts
+        batch.meta["tensors"] = collate(rollouts, advantages, self.tok.pad_id,
+                                        drop_zero_advantage=t.skip_zero_advantage and exact, row_multiple=t.ranks)
         return batch
 
     async def train(self, step: int, batch: RolloutBatch) -> None:
@@ -123,7 +126,8 @@ class Controller:
             "reward_mean": float(batch.rewards().mean()), "step_s": now - self._last_step_end,
             "sync_s": sync_s, "generate_s": batch.generate_s, "score_s": batch.score_s,
             "tokens": batch.num_tokens, "tokens_per_s": batch.num_tokens / max(batch.generate_s, 1e-9),
-            "reward_errors": sum(r.reward_error is not None for r in batch.rollouts), **stats,
+            "reward_errors": sum(r.reward_error is not None for r in batch.rollouts),
+            "rows_trained": int(batch.meta["tensors"]["input_ids"].shape[0]), **stats,
         })
         self._last_step_end = now
         async with self._trained:

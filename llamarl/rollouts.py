@@ -14,6 +14,15 @@ Collation (``collate``) lays a list of rollouts out for the trainer, right-padde
 
 Right padding keeps every row's positions at 0..|x|+|y|-1, exactly the positions the generator used
 (it left-pads but numbers positions from each row's first real token), so π and μ see the same context.
+
+Zero-advantage rows (``drop_zero_advantage=True``): a sample with A = 0 adds exactly nothing to the
+policy-gradient term  −Σ_t m_t·w_t·A·log π_t / Σ_t m_t  (every factor of its gradient is multiplied by
+A = 0), so the trainer need not run it; with the group-mean baseline that is every sample of a group
+whose rewards are all equal, often a large share of a batch. The kept rows carry the whole batch's token
+count as ``total_tokens`` (the loss's denominator), so the gradient equals the full batch's. It is exact
+only for the token-mean loss without KL and entropy terms; the caller decides when it applies. At least
+``row_multiple`` rows are kept (zero-advantage ones first in batch order), and the number kept is a
+multiple of it, so a sharded trainer can split them evenly.
 """
 
 from __future__ import annotations
@@ -73,12 +82,22 @@ class RolloutBatch:
         return torch.tensor([r.reward for r in self.rollouts], dtype=torch.float32)
 
 
-def collate(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
-    """Tensors for the trainer (see the module docstring for the layout)."""
+def collate(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_id: int, *,
+            drop_zero_advantage: bool = False, row_multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Tensors for the trainer (see the module docstring for the layout and the row dropping)."""
     if len(rollouts) == 0:
         raise ValueError("collate got no rollouts")
     if advantages.shape != (len(rollouts),):
         raise ValueError(f"advantages must have shape [{len(rollouts)}], got {tuple(advantages.shape)}")
+    if row_multiple < 1:
+        raise ValueError(f"row_multiple must be >= 1, got {row_multiple}")
+    total_tokens = float(sum(len(r.completion_ids) for r in rollouts))
+    if drop_zero_advantage:
+        keep = [i for i in range(len(rollouts)) if advantages[i] != 0]
+        zeros = [i for i in range(len(rollouts)) if advantages[i] == 0]
+        want = min(len(rollouts), max(row_multiple, -(-len(keep) // row_multiple) * row_multiple))
+        keep = sorted(keep + zeros[: want - len(keep)])
+        rollouts, advantages = [rollouts[i] for i in keep], advantages[keep]
     length = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
     if length < 2:
         raise ValueError("every rollout is shorter than two tokens: nothing to predict")
@@ -99,4 +118,5 @@ def collate(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_id: int) 
         "mask": mask,
         "behavior_logprobs": behavior,
         "advantages": advantages.to(torch.float32).clone(),
+        "total_tokens": torch.tensor(total_tokens),  # of the whole batch, dropped rows included
     }

@@ -114,21 +114,20 @@ class TrainerExecutor:
         if self.sharded:
             return self._sharded_train_step(batch)
         t0 = time.perf_counter()
-        batch = {k: v.to(self.device) for k, v in batch.items()}
-        total_tokens = batch["mask"].sum()
+        batch, total_tokens, kept_tokens = self._on_device(batch)
         rows = batch["input_ids"].shape[0]
         mb = self.cfg["micro_batch_size"]
         self.opt.zero_grad(set_to_none=True)
         loss_sum, metrics = 0.0, []
         for lo in range(0, rows, mb):
             part = {k: v[lo : lo + mb] for k, v in batch.items()}
-            share = part["mask"].sum() / total_tokens.clamp(min=1.0)
+            share = part["mask"].sum() / total_tokens
             if share == 0:
                 continue
             loss, m = self._loss(part)
             (loss * share).backward()
             loss_sum += float(loss.detach()) * float(share)
-            metrics.append((float(share), m))
+            metrics.append((float(part["mask"].sum() / kept_tokens), m))
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg["grad_clip"] or float("inf"))
         applied = math.isfinite(loss_sum) and bool(torch.isfinite(grad_norm)) and bool(grads)
@@ -171,12 +170,11 @@ class TrainerExecutor:
     def _sharded_train_step(self, batch: dict[str, torch.Tensor]) -> dict:
         """``train_step`` on R_t ranks: this rank's rows of the batch; see the module docstring."""
         t0 = time.perf_counter()
-        batch = {k: v.to(self.device) for k, v in batch.items()}
+        batch, total_tokens, kept_tokens = self._on_device(batch)
         rows = batch["input_ids"].shape[0]
         if rows % self.world:
             raise ValueError(f"train_step got {rows} sequences, which do not split evenly over trainer.ranks="
                              f"{self.world}; make generator.prompts_per_step x samples_per_prompt a multiple of it")
-        total_tokens = batch["mask"].sum().clamp(min=1.0)
         per = rows // self.world
         mine = {k: v[self.rank * per:(self.rank + 1) * per] for k, v in batch.items()}
         mb = self.cfg["micro_batch_size"]
@@ -188,7 +186,7 @@ class TrainerExecutor:
             if share == 0:  # no tokens: still a forward/backward, FSDP's collectives need every rank
                 return self.model(part["input_ids"]).float().sum() * 0.0
             loss, m = self._loss(part)
-            metrics.append((float(share), m))
+            metrics.append((float(part["mask"].sum() / kept_tokens), m))
             return loss * share
 
         self.opt.zero_grad(set_to_none=True)
@@ -230,6 +228,19 @@ class TrainerExecutor:
         if status != "ok":
             raise RuntimeError(f"trainer rank 0 failed to write the checkpoint: {text}")
         return text
+
+    def _on_device(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """(row tensors on this device, the loss denominator, the tokens present).
+
+        The denominator is the whole batch's token count: ``total_tokens`` when collate dropped
+        zero-advantage rows (they add nothing to the gradient, llamarl.rollouts), else the mask's sum.
+        Metrics are means over the tokens present."""
+        batch = dict(batch)
+        total = batch.pop("total_tokens", None)
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        kept = batch["mask"].sum().clamp(min=1.0)
+        total_tokens = kept if total is None else total.to(self.device, torch.float32).clamp(min=1.0)
+        return batch, total_tokens, kept
 
     # ------------------------------------------------------------------ the loss
     def _loss(self, part: dict[str, torch.Tensor]):
