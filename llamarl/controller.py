@@ -113,13 +113,15 @@ class Controller:
         return batch
 
     async def train(self, step: int, batch: RolloutBatch) -> None:
-        stats = (await self.ex.trainer.acall("train_step", batch.meta["tensors"]))[0]
+        # the trainer pushes an applied update as version + 1 in the same call (a non-finite loss skips
+        # the update: no new version to sync)
+        per_rank = await self.ex.trainer.acall("train_step", batch.meta["tensors"], push_version=self.version + 1)
+        stats = dict(per_rank[0])
         staleness = self.version - batch.oldest_version
         sync_s = 0.0
-        if stats["applied"]:  # a non-finite loss skips the update: no new version to sync
+        if stats.pop("sync", None) is not None:
             self.version += 1
-            per_rank = await self.ex.trainer.acall("push_weights", self.version)
-            sync_s = max(s["seconds"] for s in per_rank)  # the version is published when the last rank is done
+            sync_s = max(r["sync"]["seconds"] for r in per_rank)  # published when the last rank is done
         now = time.perf_counter()
         self.log.step({
             "step": step + 1, "policy_version": self.version, "staleness": staleness,

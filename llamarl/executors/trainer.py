@@ -110,9 +110,15 @@ class TrainerExecutor:
         self.sender = WeightSender(plan, self.rank, generator_handles, device=self.device)
 
     # ------------------------------------------------------------------ commands
-    def train_step(self, batch: dict[str, torch.Tensor]) -> dict:
-        if self.sharded:
-            return self._sharded_train_step(batch)
+    def train_step(self, batch: dict[str, torch.Tensor], push_version: int | None = None) -> dict:
+        """One update; with ``push_version``, an applied update is also pushed to the generators as that
+        version (one round trip from the controller instead of two; ``stats["sync"]`` holds the push)."""
+        stats = self._sharded_train_step(batch) if self.sharded else self._train_step(batch)
+        if push_version is not None and stats["applied"]:
+            stats["sync"] = self.push_weights(push_version)
+        return stats
+
+    def _train_step(self, batch: dict[str, torch.Tensor]) -> dict:
         t0 = time.perf_counter()
         batch, total_tokens, kept_tokens = self._on_device(batch)
         rows = batch["input_ids"].shape[0]
