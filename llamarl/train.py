@@ -108,10 +108,9 @@ def make_tokenizer(cfg: TrainConfig):
 def check_supported(cfg: TrainConfig) -> None:
     """Settings the config accepts but this training loop does not run: refuse them up front."""
     missing = {
-        "generator.quantization": (cfg.generator.quantization != "none",
-                                   "int8/fp8 generators work in the generation engine and `python -m "
-                                   "llamarl.eval`, but quantize-on-sync into the training loop's generator is "
-                                   "not wired yet; use generator.quantization=none"),
+        "generator.quantization": (cfg.generator.quantization != "none" and cfg.generator.tp > 1,
+                                   "quantized generators run with generator.tp=1 (the tensor-parallel linears "
+                                   "are not quantized); use more generator.replicas, or quantization=none"),
         "trainer.parallel": (cfg.trainer.ranks > 1 and cfg.trainer.parallel != "fsdp",
                              f"a trainer of {cfg.trainer.ranks} ranks shards with FSDP; "
                              f"{cfg.trainer.parallel!r} is not implemented, use trainer.parallel=fsdp"),
@@ -181,11 +180,13 @@ def train(cfg: TrainConfig) -> dict:
         gens = rt.spawn_role("generator", "llamarl.executors.generator:GeneratorExecutor", init_kwargs=dict(
             model_config=model_config, dtype=cfg.policy.dtype, trainer_ranks=cfg.trainer.ranks,
             replicas=g.replicas, max_batch_size=max(g.prompts_per_step * g.samples_per_prompt, cfg.data.eval_size),
-            pad_id=tokenizer.pad_id, threads=threads), env={"LLAMARL_EXECUTOR": "generator"})
+            pad_id=tokenizer.pad_id, threads=threads, quantization=g.quantization),
+            env={"LLAMARL_EXECUTOR": "generator"})
         handles = [h for grp in gens for h in await grp.acall("handle")]  # every TP rank of every replica
         trainer, = rt.spawn_role("trainer", "llamarl.executors.trainer:TrainerExecutor", init_kwargs=dict(
             model_path=str(policy_dir), trainer=dataclasses.asdict(cfg.trainer), temperature=g.temperature,
             generator_handles=handles, generator_replicas=g.replicas, generator_tp=g.tp,
+            generator_quantization=g.quantization,
             resume=str(resume.path) if resume else None, seed=cfg.run.seed, threads=threads),
             env={"LLAMARL_EXECUTOR": "trainer"})
         await trainer.acall("push_weights", start_version)

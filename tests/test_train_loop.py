@@ -141,10 +141,12 @@ def test_a_killed_executor_ends_the_run_with_its_name(tmp_path):
     assert _descendants(proc.pid) == []
 
 
-@pytest.mark.parametrize("override, field", [("trainer.lr=-1", "trainer.lr"),
-                                             ("generator.quantization=int8", "generator.quantization"),
-                                             ("generator.tp=3", "generator.tp")])
-def test_bad_config_is_rejected_before_anything_starts(tmp_path, capsys, override, field):
-    assert main(["--set", override, "--out", str(tmp_path / "r")]) == 2
+@pytest.mark.parametrize("overrides, field", [(["trainer.lr=-1"], "trainer.lr"),
+                                              (["generator.quantization=int8", "generator.tp=2"],
+                                               "generator.quantization"),
+                                              (["generator.tp=3"], "generator.tp")])
+def test_bad_config_is_rejected_before_anything_starts(tmp_path, capsys, overrides, field):
+    args = [a for o in overrides for a in ("--set", o)]
+    assert main(args + ["--out", str(tmp_path / "r")]) == 2
     assert field in capsys.readouterr().err
     assert not (tmp_path / "r").exists()

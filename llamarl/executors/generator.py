@@ -28,6 +28,12 @@ replica's version control block and the others attach to it (one block per repli
        and versions are identical on every rank; the controller uses rank 0's result and checks that
        the others agree.
 So a TP rank never computes with another version than its peers, and no version is torn.
+
+Quantized generators (``generator.quantization`` = int8 | fp8, with tp = 1): the decoder linears become
+``QuantizedLinear`` modules (llamarl.models.quantize) before the buckets are bound, and the plan's
+``GeneratorLayout(quant=...)`` makes the trainer quantize each weight where it lives and write codes and
+per-row scales straight into the buckets (quantize-on-sync). The sync names them ``<m>.weight`` /
+``<m>.weight_scale``, the module ``<m>.qweight`` / ``<m>.scale``: the receiver binds through that map.
 """
 
 from __future__ import annotations
@@ -42,18 +48,25 @@ import torch.distributed as dist
 
 from llamarl.generation import GenerationEngine, SamplingParams
 from llamarl.models import Llama, LlamaConfig
+from llamarl.models.quantize import quantize_model, quantized_state_names
 from llamarl.parallel import check_tp_size, parallelize_llama
 from llamarl.runtime import RankInfo
 from llamarl.weight_sync import (GeneratorBuckets, GeneratorLayout, TrainerLayout, WeightReceiver,
                                  llama_param_specs, plan_sync)
+from llamarl.weight_sync.layout import SCALE_SUFFIX
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def generator_layout(tp: int, replicas: int, quantization: str = "none") -> GeneratorLayout:
+    """The weight sync's destination layout of the generators (the trainer builds the same plan)."""
+    return GeneratorLayout(tp_size=tp, replicas=replicas, quant=None if quantization == "none" else quantization)
 
 
 class GeneratorExecutor:
     def __init__(self, *, model_config: dict, dtype: str, trainer_ranks: int, replicas: int = 1,
                  max_batch_size: int = 64, max_seq_len: int | None = None, pad_id: int = 0, slots: int = 2,
-                 threads: int | None = None, rank_info: RankInfo):
+                 threads: int | None = None, quantization: str = "none", rank_info: RankInfo):
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device(rank_info.device or "cpu")
@@ -71,17 +84,36 @@ class GeneratorExecutor:
                 model = Llama(config).to(DTYPES[dtype])
             self.model = parallelize_llama(model, None, device=self.device)  # this group = the TP group
         self.model.eval()
+        names = None
+        if quantization != "none":  # before bind: the QuantizedLinear buffers are what the sync writes
+            if self.tp_size > 1:
+                raise ValueError(f"generator.quantization={quantization!r} needs generator.tp=1")
+            names = self._quantize(quantization)
         self.pad_id = pad_id
         # replica groups are named "generator" (one replica) or "generator.<i>"
         replica = int(rank_info.group.rsplit(".", 1)[1]) if "." in rank_info.group else 0
         plan = plan_sync(llama_param_specs(config, dtype=DTYPES[dtype]), TrainerLayout(world_size=trainer_ranks),
-                         GeneratorLayout(tp_size=self.tp_size, replicas=replicas))
+                         generator_layout(self.tp_size, replicas, quantization))
         storage = "cuda" if self.device.type == "cuda" else "shm"
         rank = replica * self.tp_size + self.tp_rank  # this rank's index in the plan's generator layout
         self.buckets = self._create_buckets(plan, rank, storage, slots)
         self.receiver = WeightReceiver(self.buckets)
-        self.receiver.bind(self.model)
+        self.receiver.bind(self.model, names=names)
         self.engine = self._engine(max_batch_size, max_seq_len)
+
+    def _quantize(self, mode: str) -> dict[str, str]:
+        """Swap the decoder linears for int8/fp8 ``QuantizedLinear`` modules, whose ``qweight``/``scale``
+        buffers the trainer then fills by quantize-on-sync; returns sync name -> module buffer name.
+
+        Kernels: the Triton ones on CUDA; on CPU the eager reference of the same math (Triton would run
+        interpreted there, orders of magnitude slower) - the codes and scales are the same bytes."""
+        backend = "triton" if self.device.type == "cuda" else "eager"
+        quantize_model(self.model, mode, backend=backend)
+        names: dict[str, str] = {}
+        for weight, nm in quantized_state_names(self.model).items():
+            names[weight] = nm.qweight
+            names[weight + SCALE_SUFFIX] = nm.scale
+        return names
 
     def _create_buckets(self, plan, rank: int, storage: str, slots: int) -> GeneratorBuckets:
         """This rank's buckets; with TP, rank 0 creates the replica's control block and shares it."""

@@ -56,8 +56,9 @@ from llamarl.checkpoint import capture_rng_state, load_checkpoint, restore_rng_s
 from llamarl.models import Llama
 from llamarl.parallel import (FSDPConfig, accumulate_gradients, apply_fsdp, clip_grad_norm_, full_optimizer_state,
                               full_state_dict, load_full_optimizer_state, sync_sources)
+from llamarl.executors.generator import generator_layout
 from llamarl.runtime import RankInfo
-from llamarl.weight_sync import GeneratorLayout, TrainerLayout, WeightSender, llama_param_specs, plan_sync
+from llamarl.weight_sync import TrainerLayout, WeightSender, llama_param_specs, plan_sync
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -67,7 +68,8 @@ MAX_METRICS = ("ratio_max",)
 
 class TrainerExecutor:
     def __init__(self, *, model_path: str, trainer: dict, temperature: float, generator_handles: list,
-                 generator_replicas: int = 1, generator_tp: int = 1, resume: str | None = None, seed: int = 0,
+                 generator_replicas: int = 1, generator_tp: int = 1, generator_quantization: str = "none",
+                 resume: str | None = None, seed: int = 0,
                  threads: int | None = None, rank_info: RankInfo):
         self.rank, self.world = rank_info.rank, rank_info.world_size
         self.sharded = self.world > 1
@@ -106,7 +108,7 @@ class TrainerExecutor:
             if ckpt.rng_state:
                 restore_rng_state(ckpt.rng_state)
         plan = plan_sync(llama_param_specs(self.model.config, dtype=dtype), TrainerLayout(world_size=self.world),
-                         GeneratorLayout(tp_size=generator_tp, replicas=generator_replicas))
+                         generator_layout(generator_tp, generator_replicas, generator_quantization))
         self.sender = WeightSender(plan, self.rank, generator_handles, device=self.device)
 
     # ------------------------------------------------------------------ commands

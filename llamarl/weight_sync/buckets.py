@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Union
+from typing import Mapping, Union
 
 import torch
 
@@ -226,8 +226,16 @@ class GeneratorBuckets:
         self._mems = []
 
 
-def load_views(module: torch.nn.Module, views: dict[str, torch.Tensor], *, strict: bool, where: str) -> None:
-    """Rebind module tensors to ``views`` by name (shapes, dtypes and devices must match)."""
+def load_views(module: torch.nn.Module, views: dict[str, torch.Tensor], *, strict: bool, where: str,
+               names: Mapping[str, str] | None = None) -> None:
+    """Rebind module tensors to ``views`` by name (shapes, dtypes and devices must match).
+
+    ``names`` maps a bucket tensor's name to the module's where they differ: a quantized generator keeps
+    ``<module>.qweight`` / ``<module>.scale`` buffers (llamarl.models.quantize) for the sync's
+    ``<module>.weight`` / ``<module>.weight_scale``.
+    """
+    if names:
+        views = {names.get(n, n): v for n, v in views.items()}
     named = dict(module.named_parameters())
     named.update(dict(module.named_buffers()))
     missing = [n for n in views if n not in named]

@@ -42,6 +42,7 @@ class WeightReceiver:
         self._module: torch.nn.Module | None = None
         self._bound_slot: int | None = None
         self._strict = True
+        self._names: dict[str, str] | None = None
 
     # ---- holds -------------------------------------------------------------------------------------
     def acquire(self, version: int | None = None, timeout: float = 60.0) -> int:
@@ -64,7 +65,7 @@ class WeightReceiver:
 
     def _bind_slot(self, slot: int) -> None:
         load_views(self._module, self.buckets.tensors(slot), strict=self._strict,
-                   where=f"generator rank {self.buckets.rank} slot {slot}")
+                   where=f"generator rank {self.buckets.rank} slot {slot}", names=self._names)
         self._module.weights_key = (id(self.buckets), slot)
         self._bound_slot = slot
 
@@ -100,9 +101,10 @@ class WeightReceiver:
             raise RuntimeError("named_tensors() outside a hold: call acquire() or use reading()")
         return self.buckets.tensors(self._slot)
 
-    def bind(self, module: torch.nn.Module, *, strict: bool = True) -> None:
-        """Make ``module``'s parameters views of the held slot, now and on every later acquire."""
-        self._module, self._strict, self._bound_slot = module, strict, None
+    def bind(self, module: torch.nn.Module, *, strict: bool = True, names: dict[str, str] | None = None) -> None:
+        """Make ``module``'s parameters views of the held slot, now and on every later acquire
+        (``names``: bucket tensor name -> module tensor name where they differ, see ``load_views``)."""
+        self._module, self._strict, self._bound_slot, self._names = module, strict, None, names
         if self._slot is not None:
             self._bind_slot(self._slot)
 
