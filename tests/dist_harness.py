@@ -64,3 +64,22 @@ def random_model(cfg: LlamaConfig, seed: int = 0) -> Llama:
             if n.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
     return m
+
+
+def single_process_train_step(model_dir, cfg: LlamaConfig, batch, trainer: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """One ``train_step`` of a one-rank TrainerExecutor in this process (the reference of the trainer
+    tests): (its stats, the updated parameters)."""
+    from llamarl.executors.trainer import TrainerExecutor
+    from llamarl.runtime import RankInfo
+    from llamarl.weight_sync import GeneratorBuckets, GeneratorLayout, TrainerLayout, llama_param_specs, plan_sync
+
+    plan = plan_sync(llama_param_specs(cfg), TrainerLayout(world_size=1), GeneratorLayout())
+    buckets = GeneratorBuckets.create(plan, 0, storage="shm")
+    ex = TrainerExecutor(model_path=str(model_dir), trainer=trainer, temperature=1.0,
+                         generator_handles=[buckets.handle()],
+                         rank_info=RankInfo("trainer", "trainer", 0, 1, 1, 0, "cpu", "gloo"))
+    try:
+        return ex.train_step(batch), {n: p.detach().clone() for n, p in ex.model.named_parameters()}
+    finally:
+        ex.close()
+        buckets.close()

@@ -30,16 +30,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_harness import random_model
+from dist_harness import random_model, single_process_train_step
 from llamarl.config import TrainerConfig, load_config
-from llamarl.executors.trainer import TrainerExecutor
 from llamarl.generation import SamplingParams, generate
 from llamarl.models import Llama, LlamaConfig
 from llamarl.rollouts import Rollout, collate
-from llamarl.runtime import Layout, RankInfo, Runtime
+from llamarl.runtime import Layout, Runtime
 from llamarl.train import main, train
-from llamarl.weight_sync import (AttachedBuckets, GeneratorBuckets, GeneratorLayout, TrainerLayout, VersionControl,
-                                 llama_param_specs, plan_sync)
+from llamarl.weight_sync import (AttachedBuckets, GeneratorLayout, TrainerLayout, VersionControl, llama_param_specs,
+                                 plan_sync)
 
 CFG = LlamaConfig(vocab_size=67, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=12,
                   num_key_value_heads=6, head_dim=8, max_position_embeddings=64)
@@ -68,21 +67,6 @@ def _batch() -> dict[str, torch.Tensor]:
         logprobs = (-4.2 + 0.5 * torch.randn(c, generator=g)).tolist()  # μ near uniform: some ratios truncate
         rollouts.append(Rollout(f"s{i}", i // 2, tokens[:p], tokens[p:], logprobs, [0] * c, "", "length"))
     return collate(rollouts, torch.randn(ROWS, generator=g), pad_id=0)
-
-
-def _single_process_step(model_dir: Path, batch, trainer: dict) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The reference: a one-rank TrainerExecutor (the unchanged R_t = 1 path) in this process."""
-    plan = plan_sync(llama_param_specs(CFG), TrainerLayout(world_size=1), GeneratorLayout())
-    buckets = GeneratorBuckets.create(plan, 0, storage="shm")
-    ex = TrainerExecutor(model_path=str(model_dir), trainer=trainer, temperature=1.0,
-                         generator_handles=[buckets.handle()],
-                         rank_info=RankInfo("trainer", "trainer", 0, 1, 1, 0, "cpu", "gloo"))
-    try:
-        stats = ex.train_step(batch)
-        return stats, {n: p.detach().clone() for n, p in ex.model.named_parameters()}
-    finally:
-        ex.close()
-        buckets.close()
 
 
 def _bucket_bytes_match(handles, plan, weights: dict[str, torch.Tensor], version: int) -> list[str]:
@@ -114,7 +98,7 @@ def test_sharded_trainer_and_tp_generator_match_one_process(tmp_path, t_ranks, g
     model_dir = tmp_path / "model"
     random_model(CFG).save_pretrained(model_dir)
     batch = _batch()
-    ref_stats, ref_weights = _single_process_step(model_dir, batch, trainer_cfg)
+    ref_stats, ref_weights = single_process_train_step(model_dir, CFG, batch, trainer_cfg)
     prompts = [[1, 5, 9, 13], [1, 7], [1, 30, 31]]
 
     with Runtime(Layout.parse(f"trainer={t_ranks},generator={g_ranks}x1,reward=0")) as rt:

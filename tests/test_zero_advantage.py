@@ -12,13 +12,10 @@ import dataclasses
 import pytest
 import torch
 
-from dist_harness import random_model
+from dist_harness import random_model, single_process_train_step
 from llamarl.config import TrainerConfig
-from llamarl.executors.trainer import TrainerExecutor
 from llamarl.models import LlamaConfig
 from llamarl.rollouts import Rollout, collate
-from llamarl.runtime import RankInfo
-from llamarl.weight_sync import GeneratorBuckets, GeneratorLayout, TrainerLayout, llama_param_specs, plan_sync
 
 CFG = LlamaConfig(vocab_size=53, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
@@ -60,24 +57,12 @@ def test_collate_keeps_nonzero_rows_and_the_whole_token_count():
         collate(rollouts, ADV, pad_id=0, drop_zero_advantage=True, row_multiple=0)
 
 
-def _step(model_dir, batch) -> tuple[dict, dict[str, torch.Tensor]]:
-    plan = plan_sync(llama_param_specs(CFG), TrainerLayout(world_size=1), GeneratorLayout())
-    buckets = GeneratorBuckets.create(plan, 0, storage="shm")
-    ex = TrainerExecutor(model_path=str(model_dir), trainer=TRAINER, temperature=1.0,
-                         generator_handles=[buckets.handle()],
-                         rank_info=RankInfo("trainer", "trainer", 0, 1, 1, 0, "cpu", "gloo"))
-    try:
-        return ex.train_step(batch), {n: p.detach().clone() for n, p in ex.model.named_parameters()}
-    finally:
-        ex.close()
-        buckets.close()
-
-
 def test_trainer_update_is_the_same_without_zero_advantage_rows(tmp_path):
     random_model(CFG).save_pretrained(tmp_path / "model")
     rollouts = _rollouts(len(ADV))
-    full_stats, full_w = _step(tmp_path / "model", collate(rollouts, ADV, pad_id=0))
-    kept_stats, kept_w = _step(tmp_path / "model", collate(rollouts, ADV, pad_id=0, drop_zero_advantage=True))
+    full_stats, full_w = single_process_train_step(tmp_path / "model", CFG, collate(rollouts, ADV, 0), TRAINER)
+    kept = collate(rollouts, ADV, 0, drop_zero_advantage=True)
+    kept_stats, kept_w = single_process_train_step(tmp_path / "model", CFG, kept, TRAINER)
     assert kept_stats["applied"] and full_stats["applied"]
     assert kept_stats["loss"] == pytest.approx(full_stats["loss"], rel=1e-5, abs=1e-7)
     assert kept_stats["grad_norm"] == pytest.approx(full_stats["grad_norm"], rel=1e-5)
