@@ -118,7 +118,6 @@ def main() -> None:
         # on CUDA, enough weight copies that one timed pass touches > 256 MB (5x the H200's L2)
         n_copies = max(1, -(-(256 << 20) // (N * K))) if cuda else 1
         ws = [(torch.randn(N, K, device=device) * 0.02).to(torch.bfloat16) for _ in range(n_copies)]
-        w = ws[0]
         q8s, qfs = [quantize(c, "int8") for c in ws], [quantize(c, "fp8") for c in ws]
         q8, s8 = q8s[0]
         qf, sf = qfs[0]
