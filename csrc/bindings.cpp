@@ -79,15 +79,20 @@ std::vector<llamarl::Segment> resolve_indexed(const U64Array& src_ptrs, const I6
   return segs;
 }
 
-// A device buffer this process allocated with cudaMalloc (one weight bucket); freed on destruction.
-class CudaBuffer {
+// A range of device memory this object owns: ``release(ptr, device)`` runs once, on destruction
+// (errors there are reported on stderr: a destructor must not throw).
+class DeviceRegion {
  public:
-  CudaBuffer(int64_t nbytes, int device) : ptr_(llamarl::cuda_malloc(nbytes, device)), nbytes_(nbytes), device_(device) {}
-  ~CudaBuffer() {
+  using Release = void (*)(uint64_t, int);
+  DeviceRegion(uint64_t ptr, int64_t nbytes, int device, Release release, const char* what)
+      : ptr_(ptr), nbytes_(nbytes), device_(device), release_(release), what_(what) {}
+  DeviceRegion(const DeviceRegion&) = delete;
+  DeviceRegion& operator=(const DeviceRegion&) = delete;
+  ~DeviceRegion() {
     try {
-      llamarl::cuda_free(ptr_, device_);
+      release_(ptr_, device_);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "llamarl: freeing a CUDA weight bucket failed: %s\n", e.what());
+      std::fprintf(stderr, "llamarl: %s failed: %s\n", what_, e.what());
     }
   }
   uint64_t ptr() const { return ptr_; }
@@ -98,32 +103,27 @@ class CudaBuffer {
   uint64_t ptr_;
   int64_t nbytes_;
   int device_;
+  Release release_;
+  const char* what_;
+};
+
+// A device buffer this process allocated with cudaMalloc (one weight bucket); freed on destruction.
+class CudaBuffer : public DeviceRegion {
+ public:
+  CudaBuffer(int64_t nbytes, int device)
+      : DeviceRegion(llamarl::cuda_malloc(nbytes, device), nbytes, device, &llamarl::cuda_free,
+                     "freeing a CUDA weight bucket") {}
 };
 
 // Another process's bucket mapped through its CUDA IPC handle; the mapping is closed on destruction.
-class CudaIpcMapping {
+class CudaIpcMapping : public DeviceRegion {
  public:
   CudaIpcMapping(const std::string& handle, int64_t nbytes, int device)
-      : ptr_(llamarl::cuda_ipc_open(handle, device)), nbytes_(nbytes), device_(device) {}
-  ~CudaIpcMapping() {
-    try {
-      llamarl::cuda_ipc_close(ptr_, device_);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "llamarl: closing a CUDA IPC mapping failed: %s\n", e.what());
-    }
-  }
-  uint64_t ptr() const { return ptr_; }
-  int64_t nbytes() const { return nbytes_; }
-  int device() const { return device_; }
-
- private:
-  uint64_t ptr_;
-  int64_t nbytes_;
-  int device_;
+      : DeviceRegion(llamarl::cuda_ipc_open(handle, device), nbytes, device, &llamarl::cuda_ipc_close,
+                     "closing a CUDA IPC mapping") {}
 };
 
-template <class T>
-py::dict cuda_array_interface(const T& b) {
+py::dict cuda_array_interface(const DeviceRegion& b) {
   py::dict d;
   d["shape"] = py::make_tuple(b.nbytes());
   d["typestr"] = "|u1";
