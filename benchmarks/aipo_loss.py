@@ -161,7 +161,7 @@ def main() -> None:
             try:
                 m = measure(step_fn(fn, inputs, losses), warmup=warmup, iters=iters, device=device)
             except Exception as exc:  # a baseline that breaks must not take the other rows with it
-                if name == "ours (fused)" or name == "eager":
+                if name in ("ours (fused)", "eager"):
                     raise
                 report.note(f"N={n} {name}: failed with {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
                 continue

@@ -146,6 +146,15 @@ def _local_param(full: torch.Tensor, index: tuple, device: torch.device | str | 
     return nn.Parameter(local)
 
 
+def _check_local(owner: str, weight: torch.Tensor, expected: tuple[int, int], tp: TPGroup, full: tuple[int, int],
+                 what: str = "weight") -> None:
+    """Raise unless ``weight`` has the shape ``expected`` of this TP rank's part of a ``full``-shaped tensor."""
+    if tuple(weight.shape) != expected:
+        noun = "table" if what == "table" else "weight"
+        raise ValueError(f"{owner}: local {noun} has shape {tuple(weight.shape)}, TP rank {tp.rank}/{tp.size} of a "
+                         f"[{full[0]}, {full[1]}] {what} needs {expected}")
+
+
 # ------------------------------------------------------------------------------------ layers
 class ColumnParallelLinear(nn.Module):
     """y_p = x W_p^T with W_p = W[b_p(out_features)]: the local output features, no communication."""
@@ -154,10 +163,8 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.tp = in_features, out_features, tp
         self.out_start, self.out_end = tp.bounds(out_features)
-        expected = (self.out_end - self.out_start, in_features)
-        if tuple(weight.shape) != expected:
-            raise ValueError(f"ColumnParallelLinear: local weight has shape {tuple(weight.shape)}, TP rank {tp.rank}/"
-                             f"{tp.size} of a [{out_features}, {in_features}] weight needs {expected}")
+        _check_local("ColumnParallelLinear", weight, (self.out_end - self.out_start, in_features), tp,
+                     (out_features, in_features))
         self.weight = weight
 
     @classmethod
@@ -184,10 +191,8 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.tp = in_features, out_features, tp
         self.in_start, self.in_end = tp.bounds(in_features)
-        expected = (out_features, self.in_end - self.in_start)
-        if tuple(weight.shape) != expected:
-            raise ValueError(f"RowParallelLinear: local weight has shape {tuple(weight.shape)}, TP rank {tp.rank}/"
-                             f"{tp.size} of a [{out_features}, {in_features}] weight needs {expected}")
+        _check_local("RowParallelLinear", weight, (out_features, self.in_end - self.in_start), tp,
+                     (out_features, in_features))
         self.weight = weight
 
     @classmethod
@@ -218,10 +223,8 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.tp = num_embeddings, embedding_dim, tp
         self.vocab_start, self.vocab_end = tp.bounds(num_embeddings)
-        expected = (self.vocab_end - self.vocab_start, embedding_dim)
-        if tuple(weight.shape) != expected:
-            raise ValueError(f"VocabParallelEmbedding: local table has shape {tuple(weight.shape)}, TP rank {tp.rank}"
-                             f"/{tp.size} of a [{num_embeddings}, {embedding_dim}] table needs {expected}")
+        _check_local("VocabParallelEmbedding", weight, (self.vocab_end - self.vocab_start, embedding_dim), tp,
+                     (num_embeddings, embedding_dim), what="table")
         self.weight = weight
 
     @classmethod
@@ -251,10 +254,8 @@ class VocabParallelLMHead(nn.Module):
         self.in_features, self.out_features, self.tp = hidden_size, vocab_size, tp
         self.vocab_start, self.vocab_end = tp.bounds(vocab_size)
         self.gather_output = gather_output
-        expected = (self.vocab_end - self.vocab_start, hidden_size)
-        if tuple(weight.shape) != expected:
-            raise ValueError(f"VocabParallelLMHead: local weight has shape {tuple(weight.shape)}, TP rank {tp.rank}/"
-                             f"{tp.size} of a [{vocab_size}, {hidden_size}] lm_head needs {expected}")
+        _check_local("VocabParallelLMHead", weight, (self.vocab_end - self.vocab_start, hidden_size), tp,
+                     (vocab_size, hidden_size), what="lm_head")
         self.weight = weight
 
     @classmethod
