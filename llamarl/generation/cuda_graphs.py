@@ -19,8 +19,9 @@ attention) eagerly, on any device; the CPU tests use it to check everything but 
 
 Weights: a graph reads the parameter addresses it was captured with. Copying new values into the same
 tensors (``param.copy_``) needs nothing; code that re-points the parameters at other storage (the weight
-sync's double-buffered slots, llamarl.weight_sync.receiver) must set ``model.weights_key`` to a hashable
-identity of that storage: graphs are kept per (batch bucket, weights_key), so each slot gets its own.
+sync's double-buffered slots: llamarl.weight_sync.buckets.load_views does it) must set
+``model.weights_key`` to a hashable identity of that storage: graphs are kept per (batch bucket,
+weights_key), so each slot gets its own.
 Invariants the caller keeps: the cache tensors are never re-allocated after a capture, parameters are
 never re-pointed without a new ``weights_key``, and quantization happens before the first capture.
 """

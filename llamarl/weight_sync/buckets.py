@@ -230,6 +230,10 @@ def load_views(module: torch.nn.Module, views: dict[str, torch.Tensor], *, stric
                names: Mapping[str, str] | None = None) -> None:
     """Rebind module tensors to ``views`` by name (shapes, dtypes and devices must match).
 
+    The module's parameters then live in other storage, so ``module.weights_key`` is set to an identity of
+    it (the lowest view address): CUDA-graph decoders keep one graph per key, since a captured graph reads
+    the addresses it was captured with (llamarl.generation.cuda_graphs).
+
     ``names`` maps a bucket tensor's name to the module's where they differ: a quantized generator keeps
     ``<module>.qweight`` / ``<module>.scale`` buffers (llamarl.models.quantize) for the sync's
     ``<module>.weight`` / ``<module>.weight_scale``.
@@ -252,6 +256,8 @@ def load_views(module: torch.nn.Module, views: dict[str, torch.Tensor], *, stric
             raise ValueError(f"cannot load {where}: module tensor {n!r} is {t.dtype} {list(t.shape)} on {t.device} but "
                              f"the bucket holds {v.dtype} {list(v.shape)} on {v.device}")
         t.data = v
+    if views:
+        module.weights_key = ("views", min(v.data_ptr() for v in views.values()))
 
 
 class AttachedBuckets:

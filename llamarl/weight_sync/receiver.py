@@ -10,10 +10,10 @@ Invariant: between ``acquire`` and ``release`` the held slot is READY or DRAININ
 every tensor the generator reads belongs to the same complete version (see versioning.py). Outside a
 hold the views may be overwritten at any time: compute only inside ``reading()``.
 
-A bound module's parameters are re-pointed (not copied) when a hold lands on another slot, so the
-receiver also sets ``module.weights_key`` to an identity of the slot's storage: a CUDA-graph decoder
-(llamarl.generation.cuda_graphs) keeps one graph per key, since a captured graph reads the addresses it
-was captured with and would otherwise keep reading the old slot - stale, or being rewritten.
+A bound module's parameters are re-pointed (not copied) when a hold lands on another slot; ``load_views``
+then sets ``module.weights_key`` to an identity of the slot's storage, so a CUDA-graph decoder
+(llamarl.generation.cuda_graphs) keeps one graph per slot instead of reading the old one - stale, or
+being rewritten.
 
 TP ranks of one replica read the same version: the leader acquires the newest, broadcasts the number,
 and the other ranks ``acquire(version=v)``.
@@ -66,7 +66,6 @@ class WeightReceiver:
     def _bind_slot(self, slot: int) -> None:
         load_views(self._module, self.buckets.tensors(slot), strict=self._strict,
                    where=f"generator rank {self.buckets.rank} slot {slot}", names=self._names)
-        self._module.weights_key = (id(self.buckets), slot)
         self._bound_slot = slot
 
     def release(self) -> None:
