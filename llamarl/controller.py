@@ -8,12 +8,14 @@ Per training step s (policy version v = number of updates applied so far):
     π ← AdamW step on the AIPO loss  −Σ min(π/μ, ρ)·A·log π / Σ mask             trainer executor
     v ← v + 1;  DDMA weight sync trainer → generator buckets, tagged v           trainer → generator
 
-Two coroutines run these concurrently. The producer makes the rollouts of step s as soon as the trainer
-has finished step s − 1 − max_staleness, so the oldest weights any token of step s was sampled with are at
-most ``max_staleness`` versions behind the policy that trains on it (the invariant; every token carries
-its version and each step records ``staleness = v − min version``). A queue of ``max_staleness`` batches
-gives back-pressure. With ``max_staleness = 0`` (sync mode) the same code runs in lock step:
-generate → score → train → sync → generate ... — the baseline every speed-up is measured against.
+Three stages run concurrently, like the paper's executors: sampling, scoring and training. Sampling of
+step s starts as soon as the trainer has finished step s − 1 − max_staleness, so the oldest weights any
+token of step s was sampled with are at most ``max_staleness`` versions behind the policy that trains on
+it (the invariant; every token carries its version and each step records ``staleness = v − min
+version``); meanwhile the reward workers score step s − 1. Queues (one sampled batch awaiting its scores,
+``max_staleness`` scored batches) give back-pressure. With ``max_staleness = 0`` (sync mode) the same code
+runs in lock step: generate → score → train → sync → generate ... — the baseline every speed-up is
+measured against.
 
 All process plumbing (spawning, RPC, failures) lives in llamarl.runtime; executors are reached through
 ``acall``. An executor failure raises out of ``run`` with the remote traceback.
@@ -80,17 +82,44 @@ class Controller:
             await asyncio.gather(producer, return_exceptions=True)
 
     async def produce(self, queue: asyncio.Queue) -> None:
-        for step in range(self.step, self.cfg.run.max_steps):
-            await self._wait_trained(step - self.max_staleness)  # staleness bound
-            await queue.put(await self.rollout(step))
+        """Rollouts for the trainer, as a two-stage pipeline: the generators sample step s + 1 while the
+        reward workers score step s. The staleness gate is on sampling, where the versions are fixed."""
+        sampled: asyncio.Queue = asyncio.Queue(maxsize=1)
+
+        async def sample_all() -> None:
+            for step in range(self.step, self.cfg.run.max_steps):
+                await self._wait_trained(step - self.max_staleness)  # staleness bound
+                await sampled.put(await self.sample(step))
+
+        async def score_all() -> None:
+            for _ in range(self.step, self.cfg.run.max_steps):
+                await queue.put(await self.score(*await sampled.get()))
+
+        stages = [asyncio.ensure_future(sample_all()), asyncio.ensure_future(score_all())]
+        try:
+            done, _ = await asyncio.wait(stages, return_when=asyncio.FIRST_EXCEPTION)
+            for stage in done:
+                stage.result()  # a failed stage raises here
+        finally:
+            for stage in stages:
+                stage.cancel()
+            await asyncio.gather(*stages, return_exceptions=True)
 
     async def rollout(self, step: int) -> RolloutBatch:
+        """Sample and score the rollouts of one step (both pipeline stages, one after the other)."""
+        return await self.score(*await self.sample(step))
+
+    async def sample(self, step: int) -> tuple:
         samples = self.data.next(self.cfg.generator.prompts_per_step)
         prompts = self.data.encode(samples)
+        cursor = self.data.cursor
         t0 = time.perf_counter()
         params = dataclasses.replace(self.sampling, seed=self.cfg.run.seed * 1_000_003 + step)
         outputs = await self.generate(prompts, params)
-        t1 = time.perf_counter()
+        return step, samples, prompts, outputs, cursor, t0, time.perf_counter()
+
+    async def score(self, step: int, samples: list, prompts: list[list[int]], outputs: list[dict], cursor: int,
+                    t0: float, t1: float) -> RolloutBatch:
         n = self.sampling.n
         rollouts = [
             Rollout(sample_id=f"{samples[i // n].id}#{i % n}", group=i // n, prompt_ids=prompts[i // n],
@@ -99,17 +128,19 @@ class Controller:
                     text=self.tok.decode(o["token_ids"]))
             for i, o in enumerate(outputs)
         ]
+        t2 = time.perf_counter()  # the pipeline may have held the samples since t1
         scores = await self.ex.rewards.score_async([(r.sample_id, r.text, r.answer) for r in rollouts])
         for r, s in zip(rollouts, scores):
             r.reward, r.reward_error = s.reward, s.error
-        batch = RolloutBatch(rollouts, n=n, generate_s=t1 - t0, score_s=time.perf_counter() - t1,
-                             meta={"step": step, "cursor_after": self.data.cursor})
+        batch = RolloutBatch(rollouts, n=n, generate_s=t1 - t0, score_s=time.perf_counter() - t2,
+                             meta={"step": step, "cursor_after": cursor})
         # advantages and the trainer's tensors are prepared here, off the trainer's critical path
         advantages = group_advantages(batch.rewards(), n, method=self.cfg.trainer.advantage)
         t = self.cfg.trainer
         exact = t.norm == "token" and t.kl_coef == 0 and t.entropy_coef == 0  # see llamarl.rollouts
         batch.meta["tensors"] = collate(rollouts, advantages, self.tok.pad_id,
-                                        drop_zero_advantage=t.skip_zero_advantage and exact, row_multiple=t.ranks)
+                                        drop_zero_advantage=t.skip_zero_advantage and exact, row_multiple=t.ranks,
+                                        share_prompts=t.share_prompts)
         return batch
 
     async def train(self, step: int, batch: RolloutBatch) -> None:
@@ -129,7 +160,7 @@ class Controller:
             "sync_s": sync_s, "generate_s": batch.generate_s, "score_s": batch.score_s,
             "tokens": batch.num_tokens, "tokens_per_s": batch.num_tokens / max(batch.generate_s, 1e-9),
             "reward_errors": sum(r.reward_error is not None for r in batch.rollouts),
-            "rows_trained": int(batch.meta["tensors"]["input_ids"].shape[0]), **stats,
+            "rows_trained": int(batch.meta["tensors"]["targets"].shape[0]), **stats,
         })
         self._last_step_end = now
         async with self._trained:
