@@ -139,6 +139,9 @@ class TrainerConfig(_Section):
     # so the update is the same with less work; applies only where that is exact (token-mean loss,
     # kl_coef = entropy_coef = 0), see llamarl.rollouts. AIPO metrics then cover the trained tokens.
     skip_zero_advantage: bool = True
+    # run each prompt once for its samples_per_prompt completions instead of once per sample (exact up to
+    # float reassociation; llamarl.models.shared_prefix); False: one flat right-padded row per sample
+    share_prompts: bool = True
 
     def check(self) -> None:
         self._positive("ranks")

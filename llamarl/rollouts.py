@@ -15,6 +15,18 @@ Collation (``collate``) lays a list of rollouts out for the trainer, right-padde
 Right padding keeps every row's positions at 0..|x|+|y|-1, exactly the positions the generator used
 (it left-pads but numbers positions from each row's first real token), so π and μ see the same context.
 
+Shared-prompt layout (``share_prompts=True``, for llamarl.models.shared_prefix): each distinct prompt of
+the batch once, and the completions against it, so the trainer runs a prompt once for its n samples:
+
+    prompt_ids   [G, P]    the G prompts present, left-padded (prompt g at slots [start_g, P))
+    prompt_start [G]       start_g
+    group        [B]       the prompt row of each sample
+    targets      [B, C]    y ‖ pad,  C = max_b |y_b|   (position c predicts y_c; the model feeds y_<C-1)
+    mask, behavior, advantages   as above, over the C completion positions
+
+Both layouts have ``targets`` [rows, positions], ``mask``, ``behavior_logprobs`` and ``advantages``;
+``slice_rows`` cuts either into micro-batches (a shared-prompt slice keeps only its rows' prompts).
+
 Zero-advantage rows (``drop_zero_advantage=True``): a sample with A = 0 adds exactly nothing to the
 policy-gradient term  −Σ_t m_t·w_t·A·log π_t / Σ_t m_t  (every factor of its gradient is multiplied by
 A = 0), so the trainer need not run it; with the group-mean baseline that is every sample of a group
@@ -83,7 +95,8 @@ class RolloutBatch:
 
 
 def collate(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_id: int, *,
-            drop_zero_advantage: bool = False, row_multiple: int = 1) -> dict[str, torch.Tensor]:
+            drop_zero_advantage: bool = False, row_multiple: int = 1,
+            share_prompts: bool = False) -> dict[str, torch.Tensor]:
     """Tensors for the trainer (see the module docstring for the layout and the row dropping)."""
     if len(rollouts) == 0:
         raise ValueError("collate got no rollouts")
@@ -98,6 +111,8 @@ def collate(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_id: int, 
         want = min(len(rollouts), max(row_multiple, -(-len(keep) // row_multiple) * row_multiple))
         keep = sorted(keep + zeros[: want - len(keep)])
         rollouts, advantages = [rollouts[i] for i in keep], advantages[keep]
+    if share_prompts:
+        return _collate_shared(rollouts, advantages, pad_id, total_tokens)
     length = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
     if length < 2:
         raise ValueError("every rollout is shorter than two tokens: nothing to predict")
@@ -120,3 +135,64 @@ def collate(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_id: int, 
         "advantages": advantages.to(torch.float32).clone(),
         "total_tokens": torch.tensor(total_tokens),  # of the whole batch, dropped rows included
     }
+
+
+def _collate_shared(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_id: int,
+                    total_tokens: float) -> dict[str, torch.Tensor]:
+    """The shared-prompt layout (module docstring); rows keep their order, prompts their first-seen order."""
+    index: dict[int, int] = {}
+    prompts: list[list[int]] = []
+    for r in rollouts:
+        if r.group not in index:
+            if not r.prompt_ids:
+                raise ValueError(f"rollout {r.sample_id} has an empty prompt: nothing to condition on")
+            index[r.group] = len(prompts)
+            prompts.append(r.prompt_ids)
+        elif prompts[index[r.group]] != r.prompt_ids:
+            raise ValueError(f"rollout {r.sample_id}: group {r.group} holds two different prompts; the samples "
+                             "of one group must share their prompt (or collate with share_prompts=False)")
+    width = max(len(r.completion_ids) for r in rollouts)
+    if width < 1:
+        raise ValueError("every rollout has an empty completion: nothing to train on")
+    P, B = max(len(p) for p in prompts), len(rollouts)
+    prompt_ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    for g, p in enumerate(prompts):
+        prompt_ids[g, P - len(p):] = torch.tensor(p, dtype=torch.long)
+    targets = torch.full((B, width), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, width)
+    behavior = torch.zeros(B, width)
+    for i, r in enumerate(rollouts):
+        c = len(r.completion_ids)
+        if c:
+            targets[i, :c] = torch.tensor(r.completion_ids, dtype=torch.long)
+            mask[i, :c] = 1.0
+            behavior[i, :c] = torch.tensor(r.logprobs, dtype=torch.float32)
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_start": torch.tensor([P - len(p) for p in prompts], dtype=torch.long),
+        "group": torch.tensor([index[r.group] for r in rollouts], dtype=torch.long),
+        "targets": targets,
+        "mask": mask,
+        "behavior_logprobs": behavior,
+        "advantages": advantages.to(torch.float32).clone(),
+        "total_tokens": torch.tensor(total_tokens),
+    }
+
+
+PROMPT_KEYS = ("prompt_ids", "prompt_start")
+
+
+def slice_rows(batch: dict[str, torch.Tensor], lo: int, hi: int) -> dict[str, torch.Tensor]:
+    """Rows [lo, hi) of a collated batch (either layout; ``total_tokens`` is dropped if present).
+
+    A shared-prompt slice keeps only the prompts its rows use (renumbered in order) and drops prompt
+    columns that are padding in all of them."""
+    part = {k: v[lo:hi] for k, v in batch.items() if k not in PROMPT_KEYS and k != "total_tokens"}
+    if "prompt_ids" not in batch:
+        return part
+    used, part["group"] = torch.unique(part["group"], return_inverse=True)
+    start = batch["prompt_start"][used]
+    first = int(start.min()) if len(used) else 0
+    part["prompt_ids"] = batch["prompt_ids"][used, first:]
+    part["prompt_start"] = start - first
+    return part

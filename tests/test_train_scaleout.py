@@ -46,7 +46,8 @@ TRAINER = dataclasses.asdict(TrainerConfig(lr=1e-3, weight_decay=0.1, grad_clip=
                                            loss="reference", kl_coef=0.05, entropy_coef=0.01))
 FUSED = {**TRAINER, "loss": "fused"}  # the Triton loss (interpreted on CPU) on the FSDP root's lm_head
 ROWS = 8  # sequences per step: 4 per rank on 2 ranks, micro-batches of 3 + 1 (one process: 3 + 3 + 2)
-FP32_ATOL = 2e-6  # updated weights vs the single-process trainer (an AdamW step moves each by ~lr)
+FP32_ATOL = 4e-6  # updated weights vs the single-process trainer (an AdamW step moves each by ~lr; where a
+# gradient is tiny its fp32 rounding moves the step visibly: measured 1.5e-6 flat, 2.3e-6 and 2.8e-6 shared)
 LOGPROB_ATOL = 2e-5  # TP log-probs vs the single-process model (row-parallel sums in another order)
 GENERATOR = "llamarl.executors.generator:GeneratorExecutor"
 TRAINER_EXECUTOR = "llamarl.executors.trainer:TrainerExecutor"
@@ -58,15 +59,20 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMARL_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def _batch() -> dict[str, torch.Tensor]:
+def _batch(share_prompts: bool = False) -> dict[str, torch.Tensor]:
+    """Groups of 2 samples of one prompt (ragged prompts and completions); micro-batches of 3 rows split
+    groups, so the shared-prompt layout also runs a prompt in two micro-batches."""
     g = torch.Generator().manual_seed(7)
     rollouts = []
     for i in range(ROWS):
-        p, c = 2 + int(torch.randint(0, 4, (), generator=g)), 1 + int(torch.randint(0, 6, (), generator=g))
-        tokens = torch.randint(3, CFG.vocab_size, (p + c,), generator=g).tolist()
+        if i % 2 == 0:
+            prompt = torch.randint(3, CFG.vocab_size, (2 + int(torch.randint(0, 4, (), generator=g)),),
+                                   generator=g).tolist()
+        c = 1 + int(torch.randint(0, 6, (), generator=g))
+        completion = torch.randint(3, CFG.vocab_size, (c,), generator=g).tolist()
         logprobs = (-4.2 + 0.5 * torch.randn(c, generator=g)).tolist()  # μ near uniform: some ratios truncate
-        rollouts.append(Rollout(f"s{i}", i // 2, tokens[:p], tokens[p:], logprobs, [0] * c, "", "length"))
-    return collate(rollouts, torch.randn(ROWS, generator=g), pad_id=0)
+        rollouts.append(Rollout(f"s{i}", i // 2, prompt, completion, logprobs, [0] * c, "", "length"))
+    return collate(rollouts, torch.randn(ROWS, generator=g), pad_id=0, share_prompts=share_prompts)
 
 
 def _bucket_bytes_match(handles, plan, weights: dict[str, torch.Tensor], version: int) -> list[str]:
@@ -92,12 +98,16 @@ def _bucket_bytes_match(handles, plan, weights: dict[str, torch.Tensor], version
     return bad
 
 
-@pytest.mark.parametrize("t_ranks, g_ranks, trainer_cfg", [(2, 2, TRAINER), (1, 3, TRAINER), (2, 1, FUSED)],
-                         ids=["2+2", "1+3", "2+1-fused"])
-def test_sharded_trainer_and_tp_generator_match_one_process(tmp_path, t_ranks, g_ranks, trainer_cfg):
+@pytest.mark.parametrize("t_ranks, g_ranks, trainer_cfg, shared",
+                         [(2, 2, TRAINER, False), (2, 2, TRAINER, True), (1, 3, TRAINER, False), (2, 1, FUSED, True)],
+                         ids=["2+2", "2+2-shared-prompts", "1+3", "2+1-fused-shared-prompts"])
+def test_sharded_trainer_and_tp_generator_match_one_process(tmp_path, t_ranks, g_ranks, trainer_cfg, shared):
+    """The shared-prompt cases check that layout's forward (llamarl.models.shared_prefix) under FSDP, which
+    runs every layer twice per micro-batch (prompts, then completions); tests/test_shared_prefix.py checks
+    the layout itself against the flat one."""
     model_dir = tmp_path / "model"
     random_model(CFG).save_pretrained(model_dir)
-    batch = _batch()
+    batch = _batch(shared)
     ref_stats, ref_weights = single_process_train_step(model_dir, CFG, batch, trainer_cfg)
     prompts = [[1, 5, 9, 13], [1, 7], [1, 30, 31]]
 

@@ -54,9 +54,11 @@ import torch.distributed as dist
 from llamarl.algorithms import aipo_loss, token_logprobs
 from llamarl.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
 from llamarl.models import Llama
+from llamarl.models.shared_prefix import shared_prefix_hidden_states
 from llamarl.parallel import (FSDPConfig, accumulate_gradients, apply_fsdp, clip_grad_norm_, full_optimizer_state,
                               full_state_dict, load_full_optimizer_state, sync_sources)
 from llamarl.executors.generator import generator_layout
+from llamarl.rollouts import slice_rows
 from llamarl.runtime import RankInfo
 from llamarl.weight_sync import TrainerLayout, WeightSender, llama_param_specs, plan_sync
 
@@ -123,12 +125,12 @@ class TrainerExecutor:
     def _train_step(self, batch: dict[str, torch.Tensor]) -> dict:
         t0 = time.perf_counter()
         batch, total_tokens, kept_tokens = self._on_device(batch)
-        rows = batch["input_ids"].shape[0]
+        rows = batch["targets"].shape[0]
         mb = self.cfg["micro_batch_size"]
         self.opt.zero_grad(set_to_none=True)
         loss_sum, metrics = 0.0, []
         for lo in range(0, rows, mb):
-            part = {k: v[lo : lo + mb] for k, v in batch.items()}
+            part = slice_rows(batch, lo, lo + mb)
             share = part["mask"].sum() / total_tokens
             if share == 0:
                 continue
@@ -179,20 +181,20 @@ class TrainerExecutor:
         """``train_step`` on R_t ranks: this rank's rows of the batch; see the module docstring."""
         t0 = time.perf_counter()
         batch, total_tokens, kept_tokens = self._on_device(batch)
-        rows = batch["input_ids"].shape[0]
+        rows = batch["targets"].shape[0]
         if rows % self.world:
             raise ValueError(f"train_step got {rows} sequences, which do not split evenly over trainer.ranks="
                              f"{self.world}; make generator.prompts_per_step x samples_per_prompt a multiple of it")
         per = rows // self.world
-        mine = {k: v[self.rank * per:(self.rank + 1) * per] for k, v in batch.items()}
+        mine = slice_rows(batch, self.rank * per, (self.rank + 1) * per)
         mb = self.cfg["micro_batch_size"]
-        parts = [{k: v[lo:lo + mb] for k, v in mine.items()} for lo in range(0, per, mb)]
+        parts = [slice_rows(mine, lo, lo + mb) for lo in range(0, per, mb)]
         metrics: list[tuple[float, dict]] = []
 
         def weighted_loss(part: dict[str, torch.Tensor]) -> torch.Tensor:
             share = part["mask"].sum() / total_tokens
             if share == 0:  # no tokens: still a forward/backward, FSDP's collectives need every rank
-                return self.model(part["input_ids"]).float().sum() * 0.0
+                return _logits(self.model, part).float().sum() * 0.0
             loss, m = self._loss(part)
             metrics.append((float(part["mask"].sum() / kept_tokens), m))
             return loss * share
@@ -259,19 +261,18 @@ class TrainerExecutor:
         ref = None
         if self.ref is not None:
             with torch.no_grad():
-                ref, _ = token_logprobs(self.ref(part["input_ids"])[:, :-1], part["targets"], self.temperature)
+                ref, _ = token_logprobs(_logits(self.ref, part), part["targets"], self.temperature)
         if self.fused:
             from llamarl_kernels import fused_aipo_loss
 
-            hidden = self.model.hidden_states(part["input_ids"])[:, :-1]
+            hidden = _hidden(self.model, part)
             keep = part["mask"] > 0
             return fused_aipo_loss(hidden[keep], self.model.lm_head_weight, part["targets"][keep],
                                    part["behavior_logprobs"][keep], adv[keep], part["mask"][keep],
                                    rho=c["rho"], temperature=self.temperature,
                                    ref_logprobs=None if ref is None else ref[keep], kl_coef=c["kl_coef"],
                                    entropy_coef=c["entropy_coef"])
-        logits = self.model(part["input_ids"])[:, :-1]
-        logprobs, entropy = token_logprobs(logits, part["targets"], self.temperature)
+        logprobs, entropy = token_logprobs(_logits(self.model, part), part["targets"], self.temperature)
         return aipo_loss(logprobs, part["behavior_logprobs"], adv, part["mask"], rho=c["rho"], norm=c["norm"],
                          ref_logprobs=ref, kl_coef=c["kl_coef"], entropy=entropy, entropy_coef=c["entropy_coef"])
 
@@ -280,13 +281,25 @@ class TrainerExecutor:
         """The ablation: AIPO with μ := π (ratio 1), i.e. vanilla policy gradient on stale samples.
 
         Mismatch metrics are still measured against the real μ, so the two runs are comparable."""
-        logits = self.model(part["input_ids"])[:, :-1]
-        logprobs, entropy = token_logprobs(logits, part["targets"], self.temperature)
+        logprobs, entropy = token_logprobs(_logits(self.model, part), part["targets"], self.temperature)
         loss, _ = aipo_loss(logprobs, logprobs.detach(), adv, part["mask"], rho=self.cfg["rho"],
                             norm=self.cfg["norm"], entropy=entropy, entropy_coef=self.cfg["entropy_coef"])
         _, metrics = aipo_loss(logprobs.detach(), part["behavior_logprobs"], adv, part["mask"],
                                rho=self.cfg["rho"], norm=self.cfg["norm"], entropy=entropy.detach())
         return loss, metrics
+
+
+def _hidden(model: Llama, part: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Final hidden states [rows, positions, D] at the positions that predict ``part["targets"]``, for
+    either layout of llamarl.rollouts (shared prompts: one pass per prompt, llamarl.models.shared_prefix)."""
+    if "prompt_ids" in part:
+        return shared_prefix_hidden_states(model, part["prompt_ids"], part["prompt_start"], part["group"],
+                                           part["targets"])
+    return model.hidden_states(part["input_ids"])[:, :-1]
+
+
+def _logits(model: Llama, part: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model.lm_head(_hidden(model, part))
 
 
 def _combine(parts: list[tuple[float, dict]]) -> dict:

@@ -5,7 +5,7 @@ Per decoder layer, with x the residual stream [B, T, D]:
     h = x + o_proj(attn(rope(q_proj(n1(x))), rope(k_proj(n1(x))), v_proj(n1(x))))
     y = h + down_proj(silu(gate_proj(n2(h))) * up_proj(n2(h)))            (SwiGLU)
 
-    RMSNorm  n(x) = w * (x / sqrt(mean(x^2) + eps))   computed in fp32, cast back to x's dtype
+    RMSNorm  n(x) = w * (x / sqrt(mean(x^2) + eps))   computed in fp32 (fp64 for fp64), cast back to x's dtype
     RoPE     rotate-half layout (HF checkpoints): x' = x * cos + rotate_half(x) * sin,
              rotate_half(x_lo, x_hi) = (-x_hi, x_lo), with
              cos/sin = cos/sin(position * inv_freq) computed in fp32 and cast to the model dtype;
@@ -138,7 +138,7 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         if dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # same math, one kernel
-        xf = x.float()
+        xf = x.to(torch.promote_types(dtype, torch.float32))  # fp32 for half types; fp64 stays fp64
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
 
