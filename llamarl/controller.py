@@ -13,9 +13,12 @@ step s starts as soon as the trainer has finished step s − 1 − max_staleness
 token of step s was sampled with are at most ``max_staleness`` versions behind the policy that trains on
 it (the invariant; every token carries its version and each step records ``staleness = v − min
 version``); meanwhile the reward workers score step s − 1. Queues (one sampled batch awaiting its scores,
-``max_staleness`` scored batches) give back-pressure. With ``max_staleness = 0`` (sync mode) the same code
-runs in lock step: generate → score → train → sync → generate ... — the baseline every speed-up is
-measured against.
+``max_staleness`` scored batches) give back-pressure. The trainer's commands run one step ahead in async
+mode: step s + 1's ``train_step`` is queued on the trainer while it runs step s, so it never idles while
+this process handles a result (the trainer owns the version count, so the push of each applied update
+needs no answer from here; results are handled in step order). With ``max_staleness = 0`` (sync mode)
+the same code runs in lock step: generate → score → train → sync → generate ... — the baseline every
+speed-up is measured against.
 
 All process plumbing (spawning, RPC, failures) lives in llamarl.runtime; executors are reached through
 ``acall``. An executor failure raises out of ``run`` with the remote traceback.
@@ -59,7 +62,9 @@ class Controller:
         self.step, self.version = start_step, start_version
         self.max_staleness = cfg.run.max_staleness
         self.on_checkpoint = on_checkpoint
-        self._trained = asyncio.Condition()
+        self._trained = asyncio.Condition()  # self.step: trainer results handled (the staleness gate)
+        self._finished = start_step  # steps done with their evaluation and checkpoint
+        self._finished_cond = asyncio.Condition()
         self._last_step_end = time.perf_counter()
         g = cfg.generator
         self.sampling = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
@@ -67,19 +72,10 @@ class Controller:
 
     # ------------------------------------------------------------------ the algorithm
     async def run(self) -> None:
+        """Rollouts, trainer commands and their results run as three concurrent stages (see below)."""
         queue: asyncio.Queue[RolloutBatch] = asyncio.Queue(maxsize=max(1, self.max_staleness))
-        producer = asyncio.create_task(self.produce(queue))
-        try:
-            for step in range(self.step, self.cfg.run.max_steps):
-                batch = await self._next(queue, producer)
-                await self.train(step, batch)
-                if self._due(self.cfg.run.eval_every, step):
-                    await self.evaluate(step + 1)
-                if self.on_checkpoint and self._due(self.cfg.run.checkpoint_every, step):
-                    await self.on_checkpoint(step + 1, self.version, batch.meta["cursor_after"])
-        finally:
-            producer.cancel()
-            await asyncio.gather(producer, return_exceptions=True)
+        submitted: asyncio.Queue = asyncio.Queue()
+        await _run_stages(self.produce(queue), self.submit_steps(queue, submitted), self.finish_steps(submitted))
 
     async def produce(self, queue: asyncio.Queue) -> None:
         """Rollouts for the trainer, as a two-stage pipeline: the generators sample step s + 1 while the
@@ -95,15 +91,33 @@ class Controller:
             for _ in range(self.step, self.cfg.run.max_steps):
                 await queue.put(await self.score(*await sampled.get()))
 
-        stages = [asyncio.ensure_future(sample_all()), asyncio.ensure_future(score_all())]
-        try:
-            done, _ = await asyncio.wait(stages, return_when=asyncio.FIRST_EXCEPTION)
-            for stage in done:
-                stage.result()  # a failed stage raises here
-        finally:
-            for stage in stages:
-                stage.cancel()
-            await asyncio.gather(*stages, return_exceptions=True)
+        await _run_stages(sample_all(), score_all())
+
+    async def submit_steps(self, queue: asyncio.Queue, submitted: asyncio.Queue) -> None:
+        """Queue each step's ``train_step`` on the trainer as soon as its batch is ready. In async mode the
+        command for step s + 1 waits on the trainer while it runs step s, so the trainer never idles while
+        this process handles a result. Sync mode cannot run ahead (the next batch needs this step's
+        weights), and no step is queued behind a checkpoint (it must hold exactly its step's weights)."""
+        ahead = 1 if self.max_staleness >= 1 else 0
+        for step in range(self.step, self.cfg.run.max_steps):
+            batch = await queue.get()
+            after_checkpoint = self.on_checkpoint and self._due(self.cfg.run.checkpoint_every, step - 1)
+            await self._wait_finished(step if after_checkpoint else step - ahead)
+            # an applied update is pushed as the trainer's next version in the same call
+            await submitted.put((step, batch, self.ex.trainer.acall("train_step", batch.meta["tensors"], push=True)))
+
+    async def finish_steps(self, submitted: asyncio.Queue) -> None:
+        """Results in step order: log, evaluate and checkpoint as configured."""
+        for _ in range(self.step, self.cfg.run.max_steps):
+            step, batch, result = await submitted.get()
+            await self.train(step, batch, result)
+            if self._due(self.cfg.run.eval_every, step):
+                await self.evaluate(step + 1)
+            if self.on_checkpoint and self._due(self.cfg.run.checkpoint_every, step):
+                await self.on_checkpoint(step + 1, self.version, batch.meta["cursor_after"])
+            async with self._finished_cond:
+                self._finished = step + 1
+                self._finished_cond.notify_all()
 
     async def rollout(self, step: int) -> RolloutBatch:
         """Sample and score the rollouts of one step (both pipeline stages, one after the other)."""
@@ -143,16 +157,21 @@ class Controller:
                                         share_prompts=t.share_prompts)
         return batch
 
-    async def train(self, step: int, batch: RolloutBatch) -> None:
-        # the trainer pushes an applied update as version + 1 in the same call (a non-finite loss skips
-        # the update: no new version to sync)
-        per_rank = await self.ex.trainer.acall("train_step", batch.meta["tensors"], push_version=self.version + 1)
+    async def train(self, step: int, batch: RolloutBatch, result: Awaitable[list[dict]]) -> None:
+        """The trainer's answer to step ``step``: an applied update was pushed as version + 1 (a non-finite
+        loss skips the update: no new version). Steps finish in order, so ``self.version`` is the version
+        the step trained."""
+        per_rank = await result
         stats = dict(per_rank[0])
+        pushed = stats.pop("version")
         staleness = self.version - batch.oldest_version
         sync_s = 0.0
         if stats.pop("sync", None) is not None:
             self.version += 1
             sync_s = max(r["sync"]["seconds"] for r in per_rank)  # published when the last rank is done
+        if pushed != self.version:
+            raise RuntimeError(f"step {step + 1}: the trainer holds version {pushed}, the controller expected "
+                               f"{self.version}; the two version counts diverged")
         now = time.perf_counter()
         self.log.step({
             "step": step + 1, "policy_version": self.version, "staleness": staleness,
@@ -200,16 +219,22 @@ class Controller:
         async with self._trained:
             await self._trained.wait_for(lambda: self.step >= step)
 
-    @staticmethod
-    async def _next(queue: asyncio.Queue, producer: asyncio.Task) -> RolloutBatch:
-        """The next batch, or the producer's exception if it failed while we waited."""
-        get = asyncio.ensure_future(queue.get())
-        done, _ = await asyncio.wait({get, producer}, return_when=asyncio.FIRST_COMPLETED)
-        if get in done:
-            return get.result()
-        get.cancel()
-        producer.result()  # raises the producer's error
-        raise RuntimeError("the rollout producer stopped before the last training step")
+    async def _wait_finished(self, step: int) -> None:
+        async with self._finished_cond:
+            await self._finished_cond.wait_for(lambda: self._finished >= step)
 
     def _due(self, every: int, step: int) -> bool:
         return every > 0 and (step + 1) % every == 0 and step + 1 < self.cfg.run.max_steps
+
+
+async def _run_stages(*stages: Awaitable[None]) -> None:
+    """Run coroutines concurrently until all are done; the first failure cancels the others and raises."""
+    tasks = [asyncio.ensure_future(s) for s in stages]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            task.result()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

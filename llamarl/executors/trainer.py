@@ -112,14 +112,22 @@ class TrainerExecutor:
         plan = plan_sync(llama_param_specs(self.model.config, dtype=dtype), TrainerLayout(world_size=self.world),
                          generator_layout(generator_tp, generator_replicas, generator_quantization))
         self.sender = WeightSender(plan, self.rank, generator_handles, device=self.device)
+        self.version: int | None = None  # the last version pushed to the generators
 
     # ------------------------------------------------------------------ commands
-    def train_step(self, batch: dict[str, torch.Tensor], push_version: int | None = None) -> dict:
-        """One update; with ``push_version``, an applied update is also pushed to the generators as that
-        version (one round trip from the controller instead of two; ``stats["sync"]`` holds the push)."""
+    def train_step(self, batch: dict[str, torch.Tensor], push: bool = False) -> dict:
+        """One update; with ``push``, an applied update is also pushed to the generators as the next
+        version, one more than the last one pushed (one round trip from the controller instead of two;
+        ``stats["sync"]`` holds the push). The trainer owns the version count, so the controller can queue
+        the next step's command before this one has answered. ``stats["version"]`` is the last version
+        pushed after the call (None before the first ``push_weights``)."""
+        if push and self.version is None:
+            raise RuntimeError("train_step(push=True) before any push_weights(version): push the starting "
+                               "weights first, so the version count has a start")
         stats = self._sharded_train_step(batch) if self.sharded else self._train_step(batch)
-        if push_version is not None and stats["applied"]:
-            stats["sync"] = self.push_weights(push_version)
+        if push and stats["applied"]:
+            stats["sync"] = self.push_weights(self.version + 1)
+        stats["version"] = self.version
         return stats
 
     def _train_step(self, batch: dict[str, torch.Tensor]) -> dict:
@@ -153,6 +161,7 @@ class TrainerExecutor:
         else:
             shards = {name: p.detach() for name, p in self.model.named_parameters()}
         stats = self.sender.sync(shards, version)
+        self.version = version
         return {"seconds": stats.seconds, "bytes": stats.bytes, "copy_seconds": stats.copy_seconds,
                 "wait_seconds": stats.wait_seconds}
 
