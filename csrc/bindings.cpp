@@ -16,6 +16,7 @@
 
 #include "copy_engine.h"
 #include "cuda_ipc.h"
+#include "linear_cpu.h"
 #include "shm.h"
 #include "sync_ctl.h"
 
@@ -189,6 +190,20 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_threads") = 1,
         "Execute a copy schedule between two host buffers on num_threads threads (GIL released).");
 
+  m.def("linear_f32_cpu",
+        [](uint64_t x, uint64_t w, uint64_t y, int64_t M, int64_t K, int64_t N, int num_threads) {
+          check_ptr(x, M * K * 4, "x");
+          check_ptr(w, N * K * 4, "w");
+          check_ptr(y, M * N * 4, "y");
+          py::gil_scoped_release nogil;
+          llamarl::linear_f32_cpu(reinterpret_cast<const float*>(x), reinterpret_cast<const float*>(w),
+                                  reinterpret_cast<float*>(y), M, K, N, num_threads);
+        },
+        py::arg("x"), py::arg("w"), py::arg("y"), py::arg("M"), py::arg("K"), py::arg("N"),
+        py::arg("num_threads") = 1,
+        "y[M, N] = x[M, K] @ w[N, K].T for contiguous fp32 host buffers given by address (GIL released); "
+        "weights are read once, for decode-sized M.");
+  m.def("linear_cpu_isa", &llamarl::linear_cpu_isa, "Instruction set of linear_f32_cpu: avx512f, avx2+fma or scalar.");
   m.def("cuda_device_count", &llamarl::cuda_device_count);
   m.def("cuda_runtime_version", &llamarl::cuda_runtime_version);
   m.def("copy_ops_cuda",

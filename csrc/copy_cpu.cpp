@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "copy_engine.h"
+#include "thread_pool.h"
 
 namespace llamarl {
 
@@ -66,69 +67,6 @@ void validate_indexed_ops(const IndexedCopyOp* ops, size_t n, const int64_t* src
   }
 }
 
-namespace {
-
-// A fixed pool of workers; run() hands each worker one task and blocks until all are done.
-class ThreadPool {
- public:
-  explicit ThreadPool(int n) {
-    for (int i = 0; i < n; ++i) workers_.emplace_back([this, i] { loop(i); });
-  }
-  ~ThreadPool() {
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : workers_) t.join();
-  }
-  int size() const { return static_cast<int>(workers_.size()); }
-
-  // Runs task(i) for i in [0, n) with n <= size(); the caller runs task(0) itself.
-  void run(int n, const std::function<void(int)>& task) {
-    std::unique_lock<std::mutex> lk(run_mu_);  // one batch at a time
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      task_ = &task;
-      active_ = n - 1;
-      pending_ = n - 1;
-      ++generation_;
-    }
-    cv_.notify_all();
-    task(0);
-    std::unique_lock<std::mutex> g(mu_);
-    done_cv_.wait(g, [this] { return pending_ == 0; });
-    task_ = nullptr;
-  }
-
- private:
-  void loop(int idx) {
-    uint64_t seen = 0;
-    for (;;) {
-      const std::function<void(int)>* task;
-      {
-        std::unique_lock<std::mutex> g(mu_);
-        cv_.wait(g, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
-        if (idx >= active_) continue;
-        task = task_;
-      }
-      (*task)(idx + 1);
-      std::lock_guard<std::mutex> g(mu_);
-      if (--pending_ == 0) done_cv_.notify_all();
-    }
-  }
-
-  std::vector<std::thread> workers_;
-  std::mutex mu_, run_mu_;
-  std::condition_variable cv_, done_cv_;
-  const std::function<void(int)>* task_ = nullptr;
-  int active_ = 0, pending_ = 0;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
-};
-
 // The pool grows to the largest thread count asked for; a replaced pool stays alive while in use.
 std::shared_ptr<ThreadPool> pool_for(int threads) {
   static std::mutex mu;
@@ -137,6 +75,8 @@ std::shared_ptr<ThreadPool> pool_for(int threads) {
   if (!pool || pool->size() < threads - 1) pool = std::make_shared<ThreadPool>(threads - 1);
   return pool;
 }
+
+namespace {
 
 struct Piece {  // a row range of one segment
   size_t seg;

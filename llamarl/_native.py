@@ -201,3 +201,25 @@ def as_tensor(mem) -> torch.Tensor:
 def sync_errors() -> tuple[type, type]:
     """(SyncTimeout, PeerDied): the exception classes of the version control block."""
     return native().SyncTimeout, native().PeerDied
+
+
+def linear_f32_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for fp32 CPU tensors by the native decode kernel (csrc/linear_cpu.cpp): the weight is
+    read once for all rows of x, split over ``torch.get_num_threads()`` threads. x is [..., K], weight [N, K]."""
+    if x.device.type != "cpu" or weight.device.type != "cpu":
+        raise ValueError(f"linear_f32_cpu runs on CPU tensors, got x on {x.device} and weight on {weight.device}")
+    if x.dtype != torch.float32 or weight.dtype != torch.float32:
+        raise ValueError(f"linear_f32_cpu needs float32 tensors, got {x.dtype} and {weight.dtype}")
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"shapes do not multiply: x {tuple(x.shape)} @ weight {tuple(weight.shape)}.T")
+    return linear_f32_cpu_unchecked(x.contiguous(), weight.contiguous())
+
+
+def linear_f32_cpu_unchecked(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``linear_f32_cpu`` for callers that guarantee its preconditions and contiguity (the decode hot path)."""
+    N, K = weight.shape
+    y = torch.empty(x.shape[:-1] + (N,), dtype=torch.float32)
+    rows = x.numel() // K
+    if rows:
+        native().linear_f32_cpu(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, K, N, torch.get_num_threads())
+    return y

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from llamarl.generation.kv_cache import KVCache  # noqa: E402
 from llamarl.models import LLAMA_CONFIGS, Llama, LlamaConfig  # noqa: E402
+from llamarl.models.linear import Linear  # noqa: E402
 
 LLAMA3 = {
     "rope_type": "llama3",
@@ -79,7 +80,7 @@ def test_parameter_names_and_linears_match_hf(tmp_path):
         assert set(model.state_dict()) == set(hf.state_dict())
         linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
         assert len(linears) == 7 * model.config.num_hidden_layers + 1
-        assert all(type(m) is nn.Linear and m.bias is None for m in linears)
+        assert all(type(m) is Linear and m.bias is None for m in linears)  # nn.Linear + the CPU decode path
         assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
         assert model.lm_head_weight is model.lm_head.weight
         assert model.policy_version == 0

@@ -15,6 +15,7 @@ from torch import nn
 
 from llamarl.generation import GenerationEngine, SamplingParams
 from llamarl.models import Llama, LlamaConfig
+from llamarl.models.linear import Linear
 from llamarl.models.quantize import QuantizedLinear, quantize_model, quantized_state_names
 from llamarl_kernels.quant import quantize
 from llamarl_kernels.reference import dequantize_ref, quantize_ref
@@ -57,7 +58,7 @@ def test_quantize_model_swaps_decoder_linears_only(mode, device):
             mod = getattr(sub, name)
             assert isinstance(mod, QuantizedLinear), f"layers.{i}.{name} was not quantized"
             assert mod.mode == mode and mod.bias is None
-    assert type(model.lm_head) is nn.Linear and type(model.model.embed_tokens) is nn.Embedding
+    assert type(model.lm_head) is Linear and type(model.model.embed_tokens) is nn.Embedding
 
     names = quantized_state_names(model)
     attn = ("q_proj", "k_proj", "v_proj", "o_proj")

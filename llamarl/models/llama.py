@@ -17,7 +17,8 @@ logits = lm_head(norm(x_L)); with tie_word_embeddings lm_head.weight IS embed_to
 
 Parameter names are exactly Hugging Face's (``model.embed_tokens.weight``, ``model.layers.{i}.self_attn.
 q_proj.weight``, ..., ``model.norm.weight``, ``lm_head.weight``) and every linear layer is a plain
-``nn.Linear(bias=False)``, so HF state dicts load as-is and quantization can swap the linears.
+``nn.Linear(bias=False)`` (``llamarl.models.linear.Linear``: an ``nn.Linear`` with a CPU decode fast path),
+so HF state dicts load as-is and quantization can swap the linears.
 
 Three ways to call the model (``hidden_states`` takes the same arguments and stops before lm_head):
 
@@ -65,6 +66,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llamarl.models.config import LlamaConfig
+from llamarl.models.linear import Linear
 
 FUSED_OPS = os.environ.get("LLAMARL_FUSED_OPS", "1") != "0"
 _FUSED_DTYPES = (torch.bfloat16, torch.float16)
@@ -160,10 +162,10 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         d, q, kv = config.hidden_size, self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        self.q_proj = nn.Linear(d, q, bias=False)
-        self.k_proj = nn.Linear(d, kv, bias=False)
-        self.v_proj = nn.Linear(d, kv, bias=False)
-        self.o_proj = nn.Linear(q, d, bias=False)
+        self.q_proj = Linear(d, q, bias=False)
+        self.k_proj = Linear(d, kv, bias=False)
+        self.v_proj = Linear(d, kv, bias=False)
+        self.o_proj = Linear(q, d, bias=False)
 
     def forward(self, x: torch.Tensor, ctx: _AttnContext) -> torch.Tensor:
         B, T, _ = x.shape
@@ -202,9 +204,9 @@ class MLP(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(d, f, bias=False)
-        self.up_proj = nn.Linear(d, f, bias=False)
-        self.down_proj = nn.Linear(f, d, bias=False)
+        self.gate_proj = Linear(d, f, bias=False)
+        self.up_proj = Linear(d, f, bias=False)
+        self.down_proj = Linear(f, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _fused(x):
@@ -253,7 +255,7 @@ class Llama(nn.Module):
             raise TypeError(f"Llama(config) needs a LlamaConfig, got {type(config).__name__}")
         self.config = config
         self.model = LlamaBackbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.policy_version: int = 0
