@@ -151,3 +151,33 @@ def test_trainer_step_on_shared_prompts_equals_the_flat_step(tmp_path, norm):
     # AdamW's first step is ~lr * sign(g): fp32 rounding shows only where |g| is near eps (see the scale-out test)
     for name, w in flat_w.items():
         torch.testing.assert_close(shared_w[name], w, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_shared_prompts_match_the_flat_forward():
+    """On the GPU trainer's path (CUDA, bf16, autograd on: the masked SDPA with K/V repeated for GQA):
+    hidden states and gradients of the shared layout against the flat per-row forward of the same model."""
+    model = random_model(CFG).to("cuda", torch.bfloat16)
+    rollouts = _rollouts([5, 1, 9], [3, 1, 4, 2, 5, 5, 1, 2, 3], n=3)
+    batch = {k: v.cuda() for k, v in collate(rollouts, torch.zeros(9), PAD, share_prompts=True).items()}
+    weights = torch.randn(9, 5, CFG.hidden_size, device="cuda", dtype=torch.bfloat16)
+    model.zero_grad(set_to_none=True)
+    h = shared_prefix_hidden_states(model, batch["prompt_ids"], batch["prompt_start"], batch["group"],
+                                    batch["targets"])
+    (h.float() * weights.float() * batch["mask"][..., None]).sum().backward()
+    grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    worst = 0.0
+    for b, r in enumerate(rollouts):
+        ids = torch.tensor([r.prompt_ids + r.completion_ids], device="cuda")
+        p, c = len(r.prompt_ids), len(r.completion_ids)
+        ref = model.hidden_states(ids)[0, p - 1:p - 1 + c]
+        (ref.float() * weights[b, :c].float()).sum().backward()
+        worst = max(worst, float((h[b, :c].detach().float() - ref.detach().float()).abs().max()
+                                 / ref.detach().float().abs().max()))
+    assert worst < 2e-2, worst  # bf16: a few ulps of the largest activation
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        rel = float((grads[name] - p.grad.float()).norm() / p.grad.float().norm().clamp(min=1e-12))
+        assert rel < 3e-2, (name, rel)
