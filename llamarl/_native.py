@@ -218,7 +218,7 @@ def linear_f32_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def linear_f32_cpu_unchecked(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``linear_f32_cpu`` for callers that guarantee its preconditions and contiguity (the decode hot path)."""
     N, K = weight.shape
-    y = torch.empty(x.shape[:-1] + (N,), dtype=torch.float32)
+    y = x.new_empty(x.shape[:-1] + (N,))
     rows = x.numel() // K
     if rows:
         native().linear_f32_cpu(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, K, N, torch.get_num_threads())

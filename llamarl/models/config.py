@@ -314,6 +314,20 @@ LLAMA_CONFIGS: dict[str, LlamaConfig] = {
         eos_token_id=2,
         pad_token_id=0,
     ),
+    # ~100M parameters (GPT-2-small-sized Llama): the top of the CPU benchmark range.
+    "base": LlamaConfig(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    ),
     "llama-2-7b": LlamaConfig(
         vocab_size=32000,
         hidden_size=4096,
