@@ -5,7 +5,8 @@
 #     bash scripts/gpu_check.sh
 #
 # BENCHES picks benchmarks (default: all GPU ones; "none" for none); TESTS=0 skips the gpu tests and
-# TESTS_K="expr" selects some of them (pytest -k); TRAIN=0 skips the training loop;
+# TESTS_K="expr" selects some of them (pytest -k); TRAIN=0 skips the training loop, SCALEOUT=0 the
+# sharded trainer + TP generator run on one GPU;
 # BENCH_ARGS_<name>="..." passes arguments to one benchmark and
 # LIMIT_<name> (tests, train, a benchmark) overrides a stage's timeout in seconds. BUDGET is the
 # wall-clock budget in seconds: every stage's timeout is cut to what is left of it, and stages that would
@@ -16,9 +17,9 @@
 #    here with `bash scripts/fetch_gpu_wheels.sh`; the GPU machine has no network),
 # 2. builds llamarl._C in place with nvcc (sm_90 SASS + PTX by default), offline,
 # 3. runs the `gpu`-marked tests, the GPU benchmarks and the training loop on CUDA,
-# 4. writes at most six files under $OUT, appended as each stage ends: summary.txt, build.log,
+# 4. writes at most eight files under $OUT, appended as each stage ends: summary.txt, build.log,
 #    tests.log, benchmarks.md (every benchmark's table), benchmarks.json, logs.txt (benchmark/train
-#    output), plus train_summary.json.
+#    output), plus train_summary.json and scaleout_summary.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -89,5 +90,19 @@ elif timeout "$t" python3 -m llamarl.train --out "$BENCH_TMP/train" --max-steps 
 else
   summary "train on cuda: FAILED, last lines:"; tail -n 15 "$BENCH_TMP/train.log" | tee -a "$OUT/summary.txt"
   { echo "===== train"; tail -n 80 "$BENCH_TMP/train.log"; } >> "$OUT/logs.txt"
+fi
+# issue #5 on one GPU: a 2-rank FSDP trainer and a 2-rank TP generator share the card (their groups run
+# over gloo: NCCL needs one GPU per rank), weights resharded straight into the generator's CUDA IPC buckets
+if [ "${SCALEOUT:-1}" = "0" ]; then
+  summary "scale-out on one gpu: skipped (SCALEOUT=0)"
+elif ! t=$(limit "${LIMIT_scaleout:-120}"); then
+  summary "scale-out on one gpu: skipped (budget)"
+elif timeout "$t" python3 -m llamarl.train --preset smoke --out "$BENCH_TMP/scaleout" --max-steps 20 \
+     --set run.device=cuda --set trainer.ranks=2 --set generator.tp=2 > "$BENCH_TMP/scaleout.log" 2>&1; then
+  summary "scale-out on one gpu: ok"; cp "$BENCH_TMP/scaleout/summary.json" "$OUT/scaleout_summary.json"
+  { echo "===== scaleout"; tail -n 40 "$BENCH_TMP/scaleout.log"; } >> "$OUT/logs.txt"
+else
+  summary "scale-out on one gpu: FAILED, last lines:"; tail -n 15 "$BENCH_TMP/scaleout.log" | tee -a "$OUT/summary.txt"
+  { echo "===== scaleout"; tail -n 80 "$BENCH_TMP/scaleout.log"; } >> "$OUT/logs.txt"
 fi
 summary "done; results in $OUT"

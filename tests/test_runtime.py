@@ -356,3 +356,17 @@ def test_exit_descriptions():
 
     again = pickle.loads(pickle.dumps(err))
     assert (type(again), str(again), again.exitcode) == (ExecutorDied, str(err), -15)
+
+
+def test_ranks_sharing_a_gpu_talk_over_gloo(capsys):
+    """NCCL refuses two ranks of one group on one GPU: such a group gets gloo, and says so."""
+    from llamarl.runtime.launch import group_backend
+    from llamarl.runtime.placement import GroupPlacement
+
+    trainer = GroupPlacement("trainer", "trainer", (1, 2), "nccl", True)
+    assert group_backend(trainer, ["cuda:0", "cuda:1"]) == "nccl"
+    assert capsys.readouterr().err == ""
+    assert group_backend(trainer, ["cuda:0", "cuda:0"]) == "gloo"
+    assert "NCCL needs one GPU per rank" in capsys.readouterr().err
+    cpu = GroupPlacement("generator", "generator", (3, 4), "gloo", False)
+    assert group_backend(cpu, ["cpu", "cpu"]) == "gloo"

@@ -169,7 +169,7 @@ class Runtime:
         if self._torchrun is None:
             devices = self._local_devices(p)
             group = ExecutorGroup.spawn(p.name, target, p.world_size, init_kwargs=init_kwargs, env=merged_env,
-                                        backend=p.backend, devices=devices, role=p.role,
+                                        backend=group_backend(p, devices), devices=devices, role=p.role,
                                         global_ranks=p.global_ranks,
                                         dist_timeout_s=self.dist_timeout_s, on_failure=self._record_failure,
                                         wait_ready=False)
@@ -178,13 +178,16 @@ class Runtime:
             with self._lock:
                 members = [self._waiting.pop(r) for r in p.global_ranks]
             master_addr, master_port = members[0][2], members[0][1].rendezvous_port
+            cudas = [layout.cuda_device(hello.global_rank, hello.num_cuda_devices, hello.local_rank)
+                     for _, hello, _ in members]
+            devices = ["cpu" if cuda is None else f"cuda:{cuda}" for cuda in cudas]
+            backend = group_backend(p, devices)
             for rank, (conn, hello, _) in enumerate(members):
-                cuda = layout.cuda_device(hello.global_rank, hello.num_cuda_devices, hello.local_rank)
                 links.append(RankLink(conn))
                 boots.append(Bootstrap(group=p.name, role=p.role, target=target, init_kwargs=dict(init_kwargs or {}),
                                        rank=rank, world_size=p.world_size, global_rank=hello.global_rank,
-                                       master_addr=master_addr, master_port=master_port, backend=p.backend,
-                                       device="cpu" if cuda is None else f"cuda:{cuda}",
+                                       master_addr=master_addr, master_port=master_port, backend=backend,
+                                       device=devices[rank],
                                        dist_timeout_s=self.dist_timeout_s, env=merged_env))
             group = ExecutorGroup(p.name, links, role=p.role, on_failure=self._record_failure)
             try:
@@ -202,11 +205,7 @@ class Runtime:
 
         n = torch.cuda.device_count()
         layout = self._require_layout()
-        idx = [layout.cuda_device(r, n) for r in p.global_ranks]
-        if p.backend == "nccl" and len(set(idx)) < len(idx):
-            raise LayoutError(f"group '{p.name}' needs {p.world_size} distinct GPUs for NCCL but only {n} are "
-                              f"visible; shrink the layout ({layout.spec}) or use more GPUs")
-        return [f"cuda:{i}" for i in idx]
+        return [f"cuda:{layout.cuda_device(r, n)}" for r in p.global_ranks]
 
     def _check_new(self, name: str) -> None:
         if name in self.groups:
@@ -386,3 +385,15 @@ def run(layout: Layout, main: Callable[[Runtime], Awaitable[T]], *, env: dict[st
                  start_timeout_s=start_timeout_s) as rt:
         return asyncio.run(rt.supervise(main(rt)))
 
+
+def group_backend(p: GroupPlacement, devices: list[str]) -> str:
+    """The group's backend for the devices its ranks landed on. NCCL refuses two ranks of one
+    communicator on one GPU ("Duplicate GPU detected"); such a group (a sharded trainer or a TP generator
+    on a machine with fewer GPUs than ranks) runs its collectives over gloo instead, which stages CUDA
+    tensors through host memory: slower, and said so on stderr, but the same program and numerics."""
+    if p.backend != "nccl" or len(set(devices)) == len(devices):
+        return p.backend
+    print(f"[llamarl] executor group '{p.name}': {len(devices)} ranks on {len(set(devices))} GPU(s) "
+          f"({', '.join(devices)}); NCCL needs one GPU per rank, so this group's collectives use gloo "
+          "(host-staged)", file=sys.stderr, flush=True)
+    return "gloo"
