@@ -35,7 +35,7 @@ import asyncio
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, NamedTuple
 
 from llamarl.algorithms import group_advantages
 from llamarl.config import TrainConfig
@@ -45,6 +45,17 @@ from llamarl.rollouts import Rollout, RolloutBatch, collate
 from llamarl.runlog import RunLog
 from llamarl.runtime import ExecutorGroup
 from llamarl.train_data import TrainData
+
+
+class Sampled(NamedTuple):
+    """One step's generator outputs, on their way to the reward workers."""
+
+    step: int
+    samples: list  # the step's prompts as data samples (answers included)
+    prompts: list[list[int]]  # their token ids
+    outputs: list[dict]  # generator outputs, prompt-major, samples_per_prompt per prompt
+    cursor: int  # the data stream position after this step's prompts (what a checkpoint records)
+    generate_s: float
 
 
 @dataclass
@@ -89,7 +100,7 @@ class Controller:
 
         async def score_all() -> None:
             for _ in range(self.step, self.cfg.run.max_steps):
-                await queue.put(await self.score(*await sampled.get()))
+                await queue.put(await self.score(await sampled.get()))
 
         await _run_stages(sample_all(), score_all())
 
@@ -119,21 +130,17 @@ class Controller:
                 self._finished = step + 1
                 self._finished_cond.notify_all()
 
-    async def rollout(self, step: int) -> RolloutBatch:
-        """Sample and score the rollouts of one step (both pipeline stages, one after the other)."""
-        return await self.score(*await self.sample(step))
-
-    async def sample(self, step: int) -> tuple:
+    async def sample(self, step: int) -> Sampled:
         samples = self.data.next(self.cfg.generator.prompts_per_step)
         prompts = self.data.encode(samples)
         cursor = self.data.cursor
         t0 = time.perf_counter()
         params = dataclasses.replace(self.sampling, seed=self.cfg.run.seed * 1_000_003 + step)
         outputs = await self.generate(prompts, params)
-        return step, samples, prompts, outputs, cursor, t0, time.perf_counter()
+        return Sampled(step, samples, prompts, outputs, cursor, time.perf_counter() - t0)
 
-    async def score(self, step: int, samples: list, prompts: list[list[int]], outputs: list[dict], cursor: int,
-                    t0: float, t1: float) -> RolloutBatch:
+    async def score(self, sampled: Sampled) -> RolloutBatch:
+        step, samples, prompts, outputs = sampled.step, sampled.samples, sampled.prompts, sampled.outputs
         n = self.sampling.n
         rollouts = [
             Rollout(sample_id=f"{samples[i // n].id}#{i % n}", group=i // n, prompt_ids=prompts[i // n],
@@ -142,12 +149,12 @@ class Controller:
                     text=self.tok.decode(o["token_ids"]))
             for i, o in enumerate(outputs)
         ]
-        t2 = time.perf_counter()  # the pipeline may have held the samples since t1
+        t2 = time.perf_counter()  # the pipeline may have held the samples since they were generated
         scores = await self.ex.rewards.score_async([(r.sample_id, r.text, r.answer) for r in rollouts])
         for r, s in zip(rollouts, scores):
             r.reward, r.reward_error = s.reward, s.error
-        batch = RolloutBatch(rollouts, n=n, generate_s=t1 - t0, score_s=time.perf_counter() - t2,
-                             meta={"step": step, "cursor_after": cursor})
+        batch = RolloutBatch(rollouts, n=n, generate_s=sampled.generate_s, score_s=time.perf_counter() - t2,
+                             meta={"step": step, "cursor_after": sampled.cursor})
         # advantages and the trainer's tensors are prepared here, off the trainer's critical path
         advantages = group_advantages(batch.rewards(), n, method=self.cfg.trainer.advantage)
         t = self.cfg.trainer
