@@ -7,9 +7,11 @@ bandwidth of our decode (parameter bytes * new_tokens / time: the memory-bound c
 and how many generated tokens agree between the two implementations.
 
     python -m benchmarks.generation --quick           # CPU, "small" (~22M) fp32 model, < 1 minute
+    python -m benchmarks.generation --quick --config base   # CPU, the ~100M model, about 1 minute
     python -m benchmarks.generation                   # GPU: Llama-3.2-1B-shaped bf16, batch 1/16/64,
                                                       #      prompt 64, 128 new tokens
-On CUDA our engine is measured with CUDA graphs (the default) and, at the first batch size, also eagerly
+On the CPU our engine's decode products run in the native kernel of llamarl.models.linear
+(``LLAMARL_CPU_LINEAR=0`` measures it with torch's instead). On CUDA our engine is measured with CUDA graphs (the default) and, at the first batch size, also eagerly
 (for reference); `--profile` adds the kernel count and top kernels of batch-1 decode steps.
 
 A last row, "rl", is the generator's real workload: max(1, B/8) prompts x n=8 samples, temperature 1
