@@ -1,14 +1,16 @@
 """The model's linear layer: ``nn.Linear`` with a decode fast path on the CPU.
 
 A decode step multiplies a few rows by every weight matrix, so it runs at the speed the weights stream
-from memory; torch's CPU GEMM/GEMV at 1-16 rows reads them at well under the memory bandwidth (on the
-2-core benchmark machine: 9.9 GB/s of a 21.9 GB/s read ceiling, one thread). ``Linear`` sends
+from memory; torch's CPU GEMM/GEMV at 1-8 rows reads them well below the memory bandwidth (on the
+2-core benchmark machine, one thread, a 32000x384 weight: 9.8 GB/s where one sequential stream reads at
+25 GB/s). ``Linear`` sends
 
     y = x Wᵀ    with x, W fp32 and contiguous on the CPU, no bias, no gradient needed, at most
                 CPU_DECODE_MAX_ROWS rows
 
-to the native kernel ``llamarl._C.linear_f32_cpu`` (csrc/linear_cpu.cpp: each weight row read once,
-register-tiled fused multiply-adds, AVX-512 / AVX2 picked at run time), and everything else — prefill,
+to the native kernel ``llamarl._C.linear_f32_cpu`` (csrc/linear_cpu.cpp: one sequential pass over the
+weights, register-tiled fused multiply-adds, AVX-512 / AVX2 picked at load time; 2.6x torch for that
+weight at 1 row, 1.2-3x across the benchmark's shapes at 1-8 rows), and everything else — prefill,
 training, other dtypes and devices — to ``F.linear``. Results differ from torch's only by fp32
 summation order. ``LLAMARL_CPU_LINEAR=0`` in the environment (read once, at import) turns the native
 path off, for A/B measurements.
