@@ -73,9 +73,8 @@ class Controller:
         self.step, self.version = start_step, start_version
         self.max_staleness = cfg.run.max_staleness
         self.on_checkpoint = on_checkpoint
-        self._trained = asyncio.Condition()  # self.step: trainer results handled (the staleness gate)
-        self._finished = start_step  # steps done with their evaluation and checkpoint
-        self._finished_cond = asyncio.Condition()
+        self._finished = start_step  # steps done with their evaluation and checkpoint (self.step: trained)
+        self._progress = asyncio.Condition()  # notified when self.step or self._finished grows
         self._last_step_end = time.perf_counter()
         g = cfg.generator
         self.sampling = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
@@ -95,7 +94,7 @@ class Controller:
 
         async def sample_all() -> None:
             for step in range(self.step, self.cfg.run.max_steps):
-                await self._wait_trained(step - self.max_staleness)  # staleness bound
+                await self._wait_until(lambda: self.step >= step - self.max_staleness)  # staleness bound
                 await sampled.put(await self.sample(step))
 
         async def score_all() -> None:
@@ -113,7 +112,8 @@ class Controller:
         for step in range(self.step, self.cfg.run.max_steps):
             batch = await queue.get()
             after_checkpoint = self.on_checkpoint and self._due(self.cfg.run.checkpoint_every, step - 1)
-            await self._wait_finished(step if after_checkpoint else step - ahead)
+            need = step if after_checkpoint else step - ahead
+            await self._wait_until(lambda: self._finished >= need)
             # an applied update is pushed as the trainer's next version in the same call
             await submitted.put((step, batch, self.ex.trainer.acall("train_step", batch.meta["tensors"], push=True)))
 
@@ -126,9 +126,9 @@ class Controller:
                 await self.evaluate(step + 1)
             if self.on_checkpoint and self._due(self.cfg.run.checkpoint_every, step):
                 await self.on_checkpoint(step + 1, self.version, batch.meta["cursor_after"])
-            async with self._finished_cond:
+            async with self._progress:
                 self._finished = step + 1
-                self._finished_cond.notify_all()
+                self._progress.notify_all()
 
     async def sample(self, step: int) -> Sampled:
         samples = self.data.next(self.cfg.generator.prompts_per_step)
@@ -189,9 +189,9 @@ class Controller:
             "rows_trained": int(batch.meta["tensors"]["targets"].shape[0]), **stats,
         })
         self._last_step_end = now
-        async with self._trained:
+        async with self._progress:
             self.step = step + 1
-            self._trained.notify_all()
+            self._progress.notify_all()
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[dict]:
         """Split the prompts over the generator replicas; each replica's TP ranks run together."""
@@ -222,13 +222,9 @@ class Controller:
         return result
 
     # ------------------------------------------------------------------ helpers
-    async def _wait_trained(self, step: int) -> None:
-        async with self._trained:
-            await self._trained.wait_for(lambda: self.step >= step)
-
-    async def _wait_finished(self, step: int) -> None:
-        async with self._finished_cond:
-            await self._finished_cond.wait_for(lambda: self._finished >= step)
+    async def _wait_until(self, predicate: Callable[[], bool]) -> None:
+        async with self._progress:
+            await self._progress.wait_for(predicate)
 
     def _due(self, every: int, step: int) -> bool:
         return every > 0 and (step + 1) % every == 0 and step + 1 < self.cfg.run.max_steps
