@@ -116,17 +116,14 @@ def collate(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_id: int, 
     length = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
     if length < 2:
         raise ValueError("every rollout is shorter than two tokens: nothing to predict")
-    b = len(rollouts)
-    input_ids = torch.full((b, length), pad_id, dtype=torch.long)
-    mask = torch.zeros(b, length - 1)
-    behavior = torch.zeros(b, length - 1)
+    input_ids = torch.full((len(rollouts), length), pad_id, dtype=torch.long)
     for i, r in enumerate(rollouts):
         p, c = len(r.prompt_ids), len(r.completion_ids)
         input_ids[i, :p] = torch.tensor(r.prompt_ids, dtype=torch.long)
         if c:
             input_ids[i, p : p + c] = torch.tensor(r.completion_ids, dtype=torch.long)
-            mask[i, p - 1 : p - 1 + c] = 1.0  # position p-1 predicts the first generated token
-            behavior[i, p - 1 : p - 1 + c] = torch.tensor(r.logprobs, dtype=torch.float32)
+    # position p-1 predicts the first generated token
+    mask, behavior = _completion_rows(rollouts, length - 1, [len(r.prompt_ids) - 1 for r in rollouts])
     return {
         "input_ids": input_ids,
         "targets": input_ids[:, 1:].clone(),
@@ -159,14 +156,10 @@ def _collate_shared(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_i
     for g, p in enumerate(prompts):
         prompt_ids[g, P - len(p):] = torch.tensor(p, dtype=torch.long)
     targets = torch.full((B, width), pad_id, dtype=torch.long)
-    mask = torch.zeros(B, width)
-    behavior = torch.zeros(B, width)
     for i, r in enumerate(rollouts):
-        c = len(r.completion_ids)
-        if c:
-            targets[i, :c] = torch.tensor(r.completion_ids, dtype=torch.long)
-            mask[i, :c] = 1.0
-            behavior[i, :c] = torch.tensor(r.logprobs, dtype=torch.float32)
+        if r.completion_ids:
+            targets[i, :len(r.completion_ids)] = torch.tensor(r.completion_ids, dtype=torch.long)
+    mask, behavior = _completion_rows(rollouts, width, [0] * B)
     return {
         "prompt_ids": prompt_ids,
         "prompt_start": torch.tensor([P - len(p) for p in prompts], dtype=torch.long),
@@ -177,6 +170,18 @@ def _collate_shared(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_i
         "advantages": advantages.to(torch.float32).clone(),
         "total_tokens": torch.tensor(total_tokens),
     }
+
+
+def _completion_rows(rollouts: Sequence[Rollout], width: int, first: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """mask and behavior log-probs [B, width]: row i marks its completion's tokens from column first[i]."""
+    mask = torch.zeros(len(rollouts), width)
+    behavior = torch.zeros(len(rollouts), width)
+    for i, (r, f) in enumerate(zip(rollouts, first)):
+        c = len(r.completion_ids)
+        if c:
+            mask[i, f : f + c] = 1.0
+            behavior[i, f : f + c] = torch.tensor(r.logprobs, dtype=torch.float32)
+    return mask, behavior
 
 
 PROMPT_KEYS = ("prompt_ids", "prompt_start")
