@@ -39,14 +39,15 @@ def _rollouts(prompt_lens, completion_lens, n, seed=0) -> list[Rollout]:
 
 def _flat_reference(model: Llama, rollouts: list[Rollout], weights: torch.Tensor):
     """Per row: hidden states at the positions predicting y (plain forward of x ‖ y), and the gradient of
-    Σ weights · hidden over all rows."""
+    Σ weights · hidden over all rows (summed in fp32, or fp64 for an fp64 model), on weights' device."""
     model.zero_grad(set_to_none=True)
     hidden = []
     for b, r in enumerate(rollouts):
-        ids = torch.tensor([r.prompt_ids + r.completion_ids])
+        ids = torch.tensor([r.prompt_ids + r.completion_ids], device=weights.device)
         p, c = len(r.prompt_ids), len(r.completion_ids)
         h = model.hidden_states(ids)[0, p - 1:p - 1 + c]
-        (h * weights[b, :c]).sum().backward()
+        acc = torch.promote_types(h.dtype, torch.float32)
+        (h.to(acc) * weights[b, :c].to(acc)).sum().backward()
         hidden.append(h.detach())
     return hidden, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -161,23 +162,15 @@ def test_cuda_bf16_shared_prompts_match_the_flat_forward():
     rollouts = _rollouts([5, 1, 9], [3, 1, 4, 2, 5, 5, 1, 2, 3], n=3)
     batch = {k: v.cuda() for k, v in collate(rollouts, torch.zeros(9), PAD, share_prompts=True).items()}
     weights = torch.randn(9, 5, CFG.hidden_size, device="cuda", dtype=torch.bfloat16)
+    ref_hidden, ref_grads = _flat_reference(model, rollouts, weights)
     model.zero_grad(set_to_none=True)
     h = shared_prefix_hidden_states(model, batch["prompt_ids"], batch["prompt_start"], batch["group"],
                                     batch["targets"])
     (h.float() * weights.float() * batch["mask"][..., None]).sum().backward()
-    grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    worst = 0.0
-    for b, r in enumerate(rollouts):
-        ids = torch.tensor([r.prompt_ids + r.completion_ids], device="cuda")
-        p, c = len(r.prompt_ids), len(r.completion_ids)
-        ref = model.hidden_states(ids)[0, p - 1:p - 1 + c]
-        (ref.float() * weights[b, :c].float()).sum().backward()
-        worst = max(worst, float((h[b, :c].detach().float() - ref.detach().float()).abs().max()
-                                 / ref.detach().float().abs().max()))
+    worst = max(float((h[b, :len(want)].detach().float() - want.float()).abs().max() / want.float().abs().max())
+                for b, want in enumerate(ref_hidden))
     assert worst < 2e-2, worst  # bf16: a few ulps of the largest activation
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        rel = float((grads[name] - p.grad.float()).norm() / p.grad.float().norm().clamp(min=1e-12))
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for name, want in ref_grads.items():
+        rel = float((grads[name].float() - want.float()).norm() / want.float().norm().clamp(min=1e-12))
         assert rel < 3e-2, (name, rel)
