@@ -39,6 +39,12 @@ const CopyOp* ops_view(const OpsArray& ops, size_t* n) {
   return reinterpret_cast<const CopyOp*>(ops.data());
 }
 
+llamarl::CudaCopyEngine cuda_engine(const std::string& name) {
+  if (name == "memcpy") return llamarl::CudaCopyEngine::kMemcpy;
+  if (name == "kernel") return llamarl::CudaCopyEngine::kKernel;
+  throw std::invalid_argument("CUDA copy engine must be 'memcpy' or 'kernel', got '" + name + "'");
+}
+
 void check_ptr(uint64_t ptr, int64_t nbytes, const char* name) {
   if (nbytes < 0) throw std::invalid_argument(std::string(name) + "_nbytes must be >= 0");
   if (ptr == 0 && nbytes > 0) throw std::invalid_argument(std::string(name) + " is a null pointer");
@@ -208,19 +214,21 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_runtime_version", &llamarl::cuda_runtime_version);
   m.def("copy_ops_cuda",
         [](uint64_t src, int64_t src_nbytes, uint64_t dst, int64_t dst_nbytes, const OpsArray& ops,
-           int num_streams, uint64_t stream, int device) {
+           int num_streams, uint64_t stream, int device, const std::string& engine) {
           check_ptr(src, src_nbytes, "src");
           check_ptr(dst, dst_nbytes, "dst");
+          const auto eng = cuda_engine(engine);
           size_t n;
           const CopyOp* p = ops_view(ops, &n);
           llamarl::validate_ops(p, n, src_nbytes, dst_nbytes);
           py::gil_scoped_release nogil;
-          llamarl::copy_ops_cuda(src, dst, p, n, num_streams, stream, device);
+          llamarl::copy_ops_cuda(src, dst, p, n, num_streams, stream, device, eng);
         },
         py::arg("src"), py::arg("src_nbytes"), py::arg("dst"), py::arg("dst_nbytes"), py::arg("ops"),
-        py::arg("num_streams") = 4, py::arg("stream") = 0, py::arg("device") = 0,
-        "Enqueue a copy schedule between device (or peer/IPC-mapped) buffers as cudaMemcpy2DAsync on "
-        "num_streams streams; `stream` waits for all of them. No host synchronisation.");
+        py::arg("num_streams") = 4, py::arg("stream") = 0, py::arg("device") = 0, py::arg("engine") = "memcpy",
+        "Enqueue a copy schedule between device (or peer/IPC-mapped) buffers: engine 'memcpy' = "
+        "cudaMemcpy2DAsync on num_streams streams that `stream` waits for, 'kernel' = the SM copy kernel "
+        "on `stream`. No host synchronisation.");
   m.def("cuda_synchronize", &llamarl::cuda_synchronize, py::arg("device") = 0);
 
 
@@ -238,14 +246,16 @@ PYBIND11_MODULE(_C, m) {
         "Execute an indexed [n, 8] schedule between tables of host buffers (GIL released).");
   m.def("copy_indexed_cuda",
         [](const U64Array& src_ptrs, const I64Array& src_nbytes, const U64Array& dst_ptrs,
-           const I64Array& dst_nbytes, const OpsArray& ops, int num_streams, uint64_t stream, int device) {
+           const I64Array& dst_nbytes, const OpsArray& ops, int num_streams, uint64_t stream, int device,
+           const std::string& engine) {
+          const auto eng = cuda_engine(engine);
           auto segs = resolve_indexed(src_ptrs, src_nbytes, dst_ptrs, dst_nbytes, ops);
           py::gil_scoped_release nogil;
-          llamarl::copy_segments_cuda(segs.data(), segs.size(), num_streams, stream, device);
+          llamarl::copy_segments_cuda(segs.data(), segs.size(), num_streams, stream, device, eng);
         },
         py::arg("src_ptrs"), py::arg("src_nbytes"), py::arg("dst_ptrs"), py::arg("dst_nbytes"), py::arg("ops"),
-        py::arg("num_streams") = 4, py::arg("stream") = 0, py::arg("device") = 0,
-        "Enqueue an indexed [n, 8] schedule between device / IPC-mapped buffers on num_streams streams.");
+        py::arg("num_streams") = 4, py::arg("stream") = 0, py::arg("device") = 0, py::arg("engine") = "memcpy",
+        "Enqueue an indexed [n, 8] schedule between device / IPC-mapped buffers (engine as copy_ops_cuda).");
 
   // ---- POSIX shared memory ----
   py::class_<llamarl::ShmSegment>(m, "ShmSegment", py::buffer_protocol(),

@@ -63,12 +63,19 @@ void copy_ops_cpu(const uint8_t* src, uint8_t* dst, const CopyOp* ops, size_t n,
 bool cuda_compiled();
 int cuda_runtime_version();
 int cuda_device_count();
-// Enqueues every segment on `num_streams` internal streams (greedy balance by bytes) - cudaMemcpyAsync
-// when it is contiguous on both sides, else cudaMemcpy2DAsync - then makes `stream` (0 = legacy
-// default) wait on all of them; returns without a host sync.
-void copy_segments_cuda(const Segment* segs, size_t n, int num_streams, uint64_t stream, int device);
+// Two ways to execute a schedule on a GPU, both enqueued without a host sync:
+//   kMemcpy: every segment on one of `num_streams` internal streams (greedy balance by bytes) -
+//            cudaMemcpyAsync when it is contiguous on both sides, else cudaMemcpy2DAsync - then `stream`
+//            (0 = legacy default) waits on all of them (copies between IPC-mapped buffers may then run
+//            on the copy engines);
+//   kKernel: the SM copy kernel of cuda_copy_kernel.cu, the whole schedule in one launch (per 384
+//            segments) on `stream` itself; `num_streams` is unused.
+enum class CudaCopyEngine : int { kMemcpy = 0, kKernel = 1 };
+void copy_segments_cuda(const Segment* segs, size_t n, int num_streams, uint64_t stream, int device,
+                        CudaCopyEngine engine = CudaCopyEngine::kMemcpy);
+void copy_segments_kernel(const Segment* segs, size_t n, uint64_t stream, int device);
 void copy_ops_cuda(uint64_t src, uint64_t dst, const CopyOp* ops, size_t n, int num_streams,
-                   uint64_t stream, int device);
+                   uint64_t stream, int device, CudaCopyEngine engine = CudaCopyEngine::kMemcpy);
 void cuda_synchronize(int device);
 
 std::string compiler_info();

@@ -1,4 +1,5 @@
-// CUDA side of the copy engine: schedules as cudaMemcpy2DAsync spread over several streams.
+// CUDA side of the copy engine: schedules as cudaMemcpy2DAsync spread over several streams, or handed
+// to the SM copy kernel (cuda_copy_kernel.cu).
 // Every CUDA call is checked (cuda_check.cuh); the caller's current device is restored on return.
 #include <cuda_runtime.h>
 
@@ -58,7 +59,9 @@ DeviceStreams& streams_for(int device, int n) {
 
 }  // namespace
 
-void copy_segments_cuda(const Segment* segs, size_t n, int num_streams, uint64_t stream, int device) {
+void copy_segments_cuda(const Segment* segs, size_t n, int num_streams, uint64_t stream, int device,
+                        CudaCopyEngine engine) {
+  if (engine == CudaCopyEngine::kKernel) return copy_segments_kernel(segs, n, stream, device);
   if (num_streams < 1) throw std::invalid_argument("num_streams must be >= 1");
   DeviceGuard guard(device);
   DeviceStreams& ds = streams_for(device, num_streams);
@@ -94,14 +97,14 @@ void copy_segments_cuda(const Segment* segs, size_t n, int num_streams, uint64_t
 }
 
 void copy_ops_cuda(uint64_t src, uint64_t dst, const CopyOp* ops, size_t n, int num_streams,
-                   uint64_t stream, int device) {
+                   uint64_t stream, int device, CudaCopyEngine engine) {
   auto* s8 = reinterpret_cast<const uint8_t*>(src);
   auto* d8 = reinterpret_cast<uint8_t*>(dst);
   std::vector<Segment> segs(n);
   for (size_t i = 0; i < n; ++i)
     segs[i] = {s8 + ops[i].src_offset, d8 + ops[i].dst_offset, ops[i].rows, ops[i].row_bytes,
                ops[i].src_stride, ops[i].dst_stride};
-  copy_segments_cuda(segs.data(), n, num_streams, stream, device);
+  copy_segments_cuda(segs.data(), n, num_streams, stream, device, engine);
 }
 
 void cuda_synchronize(int device) {

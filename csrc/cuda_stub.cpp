@@ -18,8 +18,9 @@ namespace {
 bool cuda_compiled() { return false; }
 int cuda_runtime_version() { no_cuda("cuda_runtime_version"); }
 int cuda_device_count() { return 0; }
-void copy_segments_cuda(const Segment*, size_t, int, uint64_t, int) { no_cuda("copy_segments_cuda"); }
-void copy_ops_cuda(uint64_t, uint64_t, const CopyOp*, size_t, int, uint64_t, int) {
+void copy_segments_cuda(const Segment*, size_t, int, uint64_t, int, CudaCopyEngine) { no_cuda("copy_segments_cuda"); }
+void copy_segments_kernel(const Segment*, size_t, uint64_t, int) { no_cuda("copy_segments_kernel"); }
+void copy_ops_cuda(uint64_t, uint64_t, const CopyOp*, size_t, int, uint64_t, int, CudaCopyEngine) {
   no_cuda("copy_ops_cuda");
 }
 void cuda_synchronize(int) { no_cuda("cuda_synchronize"); }

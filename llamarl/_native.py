@@ -62,12 +62,17 @@ def _contiguous_bytes(t: torch.Tensor, name: str) -> tuple[int, int]:
     return t.data_ptr(), t.numel() * t.element_size()
 
 
+CUDA_ENGINES = ("memcpy", "kernel")
+
+
 def copy_ops(dst: torch.Tensor, src: torch.Tensor, ops, *, num_threads: int = 1, num_streams: int = 4,
-             stream: torch.cuda.Stream | None = None) -> None:
+             stream: torch.cuda.Stream | None = None, engine: str = "memcpy") -> None:
     """Run a copy schedule from ``src`` to ``dst`` (both viewed as flat bytes).
 
-    CPU tensors: host threads, returns when done. CUDA tensors: enqueued on ``num_streams`` internal
-    streams that ``stream`` (default: the current stream) waits on; no host synchronisation.
+    CPU tensors: host threads, returns when done. CUDA tensors, no host synchronisation: ``engine``
+    "memcpy" enqueues cudaMemcpy(2D)Async on ``num_streams`` internal streams that ``stream`` (default:
+    the current stream) waits on; "kernel" runs the SM copy kernel on ``stream`` (one launch per 384
+    segments; ``num_streams`` unused).
     """
     arr = as_ops(ops)
     sp, sn = _contiguous_bytes(src, "src")
@@ -77,7 +82,7 @@ def copy_ops(dst: torch.Tensor, src: torch.Tensor, ops, *, num_threads: int = 1,
         return
     if src.device.type == "cuda" and dst.device.type == "cuda":
         stream = stream if stream is not None else torch.cuda.current_stream(dst.device)
-        native().copy_ops_cuda(sp, sn, dp, dn, arr, num_streams, stream.cuda_stream, dst.device.index or 0)
+        native().copy_ops_cuda(sp, sn, dp, dn, arr, num_streams, stream.cuda_stream, dst.device.index or 0, engine)
         return
     raise ValueError(
         f"copy_ops needs src and dst on the same kind of device, got src on {src.device} and dst on "
@@ -138,11 +143,12 @@ class BufferTable:
 
 
 def copy_indexed(dst: BufferTable, src: BufferTable, ops, *, device: torch.device | str = "cpu",
-                 num_threads: int = 1, num_streams: int = 4, stream: torch.cuda.Stream | None = None) -> None:
+                 num_threads: int = 1, num_streams: int = 4, stream: torch.cuda.Stream | None = None,
+                 engine: str = "memcpy") -> None:
     """Run an indexed schedule from the ``src`` buffers to the ``dst`` buffers.
 
-    ``device`` says where both tables live: cpu (host threads, returns when done) or cuda:N (enqueued on
-    ``num_streams`` internal streams that ``stream``, default the current stream of cuda:N, waits on).
+    ``device`` says where both tables live: cpu (host threads, returns when done) or cuda:N (enqueued
+    with ``engine`` as in ``copy_ops``, relative to ``stream``, default the current stream of cuda:N).
     """
     arr = as_indexed_ops(ops)
     device = torch.device(device)
@@ -153,7 +159,7 @@ def copy_indexed(dst: BufferTable, src: BufferTable, ops, *, device: torch.devic
         index = device.index if device.index is not None else torch.cuda.current_device()
         stream = stream if stream is not None else torch.cuda.current_stream(index)
         native().copy_indexed_cuda(src.ptrs, src.nbytes, dst.ptrs, dst.nbytes, arr, num_streams,
-                                   stream.cuda_stream, index)
+                                   stream.cuda_stream, index, engine)
         return
     raise ValueError(f"copy_indexed runs on cpu or cuda buffers, got device {device}")
 

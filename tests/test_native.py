@@ -100,8 +100,8 @@ def test_cuda_entry_points_raise_clearly_without_cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("streams", [1, 4])
-def test_cuda_copy_moves_bytes_exactly(streams):
+@pytest.mark.parametrize("engine,streams", [("memcpy", 1), ("memcpy", 4), ("kernel", 1)])
+def test_cuda_copy_moves_bytes_exactly(engine, streams):
     assert build_info()["cuda"], "llamarl._C was built without CUDA on a CUDA machine"
     rng = np.random.default_rng(7)
     src_h = torch.from_numpy(rng.integers(0, 256, size=1 << 20, dtype=np.uint8))
@@ -109,9 +109,52 @@ def test_cuda_copy_moves_bytes_exactly(streams):
     ops = random_schedule(rng, 300, src_h.numel(), dst.numel())
     expected = np.zeros(1 << 20, dtype=np.uint8)
     reference_copy(expected, src_h.numpy(), ops)
-    copy_ops(dst, src_h.cuda(), ops, num_streams=streams)
+    copy_ops(dst, src_h.cuda(), ops, num_streams=streams, engine=engine)
     torch.cuda.synchronize()
     assert np.array_equal(dst.cpu().numpy(), expected)
+
+
+@pytest.mark.gpu
+def test_cuda_copy_kernel_covers_chunks_alignments_and_many_launches():
+    """The SM copy kernel's paths: rows longer than a 256 KB chunk (ragged last chunk), contiguous 2-D ops
+    flattened to one row, strided rows grouped into units, every access width (addresses and lengths
+    that are multiples of 16, 8, 4, 2 and 1), and > 384 segments (several launches)."""
+    src = torch.randint(0, 256, (24 << 20,), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(40 << 20, dtype=torch.uint8, device="cuda")
+    rng = np.random.default_rng(3)
+    ops, cursor = [], 0
+
+    def add(so, rows, rb, ss, ds, gap=0):
+        nonlocal cursor
+        ops.append((so, cursor, rows, rb, ss, ds))
+        cursor += (rows - 1) * ds + rb + gap
+
+    add(0, 1, (5 << 20) + 4096 + 48, 0, 0, gap=16)             # 21 chunks, the last one short
+    add(16, 37, 65536, 65536, 65536, gap=16)                    # contiguous 2-D -> one 2.3 MB row
+    add(4096, 300, 4096, 8192, 6144, gap=16)                    # strided, 64 rows per unit, 16-byte access
+    add(1 << 20, 50, 1000, 3000, 1000, gap=8)                   # 8-byte access
+    add(3 << 20, 20, 300_004, 300_004 + 12, 300_004 + 4, gap=4)  # rows > one chunk, 4-byte access
+    add(6, 9, 2 * 777, 2 * 800, 2 * 777 + 2, gap=2)             # 2-byte access
+    add(7, 3, 1001, 1001, 1003, gap=1)                          # 1-byte access
+    for _ in range(800):                                        # many small ops: three launches
+        rows, rb = int(rng.integers(1, 4)), int(rng.integers(1, 600))
+        ss = rb + int(rng.integers(0, 9))
+        add(int(rng.integers(0, (20 << 20))), rows, rb, ss, rb + int(rng.integers(0, 9)), gap=int(rng.integers(0, 3)))
+    assert cursor <= dst.numel()
+    ops = as_ops(ops)
+
+    def width(so, do, rows, rb, ss, ds):  # the kernel's rule (cuda_copy_kernel.cu: access_width)
+        bits = (src.data_ptr() + so) | (dst.data_ptr() + do) | rb | ((ss | ds) if rows > 1 else 0)
+        return next(w for w in (16, 8, 4, 2, 1) if bits % w == 0)
+
+    assert {width(*op) for op in ops[:7].tolist()} == {16, 8, 4, 2, 1}
+    expected = np.zeros(dst.numel(), dtype=np.uint8)
+    reference_copy(expected, src.cpu().numpy(), ops)
+    copy_ops(dst, src, ops, engine="kernel")
+    torch.cuda.synchronize()
+    assert np.array_equal(dst.cpu().numpy(), expected)
+    with pytest.raises(ValueError, match="'memcpy' or 'kernel'"):
+        copy_ops(dst, src, ops, engine="dma")
 
 
 @pytest.mark.parametrize("threads", [1, 3])

@@ -285,8 +285,8 @@ def test_gloo_send_recv_sync_across_processes_is_byte_exact(workers, args):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("quant", [None, "int8"])
-def test_cuda_ipc_sync_into_another_process_is_byte_exact(workers, quant):
+@pytest.mark.parametrize("quant,engine", [(None, "memcpy"), ("int8", "memcpy"), (None, "kernel"), ("int8", "kernel")])
+def test_cuda_ipc_sync_into_another_process_is_byte_exact(workers, quant, engine):
     from llamarl.weight_sync import GeneratorLayout, ParamSpec, TrainerLayout, WeightSender
 
     specs = [ParamSpec("model.embed_tokens.weight", (1000, 96), torch.bfloat16, 0),
@@ -298,7 +298,8 @@ def test_cuda_ipc_sync_into_another_process_is_byte_exact(workers, quant):
     handles = create_generators(workers, args, "cuda", owner_of=lambda g: 1 + g)
     try:
         plan = _plan(args)
-        senders = [WeightSender(plan, t, [handles[0], handles[1]], device="cuda:0") for t in range(2)]
+        senders = [WeightSender(plan, t, [handles[0], handles[1]], device="cuda:0", cuda_engine=engine)
+                   for t in range(2)]
         for version in (1, 2, 3):
             full = full_weights(specs, args["seed"], version)
             for t, s in enumerate(senders):

@@ -6,8 +6,10 @@ Transports behind one interface (``sync(shards, version) -> SyncStats``), all dr
     "shm"  (CPU, same host)  maps the generator's segments; native thread pool WeightSender
                              doing strided memcpy straight into the slot
     "cuda" (GPU, same host)  opens each bucket's CUDA IPC handle once;         WeightSender
-                             cudaMemcpy2DAsync on several streams, peer-to-
-                             peer over NVLink when the buckets sit on another GPU
+                             cudaMemcpy2DAsync on several streams
+                             (cuda_engine="memcpy") or one SM copy kernel
+                             launch ("kernel"), peer-to-peer over NVLink when
+                             the buckets sit on another GPU
     "local" (other hosts)    torch.distributed send/recv (gloo / NCCL)         dist.DistSender / DistInbox
 
 One sync of trainer rank t (``WeightSender.sync``):
@@ -64,11 +66,13 @@ class WeightSender:
 
     def __init__(self, plan: SyncPlan, rank: int, targets: Sequence[BucketHandle], *,
                  device: torch.device | str | None = None, num_threads: int | None = None, num_streams: int = 4,
-                 quantizer: str = "auto", timeout: float = 60.0):
+                 cuda_engine: str = "memcpy", quantizer: str = "auto", timeout: float = 60.0):
         plan.trainer._check_rank(rank)
+        if cuda_engine not in _native.CUDA_ENGINES:
+            raise ValueError(f"cuda_engine must be one of {_native.CUDA_ENGINES}, got {cuda_engine!r}")
         self.plan, self.rank, self.timeout = plan, rank, float(timeout)
         self.num_threads = num_threads or default_threads()
-        self.num_streams = num_streams
+        self.num_streams, self.cuda_engine = num_streams, cuda_engine
         gen = plan.generator
         by_rank = {}
         for h in targets:
@@ -208,7 +212,7 @@ class WeightSender:
             w = self.sources.copy_rows(param, shards[param])[lo:lo + rows]
             self.sources.quantize_into(w, q_view, s_view)  # on the current stream, before the copies
         _native.copy_indexed(dst, src, self._ops, device=self.device, num_threads=self.num_threads,
-                             num_streams=self.num_streams)
+                             num_streams=self.num_streams, engine=self.cuda_engine)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         t3 = time.perf_counter()
