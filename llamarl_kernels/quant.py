@@ -5,17 +5,30 @@ Math (one scale per output channel, i.e. per row r of a weight W[R, K]):
     absmax_r = max_k |W[r, k]|                  (fp32, exact: max is order-independent)
     scale_r  = absmax_r / QMAX                  QMAX = 127 (int8) or 448 (fp8 e4m3fn), IEEE division
     scale_r  = 1.0   if scale_r == 0            (all-zero row, or absmax so tiny the division underflows)
-    v        = clamp(W[r, k] / scale_r, -QMAX, QMAX)
+    p_r      = 2**64 if scale_r < 2**-64 else 1
+    inv_r    = 1 / (scale_r * p_r)              IEEE division, once per row; 2**-122 < inv_r <= 2**85
+    v        = clamp((W[r, k] * p_r) * inv_r, -QMAX, QMAX)      fp32 products, round to nearest
     int8:  q = round_half_to_even(v)            in [-127, 127]; -128 is never produced
     fp8:   q = e4m3fn(v)                        round-to-nearest-even onto the e4m3fn grid, |q| <= 448
 
     dequantize(q, scale)[r, k] = float(q[r, k]) * scale_r
 
-The zero-row rule: a row whose scale would be 0 gets scale 1.0; every |W| in it is then below the
-smallest positive fp32 times QMAX, so v rounds to 0 and dequantization gives exact zeros, with no
-division by zero anywhere. fp8 saturates: v is clamped to +-448 before rounding, so finite input never
-produces NaN (e4m3fn has no infinity; its only NaN is 0x7F/0xFF). Input must be finite: an inf gives
-scale inf and NaN codes for that row (garbage in, garbage out; nothing checks, to stay sync-free).
+The reciprocal: rho_r = 1 / scale_r rounded to 24 significant bits and v = fl(W * rho_r), one multiply
+per element instead of a division: v = (W / scale_r)(1 + d) with |d| < 2**-23 where v is normal (two
+roundings instead of one), so the round-trip error is a quantization half-step plus that. rho_r inverts
+the rounded scale that dequantize multiplies by, not QMAX / absmax_r, which differs from it by an ulp
+(far more where scale_r is subnormal and keeps few significant bits). 1 / scale_r overflows fp32 once
+scale_r < 2**-128; p_r keeps it in range without changing v: scale_r * p_r is exact and >= 2**-85, so
+inv_r = rho_r / p_r, and scale_r < 2**-64 means absmax_r < QMAX * 2**-64, so W * p_r is exact and
+(W * p_r) * inv_r = fl(W * rho_r). Real weights have p_r = 1 in every row; the kernel skips the
+multiply by p_r in a block where no row needs it.
+
+The zero-row rule: a row whose scale would be 0 gets scale 1.0, hence p_r = inv_r = 1; every |W| in it
+is then below the smallest positive fp32 times QMAX, so v = W rounds to 0 and dequantization gives exact
+zeros, with no division by zero and no inf anywhere. fp8 saturates: v is clamped to +-448 before
+rounding, so finite input never produces NaN (e4m3fn has no infinity; its only NaN is 0x7F/0xFF).
+Input must be finite: an inf gives scale inf and NaN codes for that row (garbage in, garbage out;
+nothing checks, to stay sync-free).
 
 Quantization is row-local, so quantizing a row-slice W[a:b] (a trainer shard) gives exactly the bytes
 of quantize(W)[a:b]: this is what lets the weight sync quantize each shard where it lives.
@@ -29,7 +42,8 @@ bigger buffer is fine); scale[R] fp32 contiguous; x[..., K] (flattened to [M, K]
 
 Kernels:
 - ``_quantize_kernel``: BLOCK_R rows per program. When BLOCK_K >= K (the default for K <= 16384) the
-  row block is loaded once and quantized from registers (one HBM read: quantize runs at copy speed);
+  row block is loaded once and quantized from registers (one HBM read; on an H200 on 2026-11-30, with
+  a division per element, fp8 still ran compute-bound at 1.3-2.2 TB/s, hence the per-row reciprocal);
   otherwise two passes over K (absmax, then quantize; the second pass re-reads the block, from L2).
 - ``_qlinear_kernel``: grid (tiles of [BLOCK_M, BLOCK_N], SPLIT_K).
   BLOCK_M < 16 is the decode GEMV path (no tensor-core padding of M=1 to 16): weights stream through
@@ -67,6 +81,9 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # 1.5 * 2**23: adding and subtracting it rounds any |v| < 2**22 to an integer, half to even.
 _RNE_MAGIC = tl.constexpr(12582912.0)
+# rows with a scale below 2**-64 are multiplied by 2**64 before the reciprocal (module docstring: p_r)
+_TINY_SCALE = tl.constexpr(2.0**-64)
+_PRESCALE = tl.constexpr(2.0**64)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -82,14 +99,20 @@ def _round_to_int(v):
 def _round_to_grid(v, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
     """RNE of fp32 ``v`` onto a float grid with MANTISSA bits and min normal exponent MIN_EXP.
 
-    ulp = 2**(max(exponent(v), MIN_EXP) - MANTISSA); |v| / ulp < 2**(MANTISSA + 1) is rounded with
-    the magic constant and scaled back (both exact: ulp is a power of two). The sign is restored
-    from the bits so -0.0 and negative values that round to zero keep it, as torch does.
+    With exp = max(exponent(v), MIN_EXP), ulp = 2**(exp - MANTISSA) and its reciprocal are built from
+    the exponent bits; |v| * (1 / ulp) < 2**(MANTISSA + 1) is rounded with the magic constant and
+    scaled back by ulp (every product exact: powers of two). exp is in [MIN_EXP, 128] (128: inf/NaN,
+    which stay inf/NaN), so both are normal fp32 for every caller: biased exponents of 1 / ulp in
+    [MANTISSA - 1, MANTISSA - MIN_EXP + 127] and of ulp in [MIN_EXP - MANTISSA + 127, 255 - MANTISSA],
+    i.e. [2, 136] and [118, 252] for e4m3 (3, -6), [9, 151] and [103, 245] for fp16 (10, -14). The
+    sign is restored from the bits so -0.0 and negative values that round to zero keep it, as torch does.
     """
     bits = v.to(tl.uint32, bitcast=True)
     exp = tl.maximum(((bits >> 23) & 0xFF).to(tl.int32) - 127, MIN_EXP)
     ulp = ((exp - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
-    mag = _round_to_int(tl.abs(v) / ulp) * ulp
+    inv_ulp = ((MANTISSA - exp + 127) << 23).to(tl.float32, bitcast=True)
+    # the compiler may contract |v| * inv_ulp + MAGIC into one FMA: still exact, the product is exact
+    mag = _round_to_int(tl.abs(v) * inv_ulp) * ulp
     return (mag.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
 
 
@@ -122,21 +145,39 @@ def _load_weight_f32(ptrs, mask, BF16_BITS: tl.constexpr):
 
 @triton.jit
 def _row_scale(absmax, QMAX_: tl.constexpr):
-    """scale = absmax / QMAX (IEEE division), 1.0 where that is 0."""
+    """Per-row (scale, pre, inv) from absmax [R]: scale = absmax / QMAX, 1.0 where that is 0;
+    pre = 2**64 where scale < 2**-64, else 1; inv = 1 / (scale * pre). IEEE divisions (div_rn)."""
     scale = tl.math.div_rn(absmax, QMAX_)
-    return tl.where(scale == 0.0, 1.0, scale)
+    scale = tl.where(scale == 0.0, 1.0, scale)
+    pre = tl.where(scale < _TINY_SCALE, _PRESCALE, 1.0)
+    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale * pre)
+    return scale, pre, inv
 
 
 @triton.jit
-def _quantize_values(w, scale, QMAX_: tl.constexpr, IS_FP8: tl.constexpr, Q_TY: tl.constexpr):
-    """Codes of w [R, K] (fp32) for per-row scale [R]: RNE of clamp(w / scale, +-QMAX)."""
-    v = tl.math.div_rn(w, scale[:, None])
+def _quantize_values(w, inv, QMAX_: tl.constexpr, IS_FP8: tl.constexpr, Q_TY: tl.constexpr):
+    """Codes of w [R, K] (fp32, p_r already applied) for the per-row inv [R]: RNE of clamp(w * inv, +-QMAX).
+    Only the clamp consumes w * inv, never an add, so no FMA contraction can change its rounding."""
+    v = w * inv[:, None]
     v = tl.minimum(tl.maximum(v, -QMAX_), QMAX_)
     if IS_FP8:
         q = _round_to_grid(v, 3, -6).to(Q_TY)
     else:
         q = _round_to_int(v).to(tl.int8)
     return q
+
+
+@triton.jit
+def _quantize_store(q_ptrs, mask, w, pre, inv, any_pre, QMAX_: tl.constexpr, IS_FP8: tl.constexpr):
+    """Store the codes of w [R, K] (fp32) for the per-row pre, inv [R] of ``_row_scale``: RNE of
+    clamp((w * pre) * inv, +-QMAX). The exact w * pre runs only in a block where some row has pre != 1
+    (any_pre, a scalar), so real weights pay one multiply per element. Each branch holds its own store,
+    which keeps the compiler from flattening the branch into a multiply and a select per element."""
+    q_ty = q_ptrs.dtype.element_ty
+    if any_pre:
+        tl.store(q_ptrs, _quantize_values(w * pre[:, None], inv, QMAX_, IS_FP8, q_ty), mask=mask)
+    else:
+        tl.store(q_ptrs, _quantize_values(w, inv, QMAX_, IS_FP8, q_ty), mask=mask)
 
 
 @triton.jit
@@ -153,24 +194,25 @@ def _quantize_kernel(
     if SINGLE_TILE:  # BLOCK_K >= K: the row block is read from memory once and stays in registers
         mask = row_mask[:, None] & (cols < K)[None, :]
         w = _load_weight_f32(w_ptr + rows64[:, None] * stride_w + cols[None, :], mask, W_BF16_BITS)
-        scale = _row_scale(tl.max(tl.abs(w), axis=1), QMAX_)
+        scale, pre, inv = _row_scale(tl.max(tl.abs(w), axis=1), QMAX_)
         tl.store(scale_ptr + rows64, scale, mask=row_mask)
-        q = _quantize_values(w, scale, QMAX_, IS_FP8, q_ptr.dtype.element_ty)
-        tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], q, mask=mask)
+        _quantize_store(q_ptr + rows64[:, None] * stride_q + cols[None, :], mask, w, pre, inv,
+                        tl.max(pre, axis=0) > 1.0, QMAX_, IS_FP8)
     else:
         amax = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             mask = row_mask[:, None] & (k0 + cols < K)[None, :]
             w = _load_weight_f32(w_ptr + rows64[:, None] * stride_w + (k0 + cols)[None, :], mask, W_BF16_BITS)
             amax = tl.maximum(amax, tl.abs(w))
-        scale = _row_scale(tl.max(amax, axis=1), QMAX_)
+        scale, pre, inv = _row_scale(tl.max(amax, axis=1), QMAX_)
         tl.store(scale_ptr + rows64, scale, mask=row_mask)
+        any_pre = tl.max(pre, axis=0) > 1.0
 
         for k0 in range(0, K, BLOCK_K):
             mask = row_mask[:, None] & (k0 + cols < K)[None, :]
             w = _load_weight_f32(w_ptr + rows64[:, None] * stride_w + (k0 + cols)[None, :], mask, W_BF16_BITS)
-            q = _quantize_values(w, scale, QMAX_, IS_FP8, q_ptr.dtype.element_ty)
-            tl.store(q_ptr + rows64[:, None] * stride_q + (k0 + cols)[None, :], q, mask=mask)
+            _quantize_store(q_ptr + rows64[:, None] * stride_q + (k0 + cols)[None, :], mask, w, pre, inv,
+                            any_pre, QMAX_, IS_FP8)
 
 
 @triton.jit

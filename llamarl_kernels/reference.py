@@ -10,7 +10,8 @@ import torch  # noqa: F401  (used by the sections below)
 
 # ----------------------------------------------------------------------------------------------------
 # int8 / fp8 weight-only quantization (kernels: llamarl_kernels/quant.py)
-#   scale_r = max_k |W[r, k]| / QMAX (1.0 where that is 0); q = RNE(clamp(W / scale_r, -QMAX, QMAX))
+#   scale_r = max_k |W[r, k]| / QMAX (1.0 where that is 0); p_r = 2**64 if scale_r < 2**-64 else 1
+#   inv_r = 1 / (scale_r * p_r); q = RNE(clamp((W * p_r) * inv_r, -QMAX, QMAX)), all fp32, IEEE rounding
 #   QMAX = 127 for int8 (round half to even to an integer), 448 for fp8 e4m3fn (RNE onto its grid).
 # ----------------------------------------------------------------------------------------------------
 QUANT_QMAX = {"int8": 127.0, "fp8": 448.0}
@@ -23,11 +24,14 @@ def quantize_ref(w: "torch.Tensor", mode: str) -> "tuple[torch.Tensor, torch.Ten
     qmax = QUANT_QMAX[mode]
     wf = w.float()
     amax = wf.abs().amax(dim=1)
-    # a tensor divisor, not the Python scalar: CUDA turns `t / scalar` into t * (1/scalar), which is
-    # not the correctly rounded quotient the kernel (and the CPU) computes
+    # tensor operands in both divisions, not Python scalars: CUDA turns `t / scalar` into t * (1/scalar),
+    # which is not the correctly rounded quotient the kernel (and the CPU) computes
     scale = amax / torch.full_like(amax, qmax)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    v = (wf / scale[:, None]).clamp(-qmax, qmax)
+    # p_r (exact power of two) keeps 1 / (scale_r * p_r) finite where 1 / scale_r would overflow fp32
+    pre = torch.where(scale < 2.0**-64, torch.full_like(scale, 2.0**64), torch.ones_like(scale))
+    inv = torch.ones_like(scale) / (scale * pre)
+    v = ((wf * pre[:, None]) * inv[:, None]).clamp(-qmax, qmax)
     q = torch.round(v).to(torch.int8) if mode == "int8" else v.to(torch.float8_e4m3fn)
     return q, scale
 

@@ -7,6 +7,8 @@ same-dtype error. Shapes are small and odd so every kernel loop (K tails, N/M ta
 short or empty last split, several M tiles) runs under TRITON_INTERPRET=1 on CPU.
 """
 
+from fractions import Fraction
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -33,7 +35,10 @@ def _assert_same_bytes(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def _roundtrip_bound(w64: torch.Tensor, scale64: torch.Tensor, mode: str) -> torch.Tensor:
-    """|w - q * scale| bound: half a quantization step, plus the fp32 division's relative error."""
+    """|w - q * scale| bound: half a quantization step, plus the relative error of v = fl(w * fl(1 / scale))
+    against w / scale: below 2^-23 (two fp32 roundings; p_r is an exact power of two), and 2^-4 * 2^-23
+    more where e4m3's half-step is taken at v rather than at w / scale. The 2^-22 allowance, first
+    written for one correctly rounded division, covers both unchanged."""
     v = (w64 / scale64[:, None]).abs()
     if mode == "int8":
         step = torch.full_like(v, 0.5)
@@ -138,6 +143,71 @@ def test_extreme_values(mode, dtype, device):
         assert not ((q.view(torch.uint8) & 0x7F) == 0x7F).any()
     else:
         assert q.min() >= -127
+    w64, s64 = w.double().cpu(), scale.double().cpu()
+    assert ((w64 - q.double().cpu() * s64[:, None]).abs() <= _roundtrip_bound(w64, s64, mode)).all()
+
+
+def _reciprocal_spec_codes(w: torch.Tensor, scale: torch.Tensor, mode: str) -> torch.Tensor:
+    """The codes of clamp(fl32(W * rho_r)), rho_r = 1 / scale_r rounded to 24 bits with an unbounded
+    exponent, from exact rationals: no fp32 reciprocal and no p_r, so it checks the range guard."""
+    rho = []
+    for s in scale.tolist():
+        x = Fraction(1) / Fraction(s)
+        e = x.numerator.bit_length() - x.denominator.bit_length() - 23  # x / 2^e in (2^22, 2^24)
+        e -= x / Fraction(2) ** e < 2**23  # now in [2^23, 2^24): 24 significant bits
+        rho.append(float(round(x / Fraction(2) ** e)) * 2.0**e)  # Fraction round: half to even
+    # w (24 bits) * rho (24 bits) is exact in float64; .float() then rounds once, subnormals included
+    v = (w.double().cpu() * torch.tensor(rho, dtype=torch.float64)[:, None]).float()
+    v = v.clamp(-QMAX[mode], QMAX[mode])
+    return torch.round(v).to(torch.int8) if mode == "int8" else v.to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "config",
+    [SMALL_TILES, QuantizeConfig(block_r=4, block_k=128), QuantizeConfig(block_r=4, block_k=32)],
+    ids=["two_pass_16_rows", "one_tile_4_rows", "two_pass_4_rows"],
+)
+def test_reciprocal_at_extreme_scales(mode, dtype, config, device):
+    """Rows whose absmax puts 1 / scale_r at fp32's edges: v = fl(W * rho_r) with no inf or NaN anywhere."""
+    qmax, finfo = QMAX[mode], torch.finfo(dtype)
+    below = lambda x: torch.nextafter(torch.tensor(x, dtype=dtype), torch.tensor(0.0, dtype=dtype)).item()
+    absmax = [
+        finfo.max,  # inv_r at its smallest, ~2^-121 for int8
+        3e38,
+        qmax,  # scale 1, inv 1: v = W
+        qmax * 2.0**-64,  # scale exactly 2^-64: p_r = 1, inv_r = 2^64
+        below(qmax * 2.0**-64),  # the largest absmax with p_r = 2^64
+        qmax * 2.0**-128,  # 1 / scale_r = 2^128 overflows fp32 without p_r
+        2.0**-126,  # smallest normal
+        1e-40,  # subnormal: the scale is subnormal, with few significant bits
+        qmax * 2.0**-149,  # scale 2^-149, the smallest positive: inv_r = 2^85
+        round(1.6 * qmax) * 2.0**-149,  # scale 2^-148, rounded up from 1.6 * 2^-149: max -> ~QMAX / 1.25
+        1e-45,  # absmax / QMAX underflows to 0: the zero-row rule
+        0.0,
+    ] + [1.0] * 5  # with 4-row blocks, rows 0-3 and 12-16 have p_r = 1: those blocks skip its multiply
+    K = 70  # two passes over K with block_k 64 or 32, one tile with 128
+    g = torch.Generator().manual_seed(5)
+    u = torch.rand(len(absmax), K, generator=g, dtype=torch.float64) * 2 - 1
+    u[:, 1], u[:, 2], u[:, 3], u[:, 4] = -1.0, 0.0, -0.0, 2.0**-30
+    w = (u * torch.tensor(absmax, dtype=torch.float64)[:, None]).to(dtype)
+    w[:, 0] = torch.tensor(absmax, dtype=torch.float64).to(dtype)  # |W| <= absmax: it is the row max
+    w = w.to(device)
+    q, scale = quantize(w, mode, config=config)
+    q_ref, scale_ref = quantize_ref(w, mode)
+    _assert_same_bytes(scale, scale_ref)
+    _assert_same_bytes(q, q_ref)
+    _assert_same_bytes(q, _reciprocal_spec_codes(w, scale, mode))
+
+    assert torch.isfinite(scale).all() and (scale > 0).all()
+    assert torch.isfinite(q.float()).all()
+    if mode == "fp8":
+        assert not ((q.view(torch.uint8) & 0x7F) == 0x7F).any()
+    else:
+        assert q.min() >= -127
+    assert (scale[10:12] == 1.0).all() and (q[10:12].float() == 0).all()
+    assert (q[:5, 0].float() == qmax).all(), "the row max maps to QMAX where the scale is normal"
     w64, s64 = w.double().cpu(), scale.double().cpu()
     assert ((w64 - q.double().cpu() * s64[:, None]).abs() <= _roundtrip_bound(w64, s64, mode)).all()
 
@@ -343,7 +413,8 @@ sig = {"w_ptr": "*i16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "R": "i32", "
 for single, (br, bk, warps) in [(False, (8, 512, 4)), (True, (2, 4096, 8))]:
     ptx = build(Q._quantize_kernel, sig, dict(QMAX_=448.0, IS_FP8=True, W_BF16_BITS=True, BLOCK_R=br, BLOCK_K=bk,
                 SINGLE_TILE=single), ["w_ptr", "q_ptr", "scale_ptr", "K", "stride_w", "stride_q"], num_warps=warps)
-    assert "div.rn.f32" in ptx, "quantize must use the correctly rounded division"
+    divs = ptx.count("div.rn.f32")  # per row: scale and reciprocal; each thread holds at most br rows
+    assert 0 < divs <= 2 * br and "div.full" not in ptx, "quantize divides per element, or not correctly rounded"
 for qty, (bm, bn, bk, split) in [("*i8", (1, 32, 256, 1)), ("*fp8e4nv", (16, 64, 128, 2))]:
     sig = {"x_ptr": "*bf16", "q_ptr": qty, "scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
            "ws_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_qn": "i32",

@@ -8,12 +8,14 @@ Quantize-on-sync (generator layout with ``quant="int8"|"fp8"``): each quantized 
 sources, ``q`` and ``scale``, computed on the trainer rank from the rows it copies (its FSDP dim-0 shard,
 or its share of the rows when replicated). Quantization is per row,
 
-    scale_r = max_k |W[r, k]| / QMAX  (1 where 0),   q[r, k] = round(clamp(W[r, k] / scale_r, +-QMAX))
+    scale_r = max_k |W[r, k]| / QMAX  (1 where 0),   q[r, k] = round(clamp(W[r, k] * inv_r, +-QMAX))
 
-so a dim-0 shard quantizes independently and gives exactly the bytes of quantize(W)[a:b]; and since a
-trainer rank owns whole rows, the scale of a row is computed from the full row even when the
-generator splits that row over TP ranks (row-parallel o/down: each TP rank receives a column slice of q
-and all scales). The generator side does no work at all. Two ways the bytes get there:
+with inv_r = 1 / scale_r rounded to fp32, once per row (llamarl_kernels.quant states the exact rule,
+with its range guard for tiny scales); so a dim-0 shard quantizes independently and gives exactly the
+bytes of quantize(W)[a:b]; and since a trainer rank owns whole rows, the scale of a row is computed from
+the full row even when the generator splits that row over TP ranks (row-parallel o/down: each TP rank
+receives a column slice of q and all scales). The generator side does no work at all. Two ways the bytes
+get there:
   direct   (kernel quantizer, destination holds whole rows: column-parallel or unsplit weights) the
            kernel writes q and scale straight into the bucket slot (``quantize(w, mode, out=views)``):
            read 2 B + write 1 B per bf16 weight, less traffic than copying the bf16 weight itself;
