@@ -16,6 +16,7 @@
 
 #include "copy_engine.h"
 #include "cuda_ipc.h"
+#include "fused_cpu.h"
 #include "linear_cpu.h"
 #include "shm.h"
 #include "sync_ctl.h"
@@ -210,6 +211,26 @@ PYBIND11_MODULE(_C, m) {
         "y[M, N] = x[M, K] @ w[N, K].T for contiguous fp32 host buffers given by address (GIL released); "
         "weights are read once, for decode-sized M.");
   m.def("linear_cpu_isa", &llamarl::linear_cpu_isa, "Instruction set of linear_f32_cpu: avx512f, avx2+fma or scalar.");
+  // Fused decode ops (fused_cpu.cpp): a few hundred values per call, so the GIL stays held (cheaper).
+  m.def("rms_norm_f32_cpu",
+        [](uint64_t x, uint64_t residual, uint64_t w, uint64_t y, uint64_t h, int64_t rows, int64_t D, float eps) {
+          llamarl::rms_norm_f32_cpu(reinterpret_cast<const float*>(x), reinterpret_cast<const float*>(residual),
+                                    reinterpret_cast<const float*>(w), reinterpret_cast<float*>(y),
+                                    reinterpret_cast<float*>(h), rows, D, eps);
+        },
+        py::arg("x"), py::arg("residual"), py::arg("w"), py::arg("y"), py::arg("h"), py::arg("rows"), py::arg("D"),
+        py::arg("eps"),
+        "RMSNorm of rows x D contiguous fp32 host buffers given by address; residual = h = 0 for none, else "
+        "h = x + residual is written and normalised.");
+  m.def("rope_f32_cpu",
+        [](uint64_t x, uint64_t cos, uint64_t sin, uint64_t out, int64_t tokens, int64_t heads, int64_t head_dim) {
+          llamarl::rope_f32_cpu(reinterpret_cast<const float*>(x), reinterpret_cast<const float*>(cos),
+                                reinterpret_cast<const float*>(sin), reinterpret_cast<float*>(out), tokens, heads,
+                                head_dim);
+        },
+        py::arg("x"), py::arg("cos"), py::arg("signed_sin"), py::arg("out"), py::arg("tokens"), py::arg("heads"),
+        py::arg("head_dim"),
+        "RoPE of [tokens, heads, head_dim] contiguous fp32 host buffers (cos / signed_sin [tokens, head_dim]).");
   m.def("cuda_device_count", &llamarl::cuda_device_count);
   m.def("cuda_runtime_version", &llamarl::cuda_runtime_version);
   m.def("copy_ops_cuda",

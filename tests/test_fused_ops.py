@@ -289,8 +289,8 @@ def test_model_uses_fused_ops_and_matches_eager_on_cpu(monkeypatch):
     model = _tiny_model(torch.bfloat16, "cpu")
     ids = torch.randint(0, TINY_CFG.vocab_size, (2, 7))
     state = {"on": False}
-    monkeypatch.setattr(llama_mod, "_fused", lambda x: state["on"] and x.dtype in (torch.bfloat16, torch.float16)
-                        and not torch.is_grad_enabled())
+    monkeypatch.setattr(llama_mod, "_fused", lambda x: fused_ops if state["on"] and not torch.is_grad_enabled()
+                        and x.dtype in (torch.bfloat16, torch.float16) else None)
     _compare_fused(model, ids, 3, lambda on: state.update(on=on))
     L = TINY_CFG.num_hidden_layers
     # 1 prefill + 3 decode forwards; per forward 2 norms per layer + the final one, 1 rope and 1 silu_mul
@@ -298,14 +298,20 @@ def test_model_uses_fused_ops_and_matches_eager_on_cpu(monkeypatch):
 
 
 def test_fused_path_is_off_with_autograd_and_on_cpu():
+    from llamarl.models import cpu_fused
+
     x = torch.ones(2, dtype=torch.bfloat16)
-    assert not llama_mod._fused(x)  # CPU tensors: eager (the switch only serves CUDA)
+    with torch.no_grad():
+        assert llama_mod._fused(x) is None  # bf16 on the CPU: eager (the Triton kernels serve CUDA)
+        assert llama_mod._fused(x.float()) is (cpu_fused if llama_mod.FUSED_OPS else None)  # fp32: native ops
+        assert llama_mod._fused(torch.ones(2, 2).T.float()) is None  # not contiguous: eager
+    assert llama_mod._fused(x.float()) is None  # grad mode: no backward
     if torch.cuda.is_available():
         xc = x.cuda()
         with torch.no_grad():
-            assert llama_mod._fused(xc) == llama_mod.FUSED_OPS
-            assert not llama_mod._fused(xc.float())
-        assert not llama_mod._fused(xc)  # grad mode: the kernels have no backward
+            assert llama_mod._fused(xc) is (fused_ops if llama_mod.FUSED_OPS else None)
+            assert llama_mod._fused(xc.float()) is None
+        assert llama_mod._fused(xc) is None  # grad mode: the kernels have no backward
 
 
 @pytest.mark.gpu

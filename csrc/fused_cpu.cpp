@@ -1,0 +1,69 @@
+// Fused decoder-layer ops for fp32 on the CPU (inference): RMSNorm with the residual add, and RoPE.
+//
+// A decode step on the CPU runs each of these on a few rows of a few hundred values; torch's eager
+// chains (F.rms_norm decomposes into pow / mean / add / rsqrt / mul; RoPE into flip / mul / mul / add)
+// cost ~3 us of dispatch per op, i.e. ~30 us per norm, far more than the arithmetic. Math, per row:
+//
+//   rms_norm:  h = x + residual (if given, fp32 add);  r = 1 / sqrt(fl32(sum h^2 / D) + eps);
+//              y = w * (h * r)                         (two fp32 products, in this order, as eager)
+//   rope:      out[j] = x[j] * cos[j] + x[swap(j)] * signed_sin[j],  swap(j) = j +- Dh/2,
+//              signed_sin = (-sin, sin): each product and the sum rounded to fp32, as eager.
+//
+// The sum of squares is accumulated in double (so mean(h^2) is the correctly rounded fp32 of the exact
+// mean up to one rounding), which may differ from torch's fp32 reduction in the last bit of the mean;
+// everything else is the same fp32 operations as eager. No FMA contraction: this file is compiled for
+// the baseline instruction set, which has no FMA, so products and sums round separately.
+#include "fused_cpu.h"
+
+#include <cmath>
+#include <stdexcept>
+
+namespace llamarl {
+
+void rms_norm_f32_cpu(const float* x, const float* residual, const float* w, float* y, float* h, int64_t rows,
+                      int64_t D, float eps) {
+  if (rows < 0 || D < 1) throw std::invalid_argument("rms_norm_f32_cpu: rows must be >= 0 and D >= 1");
+  if ((residual == nullptr) != (h == nullptr))
+    throw std::invalid_argument("rms_norm_f32_cpu: residual and h (the sum's output) go together");
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * D;
+    float* yr = y + r * D;
+    const float* src = xr;
+    if (residual != nullptr) {
+      const float* rr = residual + r * D;
+      float* hr = h + r * D;
+      for (int64_t j = 0; j < D; ++j) hr[j] = xr[j] + rr[j];
+      src = hr;
+    }
+    double ss = 0.0;
+    for (int64_t j = 0; j < D; ++j) ss += static_cast<double>(src[j]) * static_cast<double>(src[j]);
+    const float mean = static_cast<float>(ss / static_cast<double>(D));
+    const float inv = 1.0f / std::sqrt(mean + eps);
+    for (int64_t j = 0; j < D; ++j) yr[j] = w[j] * (src[j] * inv);
+  }
+}
+
+void rope_f32_cpu(const float* x, const float* cos, const float* signed_sin, float* out, int64_t tokens,
+                  int64_t heads, int64_t head_dim) {
+  if (tokens < 0 || heads < 0 || head_dim < 2 || head_dim % 2)
+    throw std::invalid_argument("rope_f32_cpu: head_dim must be even and >= 2");
+  const int64_t half = head_dim / 2;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* c = cos + t * head_dim;
+    const float* s = signed_sin + t * head_dim;
+    for (int64_t hd = 0; hd < heads; ++hd) {
+      const float* xr = x + (t * heads + hd) * head_dim;
+      float* o = out + (t * heads + hd) * head_dim;
+      for (int64_t j = 0; j < half; ++j) {
+        const float a = xr[j] * c[j], b = xr[j + half] * s[j];
+        o[j] = a + b;
+      }
+      for (int64_t j = half; j < head_dim; ++j) {
+        const float a = xr[j] * c[j], b = xr[j - half] * s[j];
+        o[j] = a + b;
+      }
+    }
+  }
+}
+
+}  // namespace llamarl

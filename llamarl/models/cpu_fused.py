@@ -1,0 +1,85 @@
+"""Fused fp32 decoder-layer ops on the CPU, the counterpart of ``llamarl_kernels.fused_ops`` (same names and
+signatures), run by the native extension (csrc/fused_cpu.cpp) for inference.
+
+A CPU decode step applies each norm and RoPE to a few rows of a few hundred values, where torch's eager
+chains cost about 3 us of dispatch per op (an RMSNorm ~30 us, a RoPE of q and k ~35 us) for well under a
+microsecond of arithmetic. Math, identical to the eager ops of ``llamarl.models.llama`` in fp32:
+
+    rms_norm(x, w, eps[, residual])  h = x + residual;  y = w * (h * (1 / sqrt(mean(h^2) + eps)))
+    rope(q, k, cos, signed_sin)      x' = x * cos + swap(x) * signed_sin,  swap(lo, hi) = (hi, lo)
+    silu_mul(gate, up)               F.silu(gate) * up (eager: two vectorised torch ops, already cheap)
+
+RoPE and the residual add are bitwise equal to eager (same fp32 products and sums, no FMA contraction);
+the norm's mean(h^2) is summed in double, so it may differ from torch's fp32 reduction in its last bit.
+Callers (``llamarl.models.llama``) use these only with autograd off, for contiguous fp32 CPU tensors; the
+functions check that and raise otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from llamarl._native import native
+
+_FP32 = torch.float32
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the ops here take activations ``x`` (fp32, CPU, contiguous)."""
+    return x.is_cpu and x.dtype is _FP32 and x.is_contiguous()
+
+
+def _check(op: str, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if not usable(t):
+            raise ValueError(f"{op}: {name} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device} "
+                             f"(contiguous={t.is_contiguous()})")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values()):
+        raise RuntimeError(f"{op}: the native CPU op has no backward; call it under torch.no_grad()")
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim: ``y``, or ``(y, h)`` with h = x + residual normalised in its place."""
+    _check("rms_norm", x=x, weight=weight, **({} if residual is None else {"residual": residual}))
+    D = x.shape[-1]
+    if weight.shape != (D,):
+        raise ValueError(f"rms_norm: weight must have shape [{D}] (x's last dim), got {tuple(weight.shape)}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"rms_norm: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    y = torch.empty_like(x)
+    h = torch.empty_like(x) if residual is not None else None
+    rows = x.numel() // D if D else 0
+    if rows:
+        native().rms_norm_f32_cpu(x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
+                                  y.data_ptr(), 0 if h is None else h.data_ptr(), rows, D, float(eps))
+    return y if residual is None else (y, h)
+
+
+def rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on q [B, T, H, Dh] and k [B, T, Hkv, Dh] with cos / signed_sin [B, T, 1, Dh]; new tensors."""
+    _check("rope", q=q, k=k, cos=cos, signed_sin=signed_sin)
+    if q.dim() != 4 or k.dim() != 4 or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"rope: q and k must be [batch, seq, heads, head_dim] with the same batch, seq and "
+                         f"head_dim, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    B, T, H, Dh = q.shape
+    if Dh % 2:
+        raise ValueError(f"rope: head_dim must be even (rotate-half layout), got {Dh}")
+    for name, t in (("cos", cos), ("signed_sin", signed_sin)):
+        if t.shape != (B, T, 1, Dh):
+            raise ValueError(f"rope: {name} must have shape {(B, T, 1, Dh)}, got {tuple(t.shape)}")
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    if B * T:
+        n = native()
+        n.rope_f32_cpu(q.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), q_out.data_ptr(), B * T, H, Dh)
+        n.rope_f32_cpu(k.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), k_out.data_ptr(), B * T, k.shape[2], Dh)
+    return q_out, k_out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` (the product computed in place in silu's output)."""
+    return F.silu(gate).mul_(up)

@@ -1,0 +1,107 @@
+"""Native fp32 CPU decode ops (csrc/fused_cpu.cpp via llamarl.models.cpu_fused) against independent references.
+
+RMSNorm: float64 math, within fp32 rounding (the mean is summed in double, everything else is fp32);
+with the residual the sum ``h`` must be bitwise the fp32 add. RoPE: bitwise equal to the eager
+``apply_rope`` (same fp32 products and sums). The model: a decode with the native ops against the eager
+path of the same model (``LLAMARL_FUSED_OPS=0`` semantics, by calling with autograd on).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llamarl.models import LlamaConfig, Llama, cpu_fused
+from llamarl.models.llama import apply_rope
+
+
+def _rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xd = x.double()
+    return w.double() * (xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 384), (3, 5, 7), (8, 1, 1), (2, 2, 2048), (4, 1000)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_matches_float64(shape, residual):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g) * 3
+    w = torch.randn(shape[-1], generator=g)
+    x.view(-1, shape[-1])[0] = 0.0  # an all-zero row: y = 0, no NaN (eps > 0)
+    eps = 1e-5
+    with torch.no_grad():
+        if residual:
+            r = torch.randn(shape, generator=g)
+            y, h = cpu_fused.rms_norm(x, w, eps, r)
+            assert torch.equal(h, x + r)  # the fp32 add, bitwise
+            ref = _rms_ref(h, w, eps)
+        else:
+            y = cpu_fused.rms_norm(x, w, eps)
+            ref = _rms_ref(x, w, eps)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    # three fp32 roundings (mean, rsqrt, two products) on values of size |w * x / rms|
+    tol = 8 * torch.finfo(torch.float32).eps * ref.abs() + 1e-30
+    assert bool(((y.double() - ref).abs() <= tol).all()), float(((y.double() - ref).abs() / tol).max())
+    # and close to torch's own fp32 RMSNorm (which sums the squares in fp32)
+    torch.testing.assert_close(y, torch.nn.functional.rms_norm(x if not residual else h, (shape[-1],), w, eps),
+                               rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("B,T,H,Hkv,Dh", [(1, 1, 6, 2, 64), (3, 4, 4, 4, 8), (2, 7, 8, 1, 2), (1, 1, 32, 8, 128)])
+def test_rope_is_bitwise_the_eager_rope(B, T, H, Hkv, Dh):
+    g = torch.Generator().manual_seed(B * 100 + T)
+    q, k = torch.randn(B, T, H, Dh, generator=g), torch.randn(B, T, Hkv, Dh, generator=g)
+    ang = torch.rand(B, T, 1, Dh // 2, generator=g) * 100
+    cos = torch.cat((ang.cos(), ang.cos()), -1)
+    sin = torch.cat((-ang.sin(), ang.sin()), -1)
+    with torch.no_grad():
+        qo, ko = cpu_fused.rope(q, k, cos, sin)
+    assert torch.equal(qo, apply_rope(q, cos, sin)) and torch.equal(ko, apply_rope(k, cos, sin))
+
+
+def test_bad_inputs_are_named():
+    x, w = torch.randn(2, 8), torch.randn(8)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="x must be a contiguous float32 CPU tensor"):
+            cpu_fused.rms_norm(x.double(), w, 1e-5)
+        with pytest.raises(ValueError, match="x must be a contiguous"):
+            cpu_fused.rms_norm(torch.randn(8, 2).T, w, 1e-5)
+        with pytest.raises(ValueError, match=r"weight must have shape \[8\]"):
+            cpu_fused.rms_norm(x, torch.randn(7), 1e-5)
+        with pytest.raises(ValueError, match="residual must have x's shape"):
+            cpu_fused.rms_norm(x, w, 1e-5, torch.randn(3, 8))
+        q = torch.randn(1, 1, 2, 6)
+        with pytest.raises(ValueError, match="cos must have shape"):
+            cpu_fused.rope(q, q, torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 6))
+        with pytest.raises(ValueError, match="head_dim must be even"):
+            q5 = torch.randn(1, 1, 2, 5)
+            cpu_fused.rope(q5, q5, torch.randn(1, 1, 1, 5), torch.randn(1, 1, 1, 5))
+    with pytest.raises(RuntimeError, match="no backward"):
+        cpu_fused.rms_norm(x.requires_grad_(), w, 1e-5)
+
+
+def test_model_decode_with_native_ops_matches_the_eager_path(monkeypatch):
+    """Prefill + KV-cache decode steps under no_grad (native norm / RoPE) against the same forward with
+    autograd on (the eager ops), logits within fp32 summation-order tolerance."""
+    from llamarl.generation.kv_cache import KVCache
+
+    calls = {"rms_norm": 0, "rope": 0}
+    for name in calls:
+        def counted(*a, _f=getattr(cpu_fused, name), _n=name, **kw):
+            calls[_n] += 1
+            return _f(*a, **kw)
+        monkeypatch.setattr(cpu_fused, name, counted)
+
+    cfg = LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = Llama(cfg).eval()
+    ids = torch.randint(0, 97, (2, 9))
+    full = model(ids)  # autograd on: eager ops
+    cache = KVCache(cfg, max_batch_size=2, max_seq_len=16, dtype=torch.float32, device=torch.device("cpu"))
+    with torch.no_grad():
+        cache.set_start(torch.zeros(2, dtype=torch.long))
+        pre = model(ids[:, :6], 0, cache)
+        steps = [model(ids[:, t:t + 1], t, cache) for t in range(6, 9)]
+    got = torch.cat([pre] + steps, dim=1)
+    assert calls == {"rms_norm": 4 * (2 * 2 + 1), "rope": 4 * 2}  # 4 forwards x (2 norms/layer + final), 1 rope/layer
+    torch.testing.assert_close(got, full.detach(), rtol=1e-5, atol=1e-5)
