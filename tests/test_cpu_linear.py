@@ -19,7 +19,9 @@ from llamarl._native import linear_f32_cpu, native
 from llamarl.models.linear import Linear
 
 SHAPES = [(1, 1, 1), (1, 7, 5), (2, 15, 4), (3, 16, 13), (4, 17, 64), (5, 33, 3), (8, 384, 1001), (16, 1000, 37),
-          (13, 130, 257)]
+          (13, 130, 257),
+          # four-row tiles (AVX-512, M >= 5, K >= 512): input remainders of 1, 2 and 3, leftover rows, K tails
+          (5, 512, 9), (7, 513, 6), (6, 527, 4), (8, 768, 3)]
 
 
 def _check(M: int, K: int, N: int, threads: int = 1, seed: int = 0) -> None:
@@ -44,8 +46,9 @@ def test_matches_fp64_on_odd_shapes(M, K, N):
     _check(M, K, N)
 
 
-def test_threads_split_the_rows_without_changing_a_bit():
-    x, w = torch.randn(3, 512), torch.randn(4099, 512)
+@pytest.mark.parametrize("M, K", [(3, 512), (8, 768)])
+def test_threads_split_the_rows_without_changing_a_bit(M, K):
+    x, w = torch.randn(M, K), torch.randn(4099, K)  # 2 threads: the split falls inside a block of four rows
     torch.set_num_threads(1)
     one = linear_f32_cpu(x, w)
     torch.set_num_threads(2)
@@ -54,6 +57,8 @@ def test_threads_split_the_rows_without_changing_a_bit():
     finally:
         torch.set_num_threads(1)
     assert torch.equal(one, two)  # each output is one dot product, summed in the same order by any thread
+    # ... and by any tile: a row's result does not depend on the batch around it
+    assert all(torch.equal(linear_f32_cpu(x[m:m + 1], w), one[m:m + 1]) for m in range(M))
 
 
 @pytest.mark.parametrize("isa", ["avx2", "scalar"])

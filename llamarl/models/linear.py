@@ -10,7 +10,7 @@ from memory; torch's CPU GEMM/GEMV at 1-8 rows reads them well below the memory 
 
 to the native kernel ``llamarl._C.linear_f32_cpu`` (csrc/linear_cpu.cpp: one sequential pass over the
 weights, register-tiled fused multiply-adds, AVX-512 / AVX2 picked at load time; 2.6x torch for that
-weight at 1 row, 1.2-3x across the benchmark's shapes at 1-8 rows), and everything else — prefill,
+weight at 1 row, 1.1-5x across the benchmark's shapes at 1-8 rows), and everything else — prefill,
 training, other dtypes and devices — to ``F.linear``. Results differ from torch's only by fp32
 summation order. ``LLAMARL_CPU_LINEAR=0`` in the environment (read once, at import) turns the native
 path off, for A/B measurements.
