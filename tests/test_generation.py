@@ -78,6 +78,23 @@ def test_logprobs_equal_fp32_recomputation(models, params):
     assert worst < 5e-5
 
 
+def test_inverse_cdf_sampler_matches_the_distribution_and_skips_zeros():
+    from llamarl.generation.sampling import sample_inverse_cdf
+
+    p = torch.tensor([0.0, 0.1, 0.0, 0.25, 0.05, 0.6, 0.0])  # zeros first, inside and last
+    rows = 200_000
+    g = torch.Generator().manual_seed(7)
+    y = sample_inverse_cdf((p * 3).expand(rows, 7), g)  # unnormalised rows are fine
+    freq = torch.bincount(y, minlength=7).double() / rows
+    assert (freq[p == 0] == 0).all()
+    assert (freq - p.double()).abs().max().item() < 0.005  # binomial std <= 0.0011
+    one_hot = torch.zeros(3, 5)
+    one_hot[0, 0], one_hot[1, 4], one_hot[2, 2] = 1.0, 2.0, 1e-30
+    assert sample_inverse_cdf(one_hot, g).tolist() == [0, 4, 2]
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert torch.equal(sample_inverse_cdf(p.expand(50, 7), g1), sample_inverse_cdf(p.expand(50, 7), g2))
+
+
 def test_sampler_draws_from_the_truncated_distribution():
     torch.manual_seed(0)
     z = torch.randn(8) * 1.5

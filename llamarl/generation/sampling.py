@@ -13,8 +13,11 @@ sampling distribution). With top-k/top-p the reported μ is the pre-truncation o
 
 Drawing y ~ p: on CUDA, y = argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. (P[y = i] = p_i, since
 E_i / p_i are independent exponentials of rate p_i and the smallest wins), which needs no host
-synchronisation; on the CPU, ``torch.multinomial`` (one uniform per row instead of V exponentials).
-Both use an explicit ``torch.Generator``, so a seed fixes the whole generation on a given device.
+synchronisation; on the CPU, by the inverse CDF with one uniform per row: c = cumsum(p) in float64,
+y = the first i with c_i > u * c_{V-1}, u ~ U[0, 1), so P[y = i] = p_i / sum(p) and a zero-probability
+token (an empty interval) is never drawn. (``torch.multinomial`` draws V exponentials per row on the
+CPU: 660 us for one row of 32000 on the 2-core host, against 43 us.) Both use an explicit
+``torch.Generator``, so a seed fixes the whole generation on a given device.
 """
 
 from __future__ import annotations
@@ -108,5 +111,14 @@ def sample_tokens(
             noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
             tokens = (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
         else:
-            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            tokens = sample_inverse_cdf(probs, generator)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def sample_inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row of non-negative ``probs`` [N, V] (rows with a positive sum), drawn with
+    probability probs[i] / sum(probs): the first i whose float64 prefix sum exceeds u * total."""
+    cdf = probs.double().cumsum(dim=-1)
+    u = torch.rand((probs.shape[0], 1), dtype=torch.float64, device=probs.device, generator=generator)
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+    return tokens.clamp_(max=probs.shape[-1] - 1)  # u * total < total, so only a rounding could overshoot
