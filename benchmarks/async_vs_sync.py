@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.harness import Report
-from llamarl.config import load_config
+from llamarl.config_cli import load_config
 from llamarl.train import train
 
 

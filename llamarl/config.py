@@ -1,34 +1,33 @@
-"""Run configuration: one small frozen dataclass per component, named presets, YAML files, CLI overrides.
+"""Run configuration model: one small frozen dataclass per component, validated on construction.
 
     TrainConfig(policy, generator, trainer, reward, data, warm_start, run)
 
-Sources, lowest to highest precedence::
-
-    PRESETS[--preset]  <  --config FILE.yaml  <  named flags (--out, --mode, ...)  <  --set section.key=value
-
-The YAML file mirrors the dataclasses (``trainer: {lr: 3.0e-4}``); ``--set`` may repeat. Values given as
-text (CLI, or YAML strings such as ``3e-4``) are parsed by the field's type.
+Named presets live in ``llamarl.presets``; the command line and YAML files (``--preset``, ``--config``,
+named flags, ``--set``) are read by ``llamarl.config_cli``. ``TrainConfig.to_dict``/``to_yaml``/``save``
+write the YAML file format, which mirrors the dataclasses (``trainer: {lr: 3.0e-4}``), and
+``TrainConfig.from_dict`` reads it back. Values given as text (``_Text``: CLI, or YAML strings such as
+``3e-4``) are parsed by the field's type; plain ``str`` values from Python callers are not.
 
 Validation happens before any process starts, and every message starts with the field it is about
 ("trainer.lr: must be > 0, got -1"):
-* construction (``__post_init__``): unknown keys (with a did-you-mean), types, ranges, choices, and
-  cross-field rules (below); pure, no filesystem access, so presets and tests can build configs freely;
-* ``TrainConfig.check_environment()`` (called by ``load_config``): files and directories exist, CUDA is
-  there when asked for, a ``module:function`` reward imports, ``--out`` is not an earlier run.
+* construction (``__post_init__``): types, ranges, choices, and cross-field rules (below); building from a
+  dict rejects unknown sections and keys with a did-you-mean; pure, no filesystem access, so presets and
+  tests can build configs freely;
+* ``TrainConfig.check_environment()`` (called by ``llamarl.config_cli.load_config``): files and
+  directories exist, CUDA is there when asked for, a ``module:function`` reward imports, ``--out`` is not
+  an earlier run.
 
 Mode and staleness: ``mode="sync"`` if and only if ``max_staleness == 0`` (sync is async with no run-ahead,
-the baseline of every speed-up). When the command line / YAML sets only one of the two, the other
-follows (``--mode sync`` implies staleness 0; ``--max-staleness 0`` implies sync; ``--mode async`` keeps the
-preset's staleness if >= 1, else 1). Setting both inconsistently is an error.
+the baseline of every speed-up); a config that breaks this is an error (``llamarl.config_cli`` fills in
+the one of the two that a command line leaves out).
 
 Placement: ``trainer.ranks``/``trainer.parallel``, ``generator.tp``/``generator.replicas`` and
 ``reward.workers`` define the ``Layout``; ``run.layout`` ("trainer=2,generator=2x1,reward=2") is a shorthand
-that sets the items it names, and must agree with those fields if both are given.
+that must agree with those fields for the items it names (``llamarl.config_cli`` lets it set them).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import math
@@ -36,7 +35,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import yaml
 
@@ -382,108 +381,12 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig, "warm_start": WarmStartConfig, "run": RunConfig,
 }
 
-# Named flags: flag -> (dotted field, help).
-NAMED_FLAGS: dict[str, tuple[str, str]] = {
-    "--out": ("run.out", "run directory: metrics.jsonl, summary.json, config.yaml, checkpoints/"),
-    "--max-steps": ("run.max_steps", "RL steps to run"),
-    "--mode": ("run.mode", "async (generators run ahead, bounded staleness) or sync (lock step)"),
-    "--max-staleness": ("run.max_staleness", "policy versions a generator may run ahead (0 = sync)"),
-    "--model": ("policy.model", "built-in model name or Hugging Face Llama directory"),
-    "--dataset": ("data.dataset", "synthetic:NAME[:options] or a .jsonl/.parquet file"),
-    "--reward": ("reward.reward", f"{'|'.join(REWARD_NAMES)}, module:function or file.py:function"),
-    "--resume": ("run.resume", "run (or checkpoint) directory to continue from"),
-    "--layout": ("run.layout", "placement, e.g. trainer=2,generator=2x1,reward=2 (generator = TP x replicas)"),
-    "--seed": ("run.seed", "random seed"),
-    "--device": ("run.device", "auto, cpu or cuda"),
-}
-
-
-def add_config_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--preset``, ``--config``, ``--set`` and the named flags to ``parser`` (for entry points)."""
-    parser.add_argument("--preset", default="default", help=f"named preset: {', '.join(_presets())}")
-    parser.add_argument("--config", metavar="FILE.yaml", help="YAML file with sections as in TrainConfig")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override one field, e.g. --set trainer.lr=3e-4 (repeatable; wins over all)")
-    for flag, (dotted, help_text) in NAMED_FLAGS.items():
-        parser.add_argument(flag, dest=_dest(flag), metavar=dotted.split(".")[1].upper(), help=help_text)
-    return parser
-
-
-def config_from_args(args: argparse.Namespace, *, check_environment: bool = True) -> TrainConfig:
-    """The ``TrainConfig`` described by parsed ``add_config_args`` arguments (see module docstring)."""
-    presets = _presets()
-    if args.preset not in presets:
-        _fail("--preset", f"unknown preset{_did_you_mean(args.preset, presets)}; presets: {', '.join(presets)}",
-              args.preset)
-    data = presets[args.preset].to_dict()
-    explicit: set[str] = set()
-    if args.config:
-        path = Path(args.config)
-        if not path.is_file():
-            _fail("--config", "no such file", args.config)
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            _fail("--config", f"{path} is not valid YAML: {exc}")
-        if not isinstance(loaded, dict):
-            _fail("--config", f"{path} must hold a mapping of sections (policy:, trainer:, ...)")
-        data = _merge(data, _as_text(loaded), str(path))
-        explicit |= {f"{s}.{k}" for s, sec in loaded.items() for k in (sec or {})}
-    overrides: list[tuple[str, str]] = []
-    for flag, (dotted, _) in NAMED_FLAGS.items():
-        value = getattr(args, _dest(flag))
-        if value is not None:
-            overrides.append((dotted, value))
-    for item in args.overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            _fail("--set", "expects SECTION.KEY=VALUE, e.g. --set trainer.lr=3e-4", item)
-        overrides.append((key.strip(), value.strip()))
-    for dotted, value in overrides:
-        section, _, name = dotted.partition(".")
-        data = _merge(data, {section: {name: _Text(value)}}, "command line")
-        explicit.add(dotted)
-    _apply_layout_shorthand(data, explicit)
-    _apply_mode_rule(data, explicit, presets[args.preset])
-    run = data["run"]
-    if run.get("resume") is not None and run.get("out") is None:
-        resume = Path(str(run["resume"]))
-        run["out"] = str(resume.parent.parent if resume.parent.name == "checkpoints" else resume)
-    config = _build(data)
-    if check_environment:
-        config.check_environment()
-    return config
-
-
-def load_config(argv: Sequence[str] | None = None, *, check_environment: bool = True) -> TrainConfig:
-    """Parse a command line (``sys.argv[1:]`` if None) into a validated ``TrainConfig``."""
-    parser = add_config_args(argparse.ArgumentParser(prog="llamarl.train", allow_abbrev=False,
-                                                     description=__doc__.split("\n")[0]))
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        flag = unknown[0].split("=")[0]
-        flags = [a for action in parser._actions for a in action.option_strings]
-        _fail(flag, f"unknown option{_did_you_mean(flag, flags)}; see --help")
-    return config_from_args(args, check_environment=check_environment)
-
 
 # -------------------------------------------------------------------- internals
 class _Text(str):
     """A value given as text (CLI, YAML strings): parsed according to the field's type.
 
     Plain ``str`` values (Python callers) are not parsed, so ``GeneratorConfig(tp="2")`` is an error."""
-
-
-def _as_text(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: _as_text(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_as_text(v) for v in obj]
-    return _Text(obj) if isinstance(obj, str) else obj
-
-
-def _dest(flag: str) -> str:
-    return "flag_" + flag.lstrip("-").replace("-", "_")
 
 
 def _did_you_mean(word: str, options) -> str:
@@ -534,30 +437,6 @@ def _layout_fields(spec: str) -> dict[str, Any]:
     if "device" in named:
         fields["run.device"] = layout.device
     return fields
-
-
-def _apply_layout_shorthand(data: dict, explicit: set[str]) -> None:
-    spec = data["run"].get("layout")
-    if spec is None:
-        return
-    for key, value in _layout_fields(str(spec)).items():
-        if key not in explicit:
-            section, name = key.split(".")
-            data[section][name] = value
-
-
-def _apply_mode_rule(data: dict, explicit: set[str], preset: TrainConfig) -> None:
-    run = data["run"]
-    mode_set, stale_set = "run.mode" in explicit, "run.max_staleness" in explicit
-    if mode_set and not stale_set:
-        mode = str(run["mode"])
-        run["max_staleness"] = 0 if mode == "sync" else max(1, preset.run.max_staleness)
-    elif stale_set and not mode_set:
-        try:
-            stale = int(str(run["max_staleness"]))
-        except ValueError:
-            return  # the type check reports it with the field name
-        run["mode"] = "sync" if stale == 0 else "async"
 
 
 def _plain(value: Any) -> Any:
@@ -620,9 +499,3 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             _fail(path, "must be a string", value)
         return str(value)
     raise TypeError(f"{path}: unsupported annotation {tp!r} in config dataclass")
-
-
-def _presets() -> dict[str, TrainConfig]:
-    from llamarl.presets import PRESETS  # presets build on the dataclasses above
-
-    return PRESETS

@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 from llamarl.checkpoint import load_latest
-from llamarl.config import ConfigError, TrainConfig, load_config
+from llamarl.config import ConfigError, TrainConfig
+from llamarl.config_cli import load_config
 from llamarl.controller import Controller, Executors
 from llamarl.eval import evaluate
 from llamarl.models import CharTokenizer, Llama, LLAMA_CONFIGS, load_tokenizer

@@ -1,5 +1,5 @@
-"""llamarl.config: presets, YAML, CLI precedence, the mode/staleness rule, layout shorthand, and that every
-validation error starts with the name of the field it is about."""
+"""llamarl.config and llamarl.config_cli: presets, YAML, CLI precedence, the mode/staleness rule, layout
+shorthand, and that every validation error starts with the name of the field it is about."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from llamarl.config import (
     RunConfig,
     TrainConfig,
     TrainerConfig,
-    load_config,
 )
+from llamarl.config_cli import load_config
 from llamarl.presets import PRESETS
 from llamarl.runtime import Layout
 

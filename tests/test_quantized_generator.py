@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from dist_harness import random_model
-from llamarl.config import ConfigError, TrainerConfig, load_config
+from llamarl.config import ConfigError, TrainerConfig
+from llamarl.config_cli import load_config
 from llamarl.executors.generator import GeneratorExecutor
 from llamarl.executors.trainer import TrainerExecutor
 from llamarl.generation import SamplingParams, generate

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from llamarl.config import load_config
+from llamarl.config_cli import load_config
 from llamarl.train import main, train
 
 SMOKE = ["--preset", "smoke", "--set", "warm_start.steps=3"]

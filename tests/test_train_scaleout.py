@@ -31,7 +31,8 @@ import pytest
 import torch
 
 from dist_harness import random_model, single_process_train_step
-from llamarl.config import TrainerConfig, load_config
+from llamarl.config import TrainerConfig
+from llamarl.config_cli import load_config
 from llamarl.generation import SamplingParams, generate
 from llamarl.models import Llama, LlamaConfig
 from llamarl.rollouts import Rollout, collate

@@ -1,0 +1,163 @@
+"""Run configuration: one small frozen dataclass per component, named presets, YAML files, CLI overrides.
+
+The command-line / YAML-file layer for entry points (``python -m llamarl.train``, benchmarks, tests) over
+``llamarl.config`` (the dataclasses and their validation) and ``llamarl.presets`` (the named presets):
+``add_config_args`` adds the flags to a parser, ``config_from_args`` turns the parsed flags into a
+``TrainConfig``, ``load_config`` does both for a whole command line. The first line of this docstring is
+the ``--help`` description.
+
+Sources, lowest to highest precedence::
+
+    PRESETS[--preset]  <  --config FILE.yaml  <  named flags (--out, --mode, ...)  <  --set section.key=value
+
+The YAML file mirrors the dataclasses (``trainer: {lr: 3.0e-4}``); ``--set`` may repeat. Values given as
+text (CLI, or YAML strings such as ``3e-4``) are parsed by the field's type.
+
+Validation happens before any process starts, and every message starts with the field or flag it is about
+("trainer.lr: must be > 0, got -1", "--set: expects SECTION.KEY=VALUE"): unknown presets, files, sections,
+keys and options get a did-you-mean; the dataclasses check the values; ``load_config`` then calls
+``TrainConfig.check_environment()`` (files and directories exist, CUDA is there when asked for, a
+``module:function`` reward imports, ``--out`` is not an earlier run).
+
+Mode and staleness: a config needs ``mode="sync"`` if and only if ``max_staleness == 0``. When the command
+line / YAML sets only one of the two, the other follows (``--mode sync`` implies staleness 0;
+``--max-staleness 0`` implies sync; ``--mode async`` keeps the preset's staleness if >= 1, else 1). Setting
+both inconsistently is an error.
+
+Layout shorthand: ``run.layout`` / ``--layout`` ("trainer=2,generator=2x1,reward=2") sets the fields of the
+items it names (``trainer.ranks``/``trainer.parallel``, ``generator.tp``/``generator.replicas``,
+``reward.workers``, ``run.device``) unless they are given explicitly as well, in which case they must agree.
+``--resume DIR`` without ``--out`` continues in the run directory DIR belongs to.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from llamarl.config import (REWARD_NAMES, TrainConfig, _build, _did_you_mean, _fail, _layout_fields, _merge,
+                            _Text)
+from llamarl.presets import PRESETS
+
+# Named flags: flag -> (dotted field, help).
+NAMED_FLAGS: dict[str, tuple[str, str]] = {
+    "--out": ("run.out", "run directory: metrics.jsonl, summary.json, config.yaml, checkpoints/"),
+    "--max-steps": ("run.max_steps", "RL steps to run"),
+    "--mode": ("run.mode", "async (generators run ahead, bounded staleness) or sync (lock step)"),
+    "--max-staleness": ("run.max_staleness", "policy versions a generator may run ahead (0 = sync)"),
+    "--model": ("policy.model", "built-in model name or Hugging Face Llama directory"),
+    "--dataset": ("data.dataset", "synthetic:NAME[:options] or a .jsonl/.parquet file"),
+    "--reward": ("reward.reward", f"{'|'.join(REWARD_NAMES)}, module:function or file.py:function"),
+    "--resume": ("run.resume", "run (or checkpoint) directory to continue from"),
+    "--layout": ("run.layout", "placement, e.g. trainer=2,generator=2x1,reward=2 (generator = TP x replicas)"),
+    "--seed": ("run.seed", "random seed"),
+    "--device": ("run.device", "auto, cpu or cuda"),
+}
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--preset``, ``--config``, ``--set`` and the named flags to ``parser`` (for entry points)."""
+    parser.add_argument("--preset", default="default", help=f"named preset: {', '.join(PRESETS)}")
+    parser.add_argument("--config", metavar="FILE.yaml", help="YAML file with sections as in TrainConfig")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one field, e.g. --set trainer.lr=3e-4 (repeatable; wins over all)")
+    for flag, (dotted, help_text) in NAMED_FLAGS.items():
+        parser.add_argument(flag, dest=_dest(flag), metavar=dotted.split(".")[1].upper(), help=help_text)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace, *, check_environment: bool = True) -> TrainConfig:
+    """The ``TrainConfig`` described by parsed ``add_config_args`` arguments (see module docstring)."""
+    if args.preset not in PRESETS:
+        _fail("--preset", f"unknown preset{_did_you_mean(args.preset, PRESETS)}; presets: {', '.join(PRESETS)}",
+              args.preset)
+    data = PRESETS[args.preset].to_dict()
+    explicit: set[str] = set()
+    if args.config:
+        path = Path(args.config)
+        if not path.is_file():
+            _fail("--config", "no such file", args.config)
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            _fail("--config", f"{path} is not valid YAML: {exc}")
+        if not isinstance(loaded, dict):
+            _fail("--config", f"{path} must hold a mapping of sections (policy:, trainer:, ...)")
+        data = _merge(data, _as_text(loaded), str(path))
+        explicit |= {f"{s}.{k}" for s, sec in loaded.items() for k in (sec or {})}
+    overrides: list[tuple[str, str]] = []
+    for flag, (dotted, _) in NAMED_FLAGS.items():
+        value = getattr(args, _dest(flag))
+        if value is not None:
+            overrides.append((dotted, value))
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            _fail("--set", "expects SECTION.KEY=VALUE, e.g. --set trainer.lr=3e-4", item)
+        overrides.append((key.strip(), value.strip()))
+    for dotted, value in overrides:
+        section, _, name = dotted.partition(".")
+        data = _merge(data, {section: {name: _Text(value)}}, "command line")
+        explicit.add(dotted)
+    _apply_layout_shorthand(data, explicit)
+    _apply_mode_rule(data, explicit, PRESETS[args.preset])
+    run = data["run"]
+    if run.get("resume") is not None and run.get("out") is None:
+        resume = Path(str(run["resume"]))
+        run["out"] = str(resume.parent.parent if resume.parent.name == "checkpoints" else resume)
+    config = _build(data)
+    if check_environment:
+        config.check_environment()
+    return config
+
+
+def load_config(argv: Sequence[str] | None = None, *, check_environment: bool = True) -> TrainConfig:
+    """Parse a command line (``sys.argv[1:]`` if None) into a validated ``TrainConfig``."""
+    parser = add_config_args(argparse.ArgumentParser(prog="llamarl.train", allow_abbrev=False,
+                                                     description=__doc__.split("\n")[0]))
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flag = unknown[0].split("=")[0]
+        flags = [a for action in parser._actions for a in action.option_strings]
+        _fail(flag, f"unknown option{_did_you_mean(flag, flags)}; see --help")
+    return config_from_args(args, check_environment=check_environment)
+
+
+# -------------------------------------------------------------------- internals
+def _as_text(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _as_text(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_as_text(v) for v in obj]
+    return _Text(obj) if isinstance(obj, str) else obj
+
+
+def _dest(flag: str) -> str:
+    return "flag_" + flag.lstrip("-").replace("-", "_")
+
+
+def _apply_layout_shorthand(data: dict, explicit: set[str]) -> None:
+    spec = data["run"].get("layout")
+    if spec is None:
+        return
+    for key, value in _layout_fields(str(spec)).items():
+        if key not in explicit:
+            section, name = key.split(".")
+            data[section][name] = value
+
+
+def _apply_mode_rule(data: dict, explicit: set[str], preset: TrainConfig) -> None:
+    run = data["run"]
+    mode_set, stale_set = "run.mode" in explicit, "run.max_staleness" in explicit
+    if mode_set and not stale_set:
+        mode = str(run["mode"])
+        run["max_staleness"] = 0 if mode == "sync" else max(1, preset.run.max_staleness)
+    elif stale_set and not mode_set:
+        try:
+            stale = int(str(run["max_staleness"]))
+        except ValueError:
+            return  # the type check reports it with the field name
+        run["mode"] = "sync" if stale == 0 else "async"
