@@ -28,6 +28,9 @@
 
 #include "linear_cpu.h"
 #include "thread_pool.h"
+#ifdef LLAMARL_X86
+#include "simd_x86.h"
+#endif
 
 namespace llamarl {
 namespace {
@@ -43,15 +46,6 @@ void tile_scalar(const float* w, const float* const* x, int64_t K, float* out) {
 
 #ifdef LLAMARL_X86
 // ----------------------------------------------------------------------------------- reductions
-// The horizontal sums of 8 vectors at once: lane i of the result = the sum of v[i]'s 8 lanes (two rounds
-// of pairwise hadd, then the two 128-bit halves added): 9 instructions for 8 dot products.
-__attribute__((target("avx2,fma"))) inline __m256 hsum8x8(const __m256* v) {
-  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
-  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
 // out[i] = the sum of the lanes of v[i], i < n, for n <= 16 vectors (padded to groups of 8 with zeros).
 __attribute__((target("avx2,fma"))) inline void hsum_many(__m256* v, int n, float* out) {
   for (int g = 0; g < n; g += 8) {
@@ -95,10 +89,7 @@ __attribute__((target("avx512f,avx2,fma"))) void tile_avx512(const float* w, con
     for (int m = 0; m < MC; ++m) acc[m] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x[m] + k), acc[m]);
   }
   __m256 halves[MC];  // fold each 16-lane accumulator to 8 lanes, then sum 8 at a time
-  for (int m = 0; m < MC; ++m) {
-    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[m]), 1));
-    halves[m] = _mm256_add_ps(_mm512_castps512_ps256(acc[m]), hi);
-  }
+  for (int m = 0; m < MC; ++m) halves[m] = fold16(acc[m]);
   hsum_many(halves, MC, out);
 }
 
@@ -130,10 +121,7 @@ __attribute__((target("avx512f,avx2,fma"))) void tile4_avx512(const float* w, co
   }
   __m256 halves[4 * MC];
   for (int r = 0; r < 4; ++r)
-    for (int m = 0; m < MC; ++m) {
-      const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][m]), 1));
-      halves[r * MC + m] = _mm256_add_ps(_mm512_castps512_ps256(acc[r][m]), hi);
-    }
+    for (int m = 0; m < MC; ++m) halves[r * MC + m] = fold16(acc[r][m]);
   hsum_many(halves, 4 * MC, out);
 }
 #endif
