@@ -16,6 +16,7 @@
 
 #include "copy_engine.h"
 #include "cuda_ipc.h"
+#include "attention_cpu.h"
 #include "fused_cpu.h"
 #include "linear_cpu.h"
 #include "shm.h"
@@ -231,6 +232,21 @@ PYBIND11_MODULE(_C, m) {
         py::arg("x"), py::arg("cos"), py::arg("signed_sin"), py::arg("out"), py::arg("tokens"), py::arg("heads"),
         py::arg("head_dim"),
         "RoPE of [tokens, heads, head_dim] contiguous fp32 host buffers (cos / signed_sin [tokens, head_dim]).");
+  m.def("decode_attention_f32_cpu",
+        [](uint64_t q, uint64_t k, uint64_t v, uint64_t mask, uint64_t out, int64_t B, int64_t Hkv, int64_t G,
+           int64_t S, int64_t D, int64_t k_sb, int64_t k_sh, int64_t k_ss, int64_t v_sb, int64_t v_sh, int64_t v_ss,
+           int64_t mask_sb, float scale, int num_threads) {
+          py::gil_scoped_release nogil;
+          llamarl::decode_attention_f32_cpu(reinterpret_cast<const float*>(q), reinterpret_cast<const float*>(k),
+                                            reinterpret_cast<const float*>(v), reinterpret_cast<const float*>(mask),
+                                            reinterpret_cast<float*>(out), B, Hkv, G, S, D, k_sb, k_sh, k_ss, v_sb,
+                                            v_sh, v_ss, mask_sb, scale, num_threads);
+        },
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("out"), py::arg("B"), py::arg("Hkv"),
+        py::arg("G"), py::arg("S"), py::arg("D"), py::arg("k_sb"), py::arg("k_sh"), py::arg("k_ss"), py::arg("v_sb"),
+        py::arg("v_sh"), py::arg("v_ss"), py::arg("mask_sb"), py::arg("scale"), py::arg("num_threads") = 1,
+        "Decode attention over fp32 host buffers given by address and element strides (mask = 0: none); "
+        "GIL released.");
   m.def("cuda_device_count", &llamarl::cuda_device_count);
   m.def("cuda_runtime_version", &llamarl::cuda_runtime_version);
   m.def("copy_ops_cuda",

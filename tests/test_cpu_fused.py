@@ -84,7 +84,7 @@ def test_model_decode_with_native_ops_matches_the_eager_path(monkeypatch):
     autograd on (the eager ops), logits within fp32 summation-order tolerance."""
     from llamarl.generation.kv_cache import KVCache
 
-    calls = {"rms_norm": 0, "rope": 0}
+    calls = {"rms_norm": 0, "rope": 0, "decode_attention": 0}
     for name in calls:
         def counted(*a, _f=getattr(cpu_fused, name), _n=name, **kw):
             calls[_n] += 1
@@ -103,5 +103,58 @@ def test_model_decode_with_native_ops_matches_the_eager_path(monkeypatch):
         pre = model(ids[:, :6], 0, cache)
         steps = [model(ids[:, t:t + 1], t, cache) for t in range(6, 9)]
     got = torch.cat([pre] + steps, dim=1)
-    assert calls == {"rms_norm": 4 * (2 * 2 + 1), "rope": 4 * 2}  # 4 forwards x (2 norms/layer + final), 1 rope/layer
+    # 4 forwards x (2 norms per layer + the final one), one RoPE per layer; attention in the 3 decode steps
+    assert calls == {"rms_norm": 4 * (2 * 2 + 1), "rope": 4 * 2, "decode_attention": 3 * 2}
     torch.testing.assert_close(got, full.detach(), rtol=1e-5, atol=1e-5)
+
+
+def _attention_ref(q, k, v, mask):
+    """float64 softmax(q kᵀ / sqrt(Dh) + mask) v, q [B, Hkv, G, Dh], k/v [B, Hkv, S, Dh], mask [B, 1, 1, S]."""
+    s = q.double() @ k.double().transpose(-1, -2) / q.shape[-1] ** 0.5
+    if mask is not None:
+        s = s + mask.double()
+    return torch.softmax(s, dim=-1) @ v.double()
+
+
+@pytest.mark.parametrize("B,Hkv,G,S,Dh", [(1, 2, 3, 1, 64), (4, 2, 3, 37, 64), (3, 1, 1, 16, 8), (2, 4, 2, 70, 24),
+                                          (5, 2, 4, 33, 128)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_decode_attention_matches_float64(B, Hkv, G, S, Dh, masked):
+    g = torch.Generator().manual_seed(B * 1000 + S)
+    q = torch.randn(B, Hkv, G, Dh, generator=g)
+    cache_k = torch.randn(B + 1, Hkv, S + 9, Dh, generator=g) * 2  # the op reads strided slices of a cache
+    cache_v = torch.randn(B + 1, Hkv, S + 9, Dh, generator=g)
+    k, v = cache_k[:B, :, :S], cache_v[:B, :, :S]
+    mask = None
+    if masked:  # left padding: row b sees slots [start_b, S)
+        start = torch.randint(0, S, (B,), generator=g)
+        visible = torch.arange(S)[None, :] >= start[:, None]
+        mask = torch.where(visible, 0.0, float("-inf"))[:, None, None, :].contiguous()
+    with torch.no_grad():
+        out = cpu_fused.decode_attention(q, k, v, mask)
+        torch.set_num_threads(2)
+        try:
+            out2 = cpu_fused.decode_attention(q, k, v, mask)
+        finally:
+            torch.set_num_threads(1)
+    ref = _attention_ref(q, k, v, mask)
+    assert out.shape == q.shape and torch.equal(out, out2)  # one (row, kv head) per thread: no bit depends on it
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-6)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else
+                                                            mask.expand(B, 1, G, S))
+    torch.testing.assert_close(out, sdpa, rtol=2e-5, atol=2e-6)
+
+
+def test_decode_attention_edge_cases():
+    q, k, v = torch.randn(2, 1, 2, 16), torch.randn(2, 1, 5, 16), torch.randn(2, 1, 5, 16)
+    mask = torch.zeros(2, 1, 1, 5)
+    mask[1] = float("-inf")  # a row that sees nothing: NaN, as torch's SDPA gives
+    mask[0, ..., 1:] = float("-inf")  # a row that sees one slot: exactly that slot's value
+    with torch.no_grad():
+        out = cpu_fused.decode_attention(q, k, v, mask)
+        assert torch.isnan(out[1]).all()
+        torch.testing.assert_close(out[0, 0], v[0, 0, :1].expand(2, 16), rtol=0, atol=0)
+        with pytest.raises(ValueError, match="k must be float32"):
+            cpu_fused.decode_attention(q, k.double(), v, mask)
+        with pytest.raises(ValueError, match="mask must be float32"):
+            cpu_fused.decode_attention(q, k, v, mask[:, :, :, :4])

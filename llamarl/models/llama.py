@@ -51,7 +51,8 @@ H200 in bf16). A Llama-3.2-1B decode forward then launches 272 kernels instead o
 layer instead of 41), and its CUDA-graph replay takes 1.40 ms instead of 1.94 ms on an H200. For
 contiguous fp32 activations on the CPU with autograd off, RMSNorm (with the add) and RoPE run as
 native C++ ops instead (llamarl.models.cpu_fused: RoPE bitwise equal to eager, the norm's mean summed
-in double), which removes ~16 eager torch calls per layer from a CPU decode step. Autograd, fp64 and the
+in double), which removes ~16 eager torch calls per layer from a CPU decode step, and so does decode
+attention (one query per row, summed in another order than torch's SDPA). Autograd, fp64 and the
 remaining layouts run the eager code below. ``LLAMARL_FUSED_OPS=0`` in the environment (read once, at
 import: ``FUSED_OPS``) turns both off, for A/B measurements; when they are on, a failing kernel raises,
 it never falls back.
@@ -194,8 +195,11 @@ class Attention(nn.Module):
         if T == 1:
             # Decode: the G query heads sharing a kv head are stacked along the query axis,
             # [B, Hkv, G, Dh], so K/V are read once per kv head and never repeated.
-            mask = None if ctx.mask is None else ctx.mask.expand(B, 1, G, k.shape[2])
-            out = F.scaled_dot_product_attention(q.view(B, Hkv, G, Dh), k, v, attn_mask=mask)
+            if ops is cpu_fused:
+                out = cpu_fused.decode_attention(q.view(B, Hkv, G, Dh), k, v, ctx.mask)
+            else:
+                mask = None if ctx.mask is None else ctx.mask.expand(B, 1, G, k.shape[2])
+                out = F.scaled_dot_product_attention(q.view(B, Hkv, G, Dh), k, v, attn_mask=mask)
         elif ctx.mask is None:  # plain causal self-attention over the whole sequence
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, enable_gqa=G > 1)
             out = out.transpose(1, 2)  # [B, T, H, Dh]
