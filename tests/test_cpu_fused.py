@@ -158,3 +158,23 @@ def test_decode_attention_edge_cases():
             cpu_fused.decode_attention(q, k.double(), v, mask)
         with pytest.raises(ValueError, match="mask must be float32"):
             cpu_fused.decode_attention(q, k, v, mask[:, :, :, :4])
+
+
+def test_portable_attention_path():
+    """Hosts without AVX-512 run the portable decode attention: the same checks in a process where
+    LLAMARL_CPU_ISA=avx2 caps the instruction set (the attention kernel has AVX-512 and portable paths)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import itertools, torch; import tests.test_cpu_fused as t\n"
+            "for shape, masked in itertools.product([(4, 2, 3, 37, 64), (3, 1, 1, 16, 8), (2, 4, 2, 70, 24)], "
+            "[False, True]):\n"
+            "    t.test_decode_attention_matches_float64(*shape, masked)\n"
+            "t.test_decode_attention_edge_cases()\n"
+            "from llamarl._native import native; print(native().linear_cpu_isa())")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, LLAMARL_CPU_ISA="avx2"), cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] in ("avx2+fma", "scalar")
