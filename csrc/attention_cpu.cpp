@@ -11,8 +11,7 @@
 // sums differs from torch's, so results agree to fp32 rounding, not bitwise. Work is split over the
 // (b, h) pairs on the shared thread pool.
 //
-// Instruction sets: AVX-512 (16-lane dot products, axpy and a vectorised exp: Cody-Waite range reduction
-// to |r| <= ln2/2 and a degree-6 Taylor polynomial, relative error ~3e-7, then scaling by 2^n) when
+// Instruction sets: AVX-512 (16-lane dot products, axpy and the vectorised exp of simd_x86.h) when
 // linear_cpu picked it at load time, else portable C++ with std::exp.
 #include "attention_cpu.h"
 
@@ -82,24 +81,6 @@ void head_scalar(const Problem& P, int64_t b, int64_t h, std::vector<float>& sco
 // ------------------------------------------------------------------------------------- AVX-512
 __attribute__((target("avx512f,avx2,fma"))) inline __mmask16 tail_mask(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
-}
-
-// exp(x) for x <= 0 (scores minus their max); x below -104 (and -inf) gives exactly 0.
-__attribute__((target("avx512f,avx2,fma"))) inline __m512 exp_nonpositive_avx512(__m512 x) {
-  const __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.0f), _CMP_LT_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 split: hi exact in 10 bits
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~zero), _mm512_scalef_ps(p, n));
 }
 
 __attribute__((target("avx512f,avx2,fma"))) void head_avx512(const Problem& P, int64_t b, int64_t h,

@@ -19,6 +19,7 @@
 #include "attention_cpu.h"
 #include "fused_cpu.h"
 #include "linear_cpu.h"
+#include "sampling_cpu.h"
 #include "shm.h"
 #include "sync_ctl.h"
 
@@ -247,6 +248,18 @@ PYBIND11_MODULE(_C, m) {
         py::arg("v_sh"), py::arg("v_ss"), py::arg("mask_sb"), py::arg("scale"), py::arg("num_threads") = 1,
         "Decode attention over fp32 host buffers given by address and element strides (mask = 0: none); "
         "GIL released.");
+  m.def("sample_f32_cpu",
+        [](uint64_t logits, int64_t N, int64_t V, float temperature, uint64_t u, uint64_t tokens, uint64_t logprobs,
+           int num_threads) {
+          py::gil_scoped_release nogil;
+          llamarl::sample_f32_cpu(reinterpret_cast<const float*>(logits), N, V, temperature,
+                                  reinterpret_cast<const double*>(u), reinterpret_cast<int64_t*>(tokens),
+                                  reinterpret_cast<float*>(logprobs), num_threads);
+        },
+        py::arg("logits"), py::arg("N"), py::arg("V"), py::arg("temperature"), py::arg("u"), py::arg("tokens"),
+        py::arg("logprobs"), py::arg("num_threads") = 1,
+        "One token and its log-prob per row of fp32 logits [N, V] (by address): greedy for temperature 0, else "
+        "inverse-CDF sampling with the float64 uniforms u [N]; GIL released.");
   m.def("cuda_device_count", &llamarl::cuda_device_count);
   m.def("cuda_runtime_version", &llamarl::cuda_runtime_version);
   m.def("copy_ops_cuda",
