@@ -11,8 +11,8 @@
 // sums differs from torch's, so results agree to fp32 rounding, not bitwise. Work is split over the
 // (b, h) pairs on the shared thread pool.
 //
-// Instruction sets: AVX-512 (16-lane dot products, axpy and the vectorised exp of simd_x86.h) when
-// linear_cpu picked it at load time, else portable C++ with std::exp.
+// Instruction sets: AVX-512 (16-lane dot products, axpy and the vectorised exp of cpu_simd.h) when
+// linear_cpu picked it at load time (cpu_uses_avx512), else portable C++ with std::exp.
 #include "attention_cpu.h"
 
 #include <algorithm>
@@ -21,16 +21,9 @@
 #include <stdexcept>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define LLAMARL_X86 1
-#endif
-
+#include "cpu_simd.h"
 #include "linear_cpu.h"
 #include "thread_pool.h"
-#ifdef LLAMARL_X86
-#include "simd_x86.h"
-#endif
 
 namespace llamarl {
 namespace {
@@ -46,15 +39,26 @@ struct Problem {
   float scale;
 };
 
+// The operands of one (row b, kv head h) pair.
+struct Head {
+  const float* q;     // [G, D]
+  float* out;         // [G, D]
+  const float* k;     // slot j at k + j * k_ss
+  const float* v;     // slot j at v + j * v_ss
+  const float* mask;  // [S], or null
+};
+
+Head head_at(const Problem& P, int64_t b, int64_t h) {
+  const int64_t first = (b * P.Hkv + h) * P.G * P.D;
+  return {P.q + first, P.out + first, P.k + b * P.k_sb + h * P.k_sh, P.v + b * P.v_sb + h * P.v_sh,
+          P.mask ? P.mask + b * P.mask_sb : nullptr};
+}
+
 // ------------------------------------------------------------------------------------- portable
-void head_scalar(const Problem& P, int64_t b, int64_t h, std::vector<float>& scores) {
+void head_scalar(const Problem& P, const Head& H, std::vector<float>& scores) {
   const int64_t G = P.G, S = P.S, D = P.D;
-  const float* q = P.q + (b * P.Hkv + h) * G * D;
-  float* out = P.out + (b * P.Hkv + h) * G * D;
-  const float* kb = P.k + b * P.k_sb + h * P.k_sh;
-  const float* vb = P.v + b * P.v_sb + h * P.v_sh;
-  const float* mask = P.mask ? P.mask + b * P.mask_sb : nullptr;
-  scores.resize(static_cast<size_t>(G * S));
+  const float *q = H.q, *kb = H.k, *vb = H.v, *mask = H.mask;
+  float* out = H.out;
   for (int64_t j = 0; j < S; ++j) {
     const float* kr = kb + j * P.k_ss;
     for (int64_t g = 0; g < G; ++g) {
@@ -83,15 +87,11 @@ __attribute__((target("avx512f,avx2,fma"))) inline __mmask16 tail_mask(int64_t n
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
 }
 
-__attribute__((target("avx512f,avx2,fma"))) void head_avx512(const Problem& P, int64_t b, int64_t h,
-                                                    std::vector<float>& scores) {
+__attribute__((target("avx512f,avx2,fma"))) void head_avx512(const Problem& P, const Head& H,
+                                                                std::vector<float>& scores) {
   const int64_t G = P.G, S = P.S, D = P.D;
-  const float* q = P.q + (b * P.Hkv + h) * G * D;
-  float* out = P.out + (b * P.Hkv + h) * G * D;
-  const float* kb = P.k + b * P.k_sb + h * P.k_sh;
-  const float* vb = P.v + b * P.v_sb + h * P.v_sh;
-  const float* mask = P.mask ? P.mask + b * P.mask_sb : nullptr;
-  scores.resize(static_cast<size_t>(G * S));
+  const float *q = H.q, *kb = H.k, *vb = H.v, *mask = H.mask;
+  float* out = H.out;
   // Scores, 8 keys at a time: 16-lane partial dot products, folded and summed 8 at once (hsum8x8),
   // instead of one full horizontal reduction per key.
   for (int64_t j0 = 0; j0 < S; j0 += 8) {
@@ -149,11 +149,12 @@ __attribute__((target("avx512f,avx2,fma"))) void head_avx512(const Problem& P, i
 #endif
 
 void head(const Problem& P, int64_t b, int64_t h, std::vector<float>& scores) {
+  const Head H = head_at(P, b, h);
+  scores.resize(static_cast<size_t>(P.G * P.S));
 #ifdef LLAMARL_X86
-  static const bool avx512 = linear_cpu_isa() == "avx512f";  // first call: after static initialisation
-  if (avx512) return head_avx512(P, b, h, scores);
+  if (cpu_uses_avx512()) return head_avx512(P, H, scores);
 #endif
-  head_scalar(P, b, h, scores);
+  head_scalar(P, H, scores);
 }
 
 }  // namespace

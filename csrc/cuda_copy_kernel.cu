@@ -35,12 +35,7 @@ constexpr int kThreads = 512;
 constexpr int kBatch = 384;  // segments per launch: 384 * 80 B + 16 B stays under the 32764-byte limit
 
 struct KernelSegment {
-  const uint8_t* src;
-  uint8_t* dst;
-  int64_t rows;
-  int64_t row_bytes;
-  int64_t src_stride;
-  int64_t dst_stride;
+  Segment s;               // contiguous 2-D segments flattened to one row
   int64_t rows_per_unit;   // >= 1
   int64_t chunks_per_row;  // >= 1
   int64_t unit_begin;      // global index of this segment's first unit
@@ -55,7 +50,7 @@ struct SegmentBatch {
 static_assert(sizeof(SegmentBatch) <= 32764, "kernel parameters are limited to 32764 bytes");
 
 template <typename T>
-__device__ void copy_unit(const KernelSegment& s, int64_t r0, int64_t nrows, int64_t b0, int64_t nbytes) {
+__device__ void copy_unit(const Segment& s, int64_t r0, int64_t nrows, int64_t b0, int64_t nbytes) {
   // nrows rows of nbytes bytes (both multiples of sizeof(T) by construction), starting at row r0, byte b0.
   const int64_t per_row = nbytes / static_cast<int64_t>(sizeof(T));
   const int64_t total = per_row * nrows;
@@ -103,15 +98,15 @@ __global__ void __launch_bounds__(kThreads) batched_copy_kernel(const __grid_con
     const int64_t group = local / seg.chunks_per_row;
     const int64_t chunk = local - group * seg.chunks_per_row;
     const int64_t r0 = group * seg.rows_per_unit;
-    const int64_t nrows = min(seg.rows_per_unit, seg.rows - r0);
+    const int64_t nrows = min(seg.rows_per_unit, seg.s.rows - r0);
     const int64_t b0 = chunk * kChunkBytes;
-    const int64_t nbytes = min(kChunkBytes, seg.row_bytes - b0);
+    const int64_t nbytes = min(kChunkBytes, seg.s.row_bytes - b0);
     switch (seg.vec) {
-      case 16: copy_unit<uint4>(seg, r0, nrows, b0, nbytes); break;
-      case 8: copy_unit<uint2>(seg, r0, nrows, b0, nbytes); break;
-      case 4: copy_unit<uint32_t>(seg, r0, nrows, b0, nbytes); break;
-      case 2: copy_unit<uint16_t>(seg, r0, nrows, b0, nbytes); break;
-      default: copy_unit<uint8_t>(seg, r0, nrows, b0, nbytes); break;
+      case 16: copy_unit<uint4>(seg.s, r0, nrows, b0, nbytes); break;
+      case 8: copy_unit<uint2>(seg.s, r0, nrows, b0, nbytes); break;
+      case 4: copy_unit<uint32_t>(seg.s, r0, nrows, b0, nbytes); break;
+      case 2: copy_unit<uint16_t>(seg.s, r0, nrows, b0, nbytes); break;
+      default: copy_unit<uint8_t>(seg.s, r0, nrows, b0, nbytes); break;
     }
   }
 }
@@ -156,8 +151,7 @@ void copy_segments_kernel(const Segment* segs, size_t n, uint64_t stream, int de
       sg.row_bytes *= sg.rows;
       sg.rows = 1;
     }
-    KernelSegment k{sg.src, sg.dst, sg.rows, sg.row_bytes, sg.src_stride, sg.dst_stride, 1, 1, batch.units,
-                    access_width(sg)};
+    KernelSegment k{sg, 1, 1, batch.units, access_width(sg)};
     if (sg.row_bytes >= kChunkBytes) {
       k.chunks_per_row = (sg.row_bytes + kChunkBytes - 1) / kChunkBytes;
     } else {

@@ -21,16 +21,9 @@
 #include <stdexcept>
 #include <string>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define LLAMARL_X86 1
-#endif
-
+#include "cpu_simd.h"
 #include "linear_cpu.h"
 #include "thread_pool.h"
-#ifdef LLAMARL_X86
-#include "simd_x86.h"
-#endif
 
 namespace llamarl {
 namespace {
@@ -214,6 +207,8 @@ void rows_range(const float* x, const float* w, float* y, int64_t M, int64_t K, 
 }
 
 }  // namespace
+
+bool cpu_uses_avx512() { return kIsa == Isa::kAvx512; }
 
 std::string linear_cpu_isa() {
   switch (kIsa) {

@@ -13,4 +13,7 @@ void linear_f32_cpu(const float* x, const float* w, float* y, int64_t M, int64_t
 // The instruction set picked at load time: "avx512f", "avx2+fma" or "scalar".
 std::string linear_cpu_isa();
 
+// Whether the CPU kernels (linear, attention, sampling) take their AVX-512 paths: the choice above.
+bool cpu_uses_avx512();
+
 }  // namespace llamarl

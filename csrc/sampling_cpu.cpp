@@ -13,7 +13,7 @@
 // the last nonzero e_j of that block. A row holding a NaN gives the first NaN's index and a NaN
 // log-prob (what torch's argmax and log_softmax give), so a diverged model shows up in the log-probs.
 //
-// Instruction sets: AVX-512 (vectorised max/argmax and the exp of simd_x86.h) when
+// Instruction sets: AVX-512 (vectorised max/argmax and the exp of cpu_simd.h) when
 // linear_cpu picked it at load time, else portable C++ with std::exp. Rows are split over threads.
 #include "sampling_cpu.h"
 
@@ -23,16 +23,9 @@
 #include <stdexcept>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define LLAMARL_X86 1
-#endif
-
+#include "cpu_simd.h"
 #include "linear_cpu.h"
 #include "thread_pool.h"
-#ifdef LLAMARL_X86
-#include "simd_x86.h"
-#endif
 
 namespace llamarl {
 namespace {
@@ -150,8 +143,7 @@ __attribute__((target("avx512f,avx2,fma"))) RowResult row_avx512(const float* z,
 
 RowResult row(const float* z, int64_t V, float T, double u, std::vector<float>& e) {
 #ifdef LLAMARL_X86
-  static const bool avx512 = linear_cpu_isa() == "avx512f";  // first call: after static initialisation
-  if (avx512) return row_avx512(z, V, T, u, e);
+  if (cpu_uses_avx512()) return row_avx512(z, V, T, u, e);
 #endif
   return row_scalar(z, V, T, u, e);
 }

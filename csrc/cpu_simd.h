@@ -1,6 +1,11 @@
-// Vector helpers shared by the CPU kernels (x86 only; callers guard with LLAMARL_X86): horizontal sums and exp.
+// x86 detection and the vector helpers shared by the CPU kernels (horizontal sums, exp). On x86-64 this
+// defines LLAMARL_X86 and the helpers, which carry their own target attributes (the library is compiled
+// for the baseline instruction set; each kernel picks its path at run time, see cpu_uses_avx512 in
+// linear_cpu.h). Elsewhere it defines nothing and the kernels build their portable paths only.
 #pragma once
 
+#if defined(__x86_64__) || defined(_M_X64)
+#define LLAMARL_X86 1
 #include <immintrin.h>
 
 namespace llamarl {
@@ -41,3 +46,5 @@ __attribute__((target("avx512f,avx2,fma"))) inline __m512 exp_nonpositive_avx512
 }
 
 }  // namespace llamarl
+
+#endif  // x86-64
