@@ -13,6 +13,7 @@ import torch
 
 from llamarl.models import LlamaConfig, Llama, cpu_fused
 from llamarl.models.llama import apply_rope
+from native_harness import count_calls, run_with_cpu_isa
 
 
 def _rms_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -84,12 +85,7 @@ def test_model_decode_with_native_ops_matches_the_eager_path(monkeypatch):
     autograd on (the eager ops), logits within fp32 summation-order tolerance."""
     from llamarl.generation.kv_cache import KVCache
 
-    calls = {"rms_norm": 0, "rope": 0, "decode_attention": 0}
-    for name in calls:
-        def counted(*a, _f=getattr(cpu_fused, name), _n=name, **kw):
-            calls[_n] += 1
-            return _f(*a, **kw)
-        monkeypatch.setattr(cpu_fused, name, counted)
+    calls = count_calls(monkeypatch, cpu_fused, ["rms_norm", "rope", "decode_attention"])
 
     cfg = LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                       num_attention_heads=6, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
@@ -163,18 +159,10 @@ def test_decode_attention_edge_cases():
 def test_portable_attention_path():
     """Hosts without AVX-512 run the portable decode attention: the same checks in a process where
     LLAMARL_CPU_ISA=avx2 caps the instruction set (the attention kernel has AVX-512 and portable paths)."""
-    import os
-    import subprocess
-    import sys
-
     code = ("import itertools, torch; import tests.test_cpu_fused as t\n"
             "for shape, masked in itertools.product([(4, 2, 3, 37, 64), (3, 1, 1, 16, 8), (2, 4, 2, 70, 24)], "
             "[False, True]):\n"
             "    t.test_decode_attention_matches_float64(*shape, masked)\n"
             "t.test_decode_attention_edge_cases()\n"
             "from llamarl._native import native; print(native().linear_cpu_isa())")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, LLAMARL_CPU_ISA="avx2"), cwd=root,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] in ("avx2+fma", "scalar")
+    assert run_with_cpu_isa(code, "avx2") in ("avx2+fma", "scalar")

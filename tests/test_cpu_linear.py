@@ -8,15 +8,13 @@ with LLAMARL_CPU_ISA capping the choice.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from llamarl._native import linear_f32_cpu, native
 from llamarl.models.linear import Linear
+from native_harness import run_with_cpu_isa
 
 SHAPES = [(1, 1, 1), (1, 7, 5), (2, 15, 4), (3, 16, 13), (4, 17, 64), (5, 33, 3), (8, 384, 1001), (16, 1000, 37),
           (13, 130, 257),
@@ -66,11 +64,7 @@ def test_every_instruction_set_path(isa):
     code = ("import json, torch; from tests.test_cpu_linear import SHAPES, _check; from llamarl._native import native\n"
             "for s in SHAPES: _check(*s)\n"
             "print(json.dumps(native().linear_cpu_isa()))")
-    env = dict(os.environ, LLAMARL_CPU_ISA=isa)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = json.loads(run_with_cpu_isa(code, isa))
     want = {"avx2": "avx2+fma", "scalar": "scalar"}[isa]
     assert got == want or (isa == "avx2" and got == "scalar"), got  # a host without AVX2 runs the portable path
 

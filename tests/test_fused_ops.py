@@ -33,6 +33,7 @@ from llamarl.models import llama as llama_mod
 from llamarl.models.llama import RMSNorm, apply_rope
 from llamarl_kernels import fused_ops
 from llamarl_kernels.fused_ops import rms_norm, rope, silu_mul
+from native_harness import count_calls
 
 FLOATS = [torch.bfloat16, torch.float16, torch.float32]
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
@@ -280,12 +281,7 @@ def test_model_uses_fused_ops_and_matches_eager_on_cpu(monkeypatch):
     interpreter) and compared with the eager path; every fused op must actually be called."""
     if fused_ops.INTERPRETED is False:
         pytest.skip("the forced CPU path needs the Triton interpreter")
-    calls = {"rms_norm": 0, "rope": 0, "silu_mul": 0}
-    for name in calls:
-        def spy(*args, _f=getattr(fused_ops, name), _n=name, **kw):
-            calls[_n] += 1
-            return _f(*args, **kw)
-        monkeypatch.setattr(fused_ops, name, spy)
+    calls = count_calls(monkeypatch, fused_ops, ["rms_norm", "rope", "silu_mul"])
     model = _tiny_model(torch.bfloat16, "cpu")
     ids = torch.randint(0, TINY_CFG.vocab_size, (2, 7))
     state = {"on": False}

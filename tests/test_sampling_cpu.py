@@ -4,14 +4,11 @@ sampled tokens follow softmax(z / T) and never take a zero-probability entry; Na
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from llamarl.generation.sampling import sample_native_cpu
+from native_harness import run_with_cpu_isa
 
 
 def _ref_logprobs(z: torch.Tensor, tokens: torch.Tensor, T: float) -> torch.Tensor:
@@ -73,8 +70,4 @@ def test_portable_sampler_path():
             "t.test_sampling_follows_softmax_and_skips_impossible_tokens(0.7)\n"
             "t.test_sampling_is_seeded_and_handles_large_vocabularies(); t.test_nan_rows_report_nan()\n"
             "from llamarl._native import native; print(native().linear_cpu_isa())")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, LLAMARL_CPU_ISA="avx2"), cwd=root,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] in ("avx2+fma", "scalar")
+    assert run_with_cpu_isa(code, "avx2") in ("avx2+fma", "scalar")
