@@ -44,16 +44,21 @@ def build_info() -> dict:
     return dict(native().build_info())
 
 
-def as_ops(ops) -> np.ndarray:
-    """A schedule as a C-contiguous int64 [n, 6] array (accepts lists of 6-tuples, arrays, tensors)."""
+def _schedule(ops, columns: int, what: str) -> np.ndarray:
+    """``ops`` (lists of tuples, arrays, tensors) as a C-contiguous int64 [n, columns] array."""
     if isinstance(ops, torch.Tensor):
         ops = ops.cpu().numpy()
     arr = np.ascontiguousarray(np.asarray(ops, dtype=np.int64))
     if arr.size == 0:
-        return np.zeros((0, 6), dtype=np.int64)
-    if arr.ndim != 2 or arr.shape[1] != 6:
-        raise ValueError(f"a copy schedule must have shape [n, 6], got {tuple(arr.shape)}")
+        return np.zeros((0, columns), dtype=np.int64)
+    if arr.ndim != 2 or arr.shape[1] != columns:
+        raise ValueError(f"{what} must have shape [n, {columns}], got {tuple(arr.shape)}")
     return arr
+
+
+def as_ops(ops) -> np.ndarray:
+    """A schedule as a C-contiguous int64 [n, 6] array (accepts lists of 6-tuples, arrays, tensors)."""
+    return _schedule(ops, 6, "a copy schedule")
 
 
 def _contiguous_bytes(t: torch.Tensor, name: str) -> tuple[int, int]:
@@ -101,15 +106,7 @@ def as_indexed_ops(ops) -> np.ndarray:
     if (isinstance(ops, np.ndarray) and ops.dtype == np.int64 and ops.ndim == 2 and ops.shape[1] == 8
             and ops.flags.c_contiguous):
         return ops  # already in the engine's layout (the planner's cached schedules)
-    if isinstance(ops, torch.Tensor):
-        ops = ops.cpu().numpy()
-    arr = np.ascontiguousarray(np.asarray(ops, dtype=np.int64))
-    if arr.size == 0:
-        return np.zeros((0, 8), dtype=np.int64)
-    if arr.ndim != 2 or arr.shape[1] != 8:
-        raise ValueError(f"an indexed copy schedule must have shape [n, 8] ({', '.join(INDEXED_COLUMNS)}), "
-                         f"got {tuple(arr.shape)}")
-    return arr
+    return _schedule(ops, 8, f"an indexed copy schedule ({', '.join(INDEXED_COLUMNS)})")
 
 
 class BufferTable:
