@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 
@@ -209,6 +210,18 @@ def profile_decode(args, cfg, ours, device, steps: int = 16, top: int = 12) -> s
     return "; ".join(lines)
 
 
+def cpu_read_ceiling_GBps(nbytes: int = 256 << 20, iters: int = 5) -> float:
+    """The memory read bandwidth one CPU thread gets right now: median GB/s of torch.sum over nbytes of fp32
+    (the ceiling of a batch-1 decode, which streams every weight once; on a shared host it moves)."""
+    x = torch.ones(nbytes // 4)
+    times = []
+    for _ in range(iters + 1):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times[1:]) / 1e9
+
+
 def main() -> None:
     args = parse_args()
     if args.threads:
@@ -224,10 +237,18 @@ def main() -> None:
         f"batch*new / median time of a whole generate call (prefill included), contenders timed alternately; "
         f"threads={torch.get_num_threads()}"
     )
-    for B in args.batches:
-        report.add(**fixed_length_row(args, cfg, ours, hf, device, B, param_bytes, eager=B == args.batches[0]))
+    ceiling = [cpu_read_ceiling_GBps()] if device.type == "cpu" else []
+    rows = [report.add(**fixed_length_row(args, cfg, ours, hf, device, B, param_bytes, eager=B == args.batches[0]))
+            for B in args.batches]
     if hf is not None:
         report.add(**rl_row(args, cfg, ours, hf, device))
+    if ceiling:
+        ceiling.append(cpu_read_ceiling_GBps())
+        report.note(f"memory read ceiling, one thread (torch.sum of 256 MiB): {ceiling[0]:.1f} GB/s before the rows, "
+                    f"{ceiling[1]:.1f} after; batch {rows[0]['batch']} decoded at {rows[0]['ours_weight_GB_s']:.1f} GB/s "
+                    f"of weights, {rows[0]['ours_weight_GB_s'] / max(ceiling):.0%} of the higher one (prefill included). "
+                    "Batch-1 decode streams every weight once per token, so on a shared host our tok/s follows this "
+                    "ceiling; transformers' GEMV reads ~10 GB/s and moves less.")
     if args.profile and device.type == "cuda":
         report.note(profile_decode(args, cfg, ours, device))
     if device.type == "cpu":
