@@ -11,12 +11,13 @@ trainer process and reward worker processes, weights moving trainer → generato
 Scale-out: ``--set trainer.ranks=R_t`` shards the trainer over R_t processes (FSDP2),
 ``--set generator.tp=R_g`` makes each generator replica tensor parallel over R_g processes (R_g must divide
 the model's attention and key/value heads), ``--set generator.replicas=D`` runs D replicas. Locally every
-executor is a spawned process; under torchrun global rank 0 is the controller and the others are the
-executors of the same layout, so the job needs exactly 1 + R_t + R_g*D processes (reward workers are
+executor is a spawned process; under torchrun every process is one executor rank of the same layout and
+rank 0 also runs the controller (with its executor rank in a child process), so the job takes
+R_t + R_g*D processes, or 1 + R_t + R_g*D to give the controller a rank of its own (reward workers are
 processes of the controller and take no rank)::
 
-    # 1 controller + 2 trainer ranks + 2 generator (TP) ranks
-    torchrun --standalone --nproc-per-node 5 -m llamarl.train --set trainer.ranks=2 --set generator.tp=2
+    # 2 trainer ranks + 2 generator (TP) ranks; the controller shares rank 0
+    torchrun --standalone --nproc-per-node 4 -m llamarl.train --set trainer.ranks=2 --set generator.tp=2
 
 Outputs in the run directory (``--out``, default ``runs/<timestamp>``): config.yaml, metrics.jsonl (one
 object per step), summary.json (held-out accuracy before/after RL, wall time, mode, ...), plot.png
@@ -127,11 +128,12 @@ def check_supported(cfg: TrainConfig) -> None:
                               f"num_attention_heads={heads[0]} and num_key_value_heads={heads[1]} of "
                               f"{cfg.policy.model}; got {cfg.generator.tp}, valid: {valid}")
     tr = TorchrunEnv.detect()
-    need = executor_layout(cfg).world_size
-    if tr is not None and tr.world_size != need:
-        raise ConfigError(f"trainer.ranks/generator.tp/generator.replicas: under torchrun the job needs 1 controller "
-                          f"+ {cfg.trainer.ranks} trainer + {cfg.generator.tp}x{cfg.generator.replicas} generator "
-                          f"= {need} processes, but torchrun started WORLD_SIZE={tr.world_size}; use "
+    need = executor_layout(cfg).world_size - 1  # executor ranks; rank 0 also hosts the controller
+    if tr is not None and tr.world_size not in (need, need + 1):
+        raise ConfigError(f"trainer.ranks/generator.tp/generator.replicas: under torchrun the job needs "
+                          f"{cfg.trainer.ranks} trainer + {cfg.generator.tp}x{cfg.generator.replicas} generator "
+                          f"= {need} processes (rank 0 also runs the controller; or {need + 1} with a process of "
+                          f"its own for it), but torchrun started WORLD_SIZE={tr.world_size}; use "
                           f"--nproc-per-node {need} (one node) or change the layout")
 
 

@@ -34,6 +34,7 @@ from llamarl.runtime import (
     TorchrunEnv,
     TrainerSpec,
 )
+from llamarl.runtime.launch import layout_rank
 from llamarl.runtime.net import free_port
 from llamarl.runtime.rpc import describe_exit
 
@@ -265,13 +266,16 @@ def test_no_orphans_when_the_controller_raises_or_is_killed(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ torchrun
-def test_torchrun_path_with_simulated_ranks():
+@pytest.mark.parametrize("world", [3, 2])
+def test_torchrun_path_with_simulated_ranks(world):
+    """world 3: rank 0 the controller, 1 the trainer, 2 the generator; world 2 (shared rank 0): rank 0 the
+    controller with the trainer in a child process, rank 1 the generator."""
     spec = "trainer=1,generator=1x1,reward=0"
     port = free_port("127.0.0.1")
     code = f"from llamarl.runtime.testing import torchrun_demo; torchrun_demo({spec!r})"
     procs = []
-    for rank in range(3):  # rank 0: controller; 1: the trainer; 2: the generator
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="3", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), PYTHONPATH=str(REPO))
         procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
@@ -281,7 +285,7 @@ def test_torchrun_path_with_simulated_ranks():
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert [p.returncode for p in procs] == [0, 0, 0], outputs
+    assert [p.returncode for p in procs] == [0] * world, outputs
     line = next(x for x in outputs[0].splitlines() if x.startswith("TORCHRUN_DEMO "))
     result = json.loads(line.split(" ", 1)[1])
     assert set(result) == {"trainer", "generator"}
@@ -290,13 +294,21 @@ def test_torchrun_path_with_simulated_ranks():
     assert [(i["group"], i["global_rank"], i["dist_rank"], i["dist_world_size"]) for i in infos] == [
         ("trainer", 1, 0, 1), ("generator", 2, 0, 1)]
     assert result["trainer"]["sum"] == [[1.0]] and result["generator"]["sum"] == [[1.0]]
-    assert len({i["pid"] for i in infos}) == 2  # executors are the torchrun processes themselves
+    pids = [i["pid"] for i in infos]
+    if world == 3:  # executors are the torchrun processes themselves
+        assert pids == [procs[1].pid, procs[2].pid]
+    else:  # the trainer runs in a child of rank 0, the generator is torchrun rank 1
+        assert pids[1] == procs[1].pid and pids[0] not in (procs[0].pid, procs[1].pid)
 
 
 def test_torchrun_rejects_a_layout_that_does_not_fit_world_size():
-    tr = TorchrunEnv(rank=0, world_size=3, local_rank=0, master_addr="127.0.0.1", master_port=free_port())
-    with pytest.raises(LayoutError, match=r"needs 4 processes .* WORLD_SIZE=3"):
-        Runtime(Layout.parse("trainer=2,generator=1,reward=0"), torchrun=tr)
+    layout = Layout.parse("trainer=2,generator=1,reward=0")  # 3 executor ranks: WORLD_SIZE 3 or 4
+    for world in (2, 5):
+        tr = TorchrunEnv(rank=0, world_size=world, local_rank=0, master_addr="127.0.0.1", master_port=free_port())
+        with pytest.raises(LayoutError, match=rf"WORLD_SIZE=3 \(rank 0 also hosts the controller\) or 4 .*not {world}"):
+            Runtime(layout, torchrun=tr)
+    assert [layout_rank(layout, TorchrunEnv(r, 3, r, "a", 1)) for r in range(3)] == [0, 2, 3]
+    assert [layout_rank(layout, TorchrunEnv(r, 4, r, "a", 1)) for r in range(4)] == [0, 1, 2, 3]
 
 
 def test_torchrun_env_detection():

@@ -20,6 +20,10 @@ Two ways to get processes, one way to use them::
   on those ranks serves commands until the controller closes them and then exits the process, so code
   after ``run`` executes on the controller only. A layout that disagrees with WORLD_SIZE, or with
   another rank's layout, is rejected before any executor starts.
+* Shared rank 0: WORLD_SIZE may also be the executor count alone (``--nproc-per-node 4`` for a 2-rank
+  trainer and 2 generator ranks). Torchrun rank r then serves layout rank r + 1, and rank 0, besides
+  being the controller, starts layout rank 1 as a child process (multiprocessing "spawn") that joins
+  exactly like a torchrun rank and exits with it (``layout_rank``).
 
 Faults: ``Runtime.supervise`` runs the controller coroutine against every group's ``failed`` future; the
 first dead executor cancels the coroutine, the other groups are shut down and ``ExecutorDied`` (naming
@@ -77,6 +81,23 @@ class TorchrunEnv:
                                f"integers): {exc}") from None
 
 
+def controller_shares_rank0(layout: Layout, tr: TorchrunEnv) -> bool:
+    """Whether torchrun started only the executors (rank 0 also hosts the controller) rather than one
+    process more for the controller; any other WORLD_SIZE is a LayoutError."""
+    if tr.world_size == layout.world_size:
+        return False
+    if tr.world_size == layout.world_size - 1:
+        return True
+    raise LayoutError(f"layout {layout.spec} has {layout.world_size - 1} executor ranks: start torchrun with "
+                      f"WORLD_SIZE={layout.world_size - 1} (rank 0 also hosts the controller) or "
+                      f"{layout.world_size} (one more process for the controller), not {tr.world_size}")
+
+
+def layout_rank(layout: Layout, tr: TorchrunEnv) -> int:
+    """The layout's global rank that torchrun rank ``tr.rank`` serves (0: the controller)."""
+    return tr.rank + 1 if controller_shares_rank0(layout, tr) and tr.rank > 0 else tr.rank
+
+
 @dataclass(frozen=True)
 class Hello:
     """First message of a torchrun executor rank to the controller."""
@@ -110,6 +131,7 @@ class Runtime:
         self._waiting: dict[int, tuple[Connection, Hello, str]] = {}
         self._listener: Listener | None = None
         self._store = None
+        self._child = None  # the process serving layout rank 1 when torchrun's rank 0 is shared
         if torchrun is not None:
             if layout is None:
                 raise LayoutError("a torchrun Runtime needs the Layout that assigns roles to ranks")
@@ -279,6 +301,12 @@ class Runtime:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        if self._child is not None:  # layout rank 1 under a shared rank 0: it exits once its link closed
+            self._child.join(timeout)
+            if self._child.is_alive():
+                self._child.terminate()
+                self._child.join(5.0)
+            self._child = None
         if not self.failed.done():
             self.failed.set_result(None)
 
@@ -291,17 +319,23 @@ class Runtime:
     # ---------------------------------------------------------------- torchrun attach (rank 0)
     def _attach(self, tr: TorchrunEnv) -> None:
         layout = self._require_layout()
-        if layout.world_size != tr.world_size:
-            raise LayoutError(f"layout {layout.spec} needs {layout.world_size} processes (1 controller + "
-                              f"{layout.world_size - 1} executors) but torchrun started WORLD_SIZE={tr.world_size}")
+        shared = controller_shares_rank0(layout, tr)
         if tr.rank != 0:
             raise LayoutError(f"the controller runs on global rank 0, not rank {tr.rank}")
         authkey = secrets.token_bytes(32)
         self._listener = Listener(("", 0), family="AF_INET", authkey=authkey)
         host = routable_address(tr.master_addr)
         port = self._listener.address[1]
-        self._store = _store(tr, self.start_timeout_s)
+        self._store = _store(tr, self.start_timeout_s, host=os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "")
+                             .lower() != "true")
         self._store.set(STORE_KEY, f"{host}:{port}:{authkey.hex()}")
+        if shared:  # layout rank 1 runs in a child of this process, which joins like a torchrun rank
+            import multiprocessing as mp
+
+            self._child = mp.get_context("spawn").Process(
+                target=_serve_layout_rank, args=(layout, tr, 1, self.start_timeout_s), name="llamarl-rank1",
+                daemon=False)
+            self._child.start()
         expected = set(range(1, layout.world_size))
         arrivals: queue.SimpleQueue = queue.SimpleQueue()
         listener = self._listener
@@ -343,18 +377,26 @@ class Runtime:
             raise
 
 
-def _store(tr: TorchrunEnv, timeout_s: float):
-    """The job's TCPStore at MASTER_ADDR:MASTER_PORT (rank 0 hosts it unless the torchrun agent does)."""
+def _store(tr: TorchrunEnv, timeout_s: float, *, host: bool = False):
+    """The job's TCPStore at MASTER_ADDR:MASTER_PORT; ``host``: this process serves it (the controller,
+    unless the torchrun agent does)."""
     from torch.distributed import TCPStore
 
-    host_it = tr.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
-    return TCPStore(tr.master_addr, tr.master_port, world_size=None, is_master=host_it,
+    return TCPStore(tr.master_addr, tr.master_port, world_size=None, is_master=host,
                     timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
-def serve_torchrun(layout: Layout, tr: TorchrunEnv, *, timeout_s: float = 600.0) -> int:
-    """Executor side under torchrun: connect to the controller, get a bootstrap, serve; returns exit code."""
-    assignment = layout.assignment(tr.rank)
+def _serve_layout_rank(layout: Layout, tr: TorchrunEnv, global_rank: int, timeout_s: float) -> None:
+    """Entry point of the child that serves layout rank ``global_rank`` for a shared torchrun rank 0."""
+    sys.exit(serve_torchrun(layout, tr, timeout_s=timeout_s, global_rank=global_rank))
+
+
+def serve_torchrun(layout: Layout, tr: TorchrunEnv, *, timeout_s: float = 600.0,
+                   global_rank: int | None = None) -> int:
+    """Executor side under torchrun: connect to the controller, get a bootstrap, serve; returns exit code.
+    ``global_rank``: the layout rank served (default ``layout_rank(layout, tr)``)."""
+    global_rank = layout_rank(layout, tr) if global_rank is None else global_rank
+    assignment = layout.assignment(global_rank)
     if assignment.role == CONTROLLER:
         raise LayoutError("global rank 0 is the controller; call run() rather than serve_torchrun()")
     store = _store(tr, timeout_s)
@@ -363,7 +405,7 @@ def serve_torchrun(layout: Layout, tr: TorchrunEnv, *, timeout_s: float = 600.0)
     conn = Client((host, int(port)), family="AF_INET", authkey=bytes.fromhex(key))
     import torch
 
-    send(conn, Hello(tr.rank, tr.local_rank, layout.spec, socket.gethostname(), free_port(),
+    send(conn, Hello(global_rank, tr.local_rank, layout.spec, socket.gethostname(), free_port(),
                      torch.cuda.device_count() if torch.cuda.is_available() else 0))
     del store
     return server.serve(conn)
