@@ -211,8 +211,8 @@ def profile_decode(args, cfg, ours, device, steps: int = 16, top: int = 12) -> s
 
 
 def cpu_read_ceiling_GBps(nbytes: int = 256 << 20, iters: int = 5) -> float:
-    """The memory read bandwidth one CPU thread gets right now: median GB/s of torch.sum over nbytes of fp32
-    (the ceiling of a batch-1 decode, which streams every weight once; on a shared host it moves)."""
+    """The memory read bandwidth torch's threads get right now: median GB/s of torch.sum over nbytes of
+    fp32 (the ceiling of a batch-1 decode, which streams every weight once; on a shared host it moves)."""
     x = torch.ones(nbytes // 4)
     times = []
     for _ in range(iters + 1):
@@ -244,7 +244,8 @@ def main() -> None:
         report.add(**rl_row(args, cfg, ours, hf, device))
     if ceiling:
         ceiling.append(cpu_read_ceiling_GBps())
-        report.note(f"memory read ceiling, one thread (torch.sum of 256 MiB): {ceiling[0]:.1f} GB/s before the rows, "
+        report.note(f"memory read ceiling, {torch.get_num_threads()} thread(s) (torch.sum of 256 MiB): "
+                    f"{ceiling[0]:.1f} GB/s before the rows, "
                     f"{ceiling[1]:.1f} after; batch {rows[0]['batch']} decoded at {rows[0]['ours_weight_GB_s']:.1f} GB/s "
                     f"of weights, {rows[0]['ours_weight_GB_s'] / max(ceiling):.0%} of the higher one (prefill included). "
                     "Batch-1 decode streams every weight once per token, so on a shared host our tok/s follows this "
