@@ -171,13 +171,10 @@ void decode_attention_f32_cpu(const float* q, const float* k, const float* v, co
   // below ~64 K multiply-adds per thread a thread costs more than it saves
   const int64_t by_work = std::max<int64_t>(1, units * G * S * D / 65536);
   const int threads = static_cast<int>(std::min<int64_t>({num_threads, by_work, std::max<int64_t>(units, 1)}));
-  auto run = [&](int64_t u0, int64_t u1) {
+  parallel_ranges(units, threads, [&](int64_t u0, int64_t u1) {
     thread_local std::vector<float> scores;
     for (int64_t u = u0; u < u1; ++u) head(P, u / Hkv, u % Hkv, scores);
-  };
-  if (threads <= 1) return run(0, units);
-  const int64_t per = (units + threads - 1) / threads;
-  pool_for(threads)->run(threads, [&](int t) { run(std::min(units, t * per), std::min(units, (t + 1) * per)); });
+  });
 }
 
 }  // namespace llamarl

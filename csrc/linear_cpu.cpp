@@ -224,12 +224,7 @@ void linear_f32_cpu(const float* x, const float* w, float* y, int64_t M, int64_t
   // below ~256 KiB of weights per thread a thread costs more than it saves
   const int64_t by_size = std::max<int64_t>(1, N * K * 4 / (256 << 10));
   const int threads = static_cast<int>(std::min<int64_t>({num_threads, by_size, N}));
-  if (threads == 1) return rows_range(x, w, y, M, K, N, 0, N);
-  const int64_t per = (N + threads - 1) / threads;
-  pool_for(threads)->run(threads, [&](int t) {
-    const int64_t n0 = std::min<int64_t>(N, t * per), n1 = std::min<int64_t>(N, (t + 1) * per);
-    if (n0 < n1) rows_range(x, w, y, M, K, N, n0, n1);
-  });
+  parallel_ranges(N, threads, [&](int64_t n0, int64_t n1) { rows_range(x, w, y, M, K, N, n0, n1); });
 }
 
 }  // namespace llamarl

@@ -37,6 +37,18 @@ struct RowResult {
   float logprob;
 };
 
+// The CDF scan inside the block [b, end) that the block sums located (c = the mass before b): the first
+// j with c + e_b + ... + e_j > target, summed in double; when rounding lets the scan run past the
+// block's end, the last j with e_j > 0 (the block holds one: its sum exceeded target - c >= 0).
+int64_t pick_in_block(const float* e, int64_t b, int64_t end, double c, double target) {
+  int64_t y = -1;
+  for (int64_t j = b; j < end; ++j) {
+    if (e[j] > 0.0f) y = j;
+    if ((c += e[j]) > target) break;
+  }
+  return y;
+}
+
 // ------------------------------------------------------------------------------------- portable
 RowResult row_scalar(const float* z, int64_t V, float T, double u, std::vector<float>& e) {
   const bool greedy = T == 0.0f;
@@ -66,11 +78,7 @@ RowResult row_scalar(const float* z, int64_t V, float T, double u, std::vector<f
       if (c + block > target) break;
       c += block;
     }
-    y = -1;
-    for (int64_t j = b; j < std::min(V, b + kBlock); ++j) {
-      if (e[j] > 0.0f) y = j;
-      if ((c += e[j]) > target) break;
-    }
+    y = pick_in_block(e.data(), b, std::min(V, b + kBlock), c, target);
   }
   return {y, static_cast<float>(static_cast<double>(zp(y)) - m - std::log(S))};
 }
@@ -125,16 +133,12 @@ __attribute__((target("avx512f,avx2,fma"))) RowResult row_avx512(const float* z,
     const double target = u * S;
     double c = 0.0;
     int64_t j = 0;
-    for (; j + 16 < V; j += 16) {  // whole blocks, summed exactly as for S
+    for (; j + kBlock < V; j += kBlock) {  // whole blocks, summed exactly as for S
       const float block = _mm512_reduce_add_ps(_mm512_loadu_ps(e.data() + j));
       if (c + block > target) break;
       c += block;
     }
-    y = -1;
-    for (int64_t i = j; i < std::min(V, j + 16); ++i) {
-      if (e[i] > 0.0f) y = i;
-      if ((c += e[i]) > target) break;
-    }
+    y = pick_in_block(e.data(), j, std::min(V, j + kBlock), c, target);
   }
   const float zy = greedy ? z[y] : z[y] / Tf;
   return {y, static_cast<float>(static_cast<double>(zy) - m - std::log(S))};
@@ -157,19 +161,16 @@ void sample_f32_cpu(const float* logits, int64_t N, int64_t V, float temperature
     throw std::invalid_argument("sample_f32_cpu: temperature must be finite and >= 0 (0 = greedy)");
   if (temperature > 0.0f && u == nullptr) throw std::invalid_argument("sample_f32_cpu: sampling needs uniforms u");
   if (num_threads < 1) throw std::invalid_argument("sample_f32_cpu: num_threads must be >= 1");
-  auto run = [&](int64_t n0, int64_t n1) {
+  // below ~256 K values per thread a thread costs more than it saves
+  const int threads = static_cast<int>(std::min<int64_t>({num_threads, std::max<int64_t>(1, N * V / 262144), N}));
+  parallel_ranges(N, threads, [&](int64_t n0, int64_t n1) {
     thread_local std::vector<float> e;
     for (int64_t n = n0; n < n1; ++n) {
       const RowResult r = row(logits + n * V, V, temperature, temperature > 0.0f ? u[n] : 0.0, e);
       tokens[n] = r.token;
       logprobs[n] = r.logprob;
     }
-  };
-  // below ~256 K values per thread a thread costs more than it saves
-  const int threads = static_cast<int>(std::min<int64_t>({num_threads, std::max<int64_t>(1, N * V / 262144), N}));
-  if (threads <= 1) return run(0, N);
-  const int64_t per = (N + threads - 1) / threads;
-  pool_for(threads)->run(threads, [&](int t) { run(std::min(N, t * per), std::min(N, (t + 1) * per)); });
+  });
 }
 
 }  // namespace llamarl

@@ -1,6 +1,7 @@
 // A persistent pool of host worker threads, shared by the CPU kernels of llamarl._C.
 #pragma once
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -72,8 +73,20 @@ class ThreadPool {
   bool stop_ = false;
 };
 
-// The process's shared pool (copy engine, CPU linear): it grows to the largest thread count asked for;
+// The process's shared pool (copy engine, CPU kernels): it grows to the largest thread count asked for;
 // a replaced pool stays alive while in use. Defined in copy_cpu.cpp.
 std::shared_ptr<ThreadPool> pool_for(int threads);
+
+// fn(begin, end) over [0, units) cut into `threads` contiguous ranges, run on the shared pool (the
+// caller's thread takes the first); with threads <= 1 it runs inline, once.
+template <class F>
+void parallel_ranges(int64_t units, int threads, const F& fn) {
+  if (threads <= 1) return fn(int64_t{0}, units);
+  const int64_t per = (units + threads - 1) / threads;
+  pool_for(threads)->run(threads, [&](int t) {
+    const int64_t begin = std::min<int64_t>(units, t * per), end = std::min<int64_t>(units, (t + 1) * per);
+    if (begin < end) fn(begin, end);
+  });
+}
 
 }  // namespace llamarl
