@@ -34,6 +34,9 @@ def test_rms_norm_matches_float64(shape, residual):
             r = torch.randn(shape, generator=g)
             y, h = cpu_fused.rms_norm(x, w, eps, r)
             assert torch.equal(h, x + r)  # the fp32 add, bitwise
+            r_strided = torch.stack([r, r], dim=-1)[..., 0]  # a strided residual is copied contiguous first
+            y2, h2 = cpu_fused.rms_norm(x, w, eps, r_strided)
+            assert torch.equal(y2, y) and torch.equal(h2, h)
             ref = _rms_ref(h, w, eps)
         else:
             y = cpu_fused.rms_norm(x, w, eps)
@@ -56,7 +59,11 @@ def test_rope_is_bitwise_the_eager_rope(B, T, H, Hkv, Dh):
     sin = torch.cat((-ang.sin(), ang.sin()), -1)
     with torch.no_grad():
         qo, ko = cpu_fused.rope(q, k, cos, sin)
+        wide = torch.zeros(B, T, 2, Dh)  # strided tables are taken too (copied contiguous first)
+        wide[:, :, :1] = cos
+        qs, ks = cpu_fused.rope(q, k, wide[:, :, :1], sin)
     assert torch.equal(qo, apply_rope(q, cos, sin)) and torch.equal(ko, apply_rope(k, cos, sin))
+    assert torch.equal(qs, qo) and torch.equal(ks, ko)
 
 
 def test_bad_inputs_are_named():

@@ -39,14 +39,21 @@ def _check(op: str, **tensors: torch.Tensor) -> None:
         if not usable(t):
             raise ValueError(f"{op}: {name} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device} "
                              f"(contiguous={t.is_contiguous()})")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values()):
+    _no_backward(op, *tensors.values())
+
+
+def _no_backward(op: str, *tensors: torch.Tensor) -> None:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         raise RuntimeError(f"{op}: the native CPU op has no backward; call it under torch.no_grad()")
 
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm over the last dim: ``y``, or ``(y, h)`` with h = x + residual normalised in its place."""
+    """RMSNorm over the last dim: ``y``, or ``(y, h)`` with h = x + residual normalised in its place
+    (a strided residual is made contiguous first)."""
+    if residual is not None:
+        residual = residual.contiguous()
     _check("rms_norm", x=x, weight=weight, **({} if residual is None else {"residual": residual}))
     D = x.shape[-1]
     if weight.shape != (D,):
@@ -65,7 +72,9 @@ def rms_norm(
 def rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE on q [B, T, H, Dh] and k [B, T, Hkv, Dh] with cos / signed_sin [B, T, 1, Dh]; new tensors."""
+    """RoPE on q [B, T, H, Dh] and k [B, T, Hkv, Dh] with cos / signed_sin [B, T, 1, Dh] (any strides: the
+    tables are made contiguous first); new tensors."""
+    cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
     _check("rope", q=q, k=k, cos=cos, signed_sin=signed_sin)
     if q.dim() != 4 or k.dim() != 4 or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
         raise ValueError(f"rope: q and k must be [batch, seq, heads, head_dim] with the same batch, seq and "
@@ -100,8 +109,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         if t.dtype is not _FP32 or not t.is_cpu or t.shape != (B, Hkv, S, Dh) or t.stride(3) != 1:
             raise ValueError(f"decode_attention: {name} must be float32 [{B}, {Hkv}, S, {Dh}] on the CPU with unit "
                              f"stride along the last dim, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
-    if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
-        raise RuntimeError("decode_attention: the native CPU op has no backward; call it under torch.no_grad()")
+    _no_backward("decode_attention", k, v)
     mask_ptr, mask_sb = 0, 0
     if mask is not None:
         if mask.dtype is not _FP32 or not mask.is_cpu or mask.shape != (B, 1, 1, S) or mask.stride(3) != 1:

@@ -53,7 +53,7 @@ contiguous fp32 activations on the CPU with autograd off, RMSNorm (with the add)
 native C++ ops instead (llamarl.models.cpu_fused: RoPE bitwise equal to eager, the norm's mean summed
 in double), which removes ~16 eager torch calls per layer from a CPU decode step, and so does decode
 attention (one query per row, summed in another order than torch's SDPA). Autograd, fp64 and the
-remaining layouts run the eager code below. ``LLAMARL_FUSED_OPS=0`` in the environment (read once, at
+other layouts of the activations run the eager code below. ``LLAMARL_FUSED_OPS=0`` in the environment (read once, at
 import: ``FUSED_OPS``) turns both off, for A/B measurements; when they are on, a failing kernel raises,
 it never falls back.
 """
@@ -138,8 +138,7 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """n(x); with ``residual``: h = x + residual and (n(h), h), the add fused into the norm's kernel."""
         ops = _fused(x)
-        if ops is not None and self.weight.dtype == x.dtype and (
-                ops is not cpu_fused or residual is None or residual.is_contiguous()):
+        if ops is not None and self.weight.dtype == x.dtype:
             return ops.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
@@ -183,7 +182,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, H, Dh)
         k = self.k_proj(x).view(B, T, Hkv, Dh)
         ops = _fused(q)
-        if ops is not None and (ops is not cpu_fused or (ctx.cos.is_contiguous() and ctx.sin.is_contiguous())):
+        if ops is not None:
             q, k = ops.rope(q, k, ctx.cos, ctx.sin)
         else:
             q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
