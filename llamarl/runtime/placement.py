@@ -19,7 +19,8 @@ reward ranks always run on the CPU with gloo.
 Accelerator assignment (``cuda_device``): locally, trainer+generator ranks take GPUs round-robin in
 global-rank order (so a 1-GPU machine can co-locate a 1-rank trainer and a 1-rank generator); under
 torchrun a rank uses ``LOCAL_RANK mod #GPUs``. NCCL cannot put two ranks of one group on one GPU; the
-launcher then runs that group over gloo (host-staged CUDA collectives, ``launch.group_backend``). This module is pure Python (no torch import) so configs can build layouts cheaply.
+launcher then runs that group over gloo (host-staged CUDA collectives, ``launch.group_backend``). This
+module is pure Python (no torch import) so configs can build layouts cheaply.
 """
 
 from __future__ import annotations
