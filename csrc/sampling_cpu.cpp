@@ -37,12 +37,22 @@ struct RowResult {
   float logprob;
 };
 
-// The CDF scan inside the block [b, end) that the block sums located (c = the mass before b): the first
-// j with c + e_b + ... + e_j > target, summed in double; when rounding lets the scan run past the
-// block's end, the last j with e_j > 0 (the block holds one: its sum exceeded target - c >= 0).
-int64_t pick_in_block(const float* e, int64_t b, int64_t end, double c, double target) {
+// The inverse-CDF draw over e [V] with total S: the first j with e_0 + ... + e_j > u * S. Whole blocks
+// first, each summed by `block_sum` exactly as it was summed into S (so the scan always ends inside the
+// row); then, inside the block, in double; when rounding lets that run past the block's end, the last j
+// with e_j > 0 (the block holds one: its sum exceeded target - c >= 0).
+template <class BlockSum>
+int64_t draw(const float* e, int64_t V, double S, double u, BlockSum block_sum) {
+  const double target = u * S;
+  double c = 0.0;
+  int64_t b = 0;
+  for (; b + kBlock < V; b += kBlock) {
+    const float block = block_sum(e + b);
+    if (c + block > target) break;
+    c += block;
+  }
   int64_t y = -1;
-  for (int64_t j = b; j < end; ++j) {
+  for (int64_t j = b; j < std::min(V, b + kBlock); ++j) {
     if (e[j] > 0.0f) y = j;
     if ((c += e[j]) > target) break;
   }
@@ -67,19 +77,11 @@ RowResult row_scalar(const float* z, int64_t V, float T, double u, std::vector<f
     for (int64_t j = b; j < std::min(V, b + kBlock); ++j) block += (e[j] = std::exp(zp(j) - m));
     S += block;
   }
-  int64_t y = arg;
-  if (!greedy) {
-    const double target = u * S;
-    double c = 0.0;
-    int64_t b = 0;
-    for (; b + kBlock < V; b += kBlock) {  // whole blocks, summed exactly as for S
-      float block = 0.0f;
-      for (int64_t j = b; j < b + kBlock; ++j) block += e[j];
-      if (c + block > target) break;
-      c += block;
-    }
-    y = pick_in_block(e.data(), b, std::min(V, b + kBlock), c, target);
-  }
+  const int64_t y = greedy ? arg : draw(e.data(), V, S, u, [](const float* blk) {
+    float block = 0.0f;  // in the order of the loop above
+    for (int64_t j = 0; j < kBlock; ++j) block += blk[j];
+    return block;
+  });
   return {y, static_cast<float>(static_cast<double>(zp(y)) - m - std::log(S))};
 }
 
@@ -87,6 +89,11 @@ RowResult row_scalar(const float* z, int64_t V, float T, double u, std::vector<f
 // ------------------------------------------------------------------------------------- AVX-512
 __attribute__((target("avx512f,avx2,fma"))) inline __mmask16 block_mask(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+// A block of e as pass 2 summed it into S (one 16-lane reduction).
+__attribute__((target("avx512f,avx2,fma"))) float block_sum_avx512(const float* blk) {
+  return _mm512_reduce_add_ps(_mm512_loadu_ps(blk));
 }
 
 __attribute__((target("avx512f,avx2,fma"))) inline __m512 load_scaled(const float* z, int64_t j, int64_t V,
@@ -128,18 +135,7 @@ __attribute__((target("avx512f,avx2,fma"))) RowResult row_avx512(const float* z,
     if (!greedy) _mm512_mask_storeu_ps(e.data() + j, t, x);
     S += _mm512_reduce_add_ps(x);
   }
-  int64_t y = arg;
-  if (!greedy) {
-    const double target = u * S;
-    double c = 0.0;
-    int64_t j = 0;
-    for (; j + kBlock < V; j += kBlock) {  // whole blocks, summed exactly as for S
-      const float block = _mm512_reduce_add_ps(_mm512_loadu_ps(e.data() + j));
-      if (c + block > target) break;
-      c += block;
-    }
-    y = pick_in_block(e.data(), j, std::min(V, j + kBlock), c, target);
-  }
+  const int64_t y = greedy ? arg : draw(e.data(), V, S, u, &block_sum_avx512);
   const float zy = greedy ? z[y] : z[y] / Tf;
   return {y, static_cast<float>(static_cast<double>(zy) - m - std::log(S))};
 }
