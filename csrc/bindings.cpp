@@ -225,14 +225,16 @@ PYBIND11_MODULE(_C, m) {
         "RMSNorm of rows x D contiguous fp32 host buffers given by address; residual = h = 0 for none, else "
         "h = x + residual is written and normalised.");
   m.def("rope_f32_cpu",
-        [](uint64_t x, uint64_t cos, uint64_t sin, uint64_t out, int64_t tokens, int64_t heads, int64_t head_dim) {
-          llamarl::rope_f32_cpu(reinterpret_cast<const float*>(x), reinterpret_cast<const float*>(cos),
+        [](uint64_t x, int64_t x_token_stride, uint64_t cos, uint64_t sin, uint64_t out, int64_t tokens,
+           int64_t heads, int64_t head_dim) {
+          llamarl::rope_f32_cpu(reinterpret_cast<const float*>(x), x_token_stride, reinterpret_cast<const float*>(cos),
                                 reinterpret_cast<const float*>(sin), reinterpret_cast<float*>(out), tokens, heads,
                                 head_dim);
         },
-        py::arg("x"), py::arg("cos"), py::arg("signed_sin"), py::arg("out"), py::arg("tokens"), py::arg("heads"),
-        py::arg("head_dim"),
-        "RoPE of [tokens, heads, head_dim] contiguous fp32 host buffers (cos / signed_sin [tokens, head_dim]).");
+        py::arg("x"), py::arg("x_token_stride"), py::arg("cos"), py::arg("signed_sin"), py::arg("out"),
+        py::arg("tokens"), py::arg("heads"), py::arg("head_dim"),
+        "RoPE of [tokens, heads, head_dim] fp32 host buffers given by address: x's tokens x_token_stride floats "
+        "apart (heads contiguous), out contiguous, cos / signed_sin [tokens, head_dim] contiguous.");
   m.def("decode_attention_f32_cpu",
         [](uint64_t q, uint64_t k, uint64_t v, uint64_t mask, uint64_t out, int64_t B, int64_t Hkv, int64_t G,
            int64_t S, int64_t D, int64_t k_sb, int64_t k_sh, int64_t k_ss, int64_t v_sb, int64_t v_sh, int64_t v_ss,

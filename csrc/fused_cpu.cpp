@@ -6,7 +6,8 @@
 //
 //   rms_norm:  h = x + residual (if given, fp32 add);  r = 1 / sqrt(fl32(sum h^2 / D) + eps);
 //              y = w * (h * r)                         (two fp32 products, in this order, as eager)
-//   rope:      out[j] = x[j] * cos[j] + x[swap(j)] * signed_sin[j],  swap(j) = j +- Dh/2,
+//   rope:      out[j] = x[j] * cos[j] + x[swap(j)] * signed_sin[j],  swap(j) = j +- Dh/2, for every head of
+//              every token (x's tokens may be strided: the q or k columns of a fused q|k|v product),
 //              signed_sin = (-sin, sin): each product and the sum rounded to fp32, as eager.
 //
 // The sum of squares is accumulated in double (so mean(h^2) is the correctly rounded fp32 of the exact
@@ -43,16 +44,18 @@ void rms_norm_f32_cpu(const float* x, const float* residual, const float* w, flo
   }
 }
 
-void rope_f32_cpu(const float* x, const float* cos, const float* signed_sin, float* out, int64_t tokens,
-                  int64_t heads, int64_t head_dim) {
+void rope_f32_cpu(const float* x, int64_t x_token_stride, const float* cos, const float* signed_sin, float* out,
+                  int64_t tokens, int64_t heads, int64_t head_dim) {
   if (tokens < 0 || heads < 0 || head_dim < 2 || head_dim % 2)
     throw std::invalid_argument("rope_f32_cpu: head_dim must be even and >= 2");
+  if (x_token_stride < heads * head_dim)
+    throw std::invalid_argument("rope_f32_cpu: x_token_stride must be >= heads * head_dim (tokens may not overlap)");
   const int64_t half = head_dim / 2;
   for (int64_t t = 0; t < tokens; ++t) {
     const float* c = cos + t * head_dim;
     const float* s = signed_sin + t * head_dim;
     for (int64_t hd = 0; hd < heads; ++hd) {
-      const float* xr = x + (t * heads + hd) * head_dim;
+      const float* xr = x + t * x_token_stride + hd * head_dim;
       float* o = out + (t * heads + hd) * head_dim;
       for (int64_t j = 0; j < half; ++j) {
         const float a = xr[j] * c[j], b = xr[j + half] * s[j];

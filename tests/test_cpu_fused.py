@@ -66,6 +66,30 @@ def test_rope_is_bitwise_the_eager_rope(B, T, H, Hkv, Dh):
     assert torch.equal(qs, qo) and torch.equal(ks, ko)
 
 
+@pytest.mark.parametrize("B,T", [(1, 1), (4, 1), (1, 5), (3, 4)])
+def test_rope_takes_the_columns_of_a_fused_qkv_product(B, T):
+    """q and k as column slices of one [B, T, (H + 2 Hkv) Dh] product (tokens strided, heads contiguous) are
+    read in place, bitwise as their contiguous copies; a layout that is not token-strided is copied first."""
+    H, Hkv, Dh = 6, 2, 8
+    g = torch.Generator().manual_seed(B * 10 + T)
+    qkv = torch.randn(B, T, (H + 2 * Hkv) * Dh, generator=g)
+    q, k, _ = qkv.split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
+    q, k = q.view(B, T, H, Dh), k.view(B, T, Hkv, Dh)
+    assert cpu_fused._token_stride(q) == ((H + 2 * Hkv) * Dh if B * T > 1 else H * Dh)  # one token: any
+    ang = torch.rand(B, T, 1, Dh // 2, generator=g) * 100
+    cos = torch.cat((ang.cos(), ang.cos()), -1)
+    sin = torch.cat((-ang.sin(), ang.sin()), -1)
+    with torch.no_grad():
+        qo, ko = cpu_fused.rope(q, k, cos, sin)
+        ref_q, ref_k = cpu_fused.rope(q.contiguous(), k.contiguous(), cos, sin)
+        heads_t = q.transpose(1, 2).contiguous().transpose(1, 2)  # heads outermost: not token-strided
+        assert cpu_fused._token_stride(heads_t) is None or T == 1
+        qt, _ = cpu_fused.rope(heads_t, k, cos, sin)
+    assert qo.is_contiguous() and ko.is_contiguous()
+    assert torch.equal(qo, ref_q) and torch.equal(ko, ref_k) and torch.equal(qt, ref_q)
+    assert torch.equal(qo, apply_rope(q, cos, sin))
+
+
 def test_bad_inputs_are_named():
     x, w = torch.randn(2, 8), torch.randn(8)
     with torch.no_grad():

@@ -140,12 +140,13 @@ class GeneratorExecutor:
         re-points the parameters at another slot whenever the held version moves there, and capturing the
         TP collectives has not been verified."""
         if self.tp_size == 1:
-            return GenerationEngine(self.model, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+            return GenerationEngine(self.model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                    pack_weights=False)  # the weights live in the sync buckets
         full = self.model.config
         self.model.config = self.model.tp_config
         try:
             return GenerationEngine(self.model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                                    cuda_graphs=False)
+                                    cuda_graphs=False, pack_weights=False)
         finally:
             self.model.config = full
 

@@ -29,7 +29,10 @@ generate without an EOS stop. Prompts must be non-empty and shorter than the con
 ``GenerationEngine(model, max_batch_size, max_seq_len, quantization)`` allocates the KV cache
 (max_batch_size rows x max_seq_len slots; default min(max_position_embeddings, 4096)) once and reuses it
 for every call; ``quantization="int8"|"fp8"`` converts the decoder linears in place at construction
-(llamarl.models.quantize.quantize_model). ``generate(model, ...)`` is a one-shot engine sized to the call.
+(llamarl.models.quantize.quantize_model), and then, unless ``pack_weights=False``, moves the weights into one
+flat buffer (llamarl.models.packing: q|k|v and gate|up then run as one product each, and CPU weights sit
+on huge pages; skipped for weights that already live in the weight sync's buckets).
+``generate(model, ...)`` is a one-shot engine sized to the call.
 Weights may be updated between calls or between steps (weight sync copies into the parameters in
 place; the version read at each step tags the tokens), never during a forward pass.
 
@@ -47,6 +50,7 @@ from typing import Any, Sequence
 import torch
 
 from llamarl.generation.kv_cache import KVCache
+from llamarl.models.packing import pack_parameters_
 from llamarl.generation.sampling import SamplingParams, make_generator, sample_tokens
 
 QUANTIZATION_MODES = ("none", "int8", "fp8")
@@ -89,6 +93,7 @@ class GenerationEngine:
         *,
         cuda_graphs: bool | None = None,
         sync_every: int | None = None,
+        pack_weights: bool = True,
     ) -> None:
         if quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
@@ -103,6 +108,7 @@ class GenerationEngine:
             from llamarl.models.quantize import quantize_model
 
             quantize_model(model, quantization)
+        self.packed = pack_parameters_(model) if pack_weights else False
         self.model, self.config = model, config
         self.quantization = quantization
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
@@ -292,7 +298,8 @@ def generate(
 ) -> list[GenerationOutput]:
     """Generate ``params.n`` samples per prompt; outputs in prompt-major order (prompt i, sample j at i*n+j).
 
-    A one-shot engine sized to this call (eager decode); for repeated calls build a GenerationEngine.
+    A one-shot engine sized to this call (eager decode, the model's weights left where they are); for
+    repeated calls build a GenerationEngine.
     """
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -302,5 +309,6 @@ def generate(
     # context limit in slot terms while its own positions stay below max_position_embeddings
     max_seq_len = max(2, longest + params.max_new_tokens)
     rows = max(1, len(token_lists)) * params.n
-    engine = GenerationEngine(model, max_batch_size=rows, max_seq_len=max_seq_len, cuda_graphs=False)
+    engine = GenerationEngine(model, max_batch_size=rows, max_seq_len=max_seq_len, cuda_graphs=False,
+                              pack_weights=False)
     return engine.generate(token_lists, params, eos_token_id=eos_token_id, pad_token_id=pad_token_id)

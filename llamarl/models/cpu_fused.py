@@ -69,27 +69,55 @@ def rms_norm(
     return y if residual is None else (y, h)
 
 
+def _token_stride(x: torch.Tensor) -> int | None:
+    """The distance in elements between consecutive tokens of x [B, T, H, Dh] when its heads are contiguous
+    within a token and its B*T tokens evenly spaced (contiguous x, or the q / k columns of a fused q|k|v
+    product); None otherwise."""
+    B, T, H, Dh = x.shape
+    s0, s1, s2, s3 = x.stride()
+    if s3 != 1 or (H > 1 and s2 != Dh):
+        return None
+    if B * T <= 1:
+        return H * Dh
+    if T > 1 and B > 1 and s0 != T * s1:
+        return None
+    stride = s0 if T == 1 else s1
+    return stride if stride >= H * Dh else None
+
+
 def rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE on q [B, T, H, Dh] and k [B, T, Hkv, Dh] with cos / signed_sin [B, T, 1, Dh] (any strides: the
-    tables are made contiguous first); new tensors."""
+    """RoPE on q [B, T, H, Dh] and k [B, T, Hkv, Dh] with cos / signed_sin [B, T, 1, Dh]; new contiguous
+    tensors. q and k may have strided tokens (heads contiguous within a token, as in the column slices of a
+    fused q|k|v product); other layouts, and the tables, are made contiguous first."""
     cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
-    _check("rope", q=q, k=k, cos=cos, signed_sin=signed_sin)
     if q.dim() != 4 or k.dim() != 4 or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
         raise ValueError(f"rope: q and k must be [batch, seq, heads, head_dim] with the same batch, seq and "
                          f"head_dim, got q {tuple(q.shape)} and k {tuple(k.shape)}")
     B, T, H, Dh = q.shape
     if Dh % 2:
         raise ValueError(f"rope: head_dim must be even (rotate-half layout), got {Dh}")
+    strides = []
+    for name, x in (("q", q), ("k", k)):
+        if not (x.is_cpu and x.dtype is _FP32):
+            raise ValueError(f"rope: {name} must be a float32 CPU tensor, got {x.dtype} on {x.device}")
+        stride = _token_stride(x)
+        if stride is None:
+            x = x.contiguous()
+            stride = x.shape[2] * Dh
+        strides.append((x, stride))
+    _check("rope", cos=cos, signed_sin=signed_sin)
+    _no_backward("rope", q, k)
     for name, t in (("cos", cos), ("signed_sin", signed_sin)):
         if t.shape != (B, T, 1, Dh):
             raise ValueError(f"rope: {name} must have shape {(B, T, 1, Dh)}, got {tuple(t.shape)}")
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    q_out, k_out = torch.empty(q.shape, dtype=_FP32), torch.empty(k.shape, dtype=_FP32)
     if B * T:
         n = native()
-        n.rope_f32_cpu(q.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), q_out.data_ptr(), B * T, H, Dh)
-        n.rope_f32_cpu(k.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), k_out.data_ptr(), B * T, k.shape[2], Dh)
+        for (x, stride), out in zip(strides, (q_out, k_out)):
+            n.rope_f32_cpu(x.data_ptr(), stride, cos.data_ptr(), signed_sin.data_ptr(), out.data_ptr(), B * T,
+                           x.shape[2], Dh)
     return q_out, k_out
 
 

@@ -211,7 +211,10 @@ def save_llama(model, path: str | os.PathLike, max_shard_bytes: int | None = Non
                 f"save_pretrained: parameter {k!r} is missing or not a plain {shape} float tensor "
                 "(quantized models cannot be saved as HF checkpoints; save the unquantized weights)"
             )
-        tensors[k] = t.detach().to("cpu").contiguous()
+        t = t.detach().to("cpu").contiguous()
+        if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()  # a view into a flat buffer (packed or bucket weights): safetensors saves whole storages
+        tensors[k] = t
     extra = [k for k in sd if k not in expected and not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if extra:
         raise ValueError(f"save_pretrained: model has parameters HF Llama does not: {extra[:4]}")

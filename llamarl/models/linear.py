@@ -34,13 +34,25 @@ CPU_LINEAR = os.environ.get("LLAMARL_CPU_LINEAR", "1") != "0"
 _FP32 = torch.float32
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)``, through the native CPU decode kernel when the conditions above hold."""
+    # cheapest tests first: this runs ~40 times per decode step
+    if (CPU_LINEAR and x.is_cpu and x.dtype is _FP32 and w.dtype is _FP32 and w.is_cpu and bias is None
+            and x.shape[-1] == w.shape[1] and x.numel() <= CPU_DECODE_MAX_ROWS * w.shape[1]
+            and x.is_contiguous() and w.is_contiguous()
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+        return linear_f32_cpu_unchecked(x, w)
+    return F.linear(x, w, bias)
+
+
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        # cheapest tests first: this runs ~40 times per decode step
-        if (CPU_LINEAR and x.is_cpu and x.dtype is _FP32 and w.dtype is _FP32 and w.is_cpu and self.bias is None
-                and x.shape[-1] == w.shape[1] and x.numel() <= CPU_DECODE_MAX_ROWS * w.shape[1]
-                and x.is_contiguous() and w.is_contiguous()
-                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-            return linear_f32_cpu_unchecked(x, w)
-        return F.linear(x, w, self.bias)
+        return linear(x, self.weight, self.bias)
+
+    # the stacked-projection protocol (llamarl.models.stacked)
+    def stack_tensors(self) -> tuple[torch.Tensor, ...] | None:
+        """The tensors that projections stack along dim 0 to run as one product (None: cannot stack)."""
+        return (self.weight,) if self.bias is None else None
+
+    def stacked_forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return linear(x, weight)

@@ -42,6 +42,10 @@ i + 1's input norm computes the stream ``mlp_out + h`` itself (the final norm do
 layer), so every residual add sits right before a norm. This is the same arithmetic in the same dtype
 as ``x + f(x)``; it lets the fused kernels below do each add in the norm's pass over the row.
 
+Stacked projections (llamarl.models.stacked): when a layer's q, k, v weights (and its gate, up weights) lie
+end to end in memory, as in the generator's weight buckets or after ``pack_parameters_``, and autograd
+needs no gradient through them, each group runs as one product whose output is split into column slices.
+
 Fused kernels (llamarl_kernels.fused_ops): for bf16/fp16 activations on CUDA with autograd off (the
 kernels have no backward: generation, evaluation, ``no_grad`` log-probs), RMSNorm with the residual add
 before it, RoPE on q and k, and SiLU(gate)·up each run as one Triton kernel with eager's roundings:
@@ -69,7 +73,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llamarl.models import cpu_fused
+from llamarl.models import cpu_fused, stacked
 from llamarl.models.config import LlamaConfig
 from llamarl.models.linear import Linear
 
@@ -179,14 +183,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: _AttnContext) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hkv, Dh = self.n_heads, self.n_kv, self.head_dim
-        q = self.q_proj(x).view(B, T, H, Dh)
-        k = self.k_proj(x).view(B, T, Hkv, Dh)
-        ops = _fused(q)
+        qkv = stacked.project(self, "qkv", x, (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = qkv if qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k, v = q.view(B, T, H, Dh), k.view(B, T, Hkv, Dh), v.view(B, T, Hkv, Dh)
+        ops = _fused(x)
         if ops is not None:
             q, k = ops.rope(q, k, ctx.cos, ctx.sin)
         else:
             q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
-        v = self.v_proj(x).view(B, T, Hkv, Dh)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, Dh]
         if ctx.cache is not None:
             k, v = ctx.cache.update(self.layer_idx, k, v, ctx.input_pos)
@@ -222,10 +226,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(f, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = stacked.project(self, "gate_up", x, (self.gate_proj, self.up_proj))
+        gate, up = gate_up if gate_up is not None else (self.gate_proj(x), self.up_proj(x))
         ops = _fused(x)
         if ops is not None:
-            return self.down_proj(ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(ops.silu_mul(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -108,9 +108,19 @@ class QuantizedLinear(nn.Module):
         return reference.dequantize_ref(self.qweight, self.scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x, self.qweight, self.scale, self.bias)
+
+    def _run(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
         if self.backend == "triton":
-            return llamarl_kernels.quantized_linear(x, self.qweight, self.scale, self.bias)
-        return reference.quantized_linear_ref(x, self.qweight, self.scale, self.bias)
+            return llamarl_kernels.quantized_linear(x, qweight, scale, bias)
+        return reference.quantized_linear_ref(x, qweight, scale, bias)
+
+    # the stacked-projection protocol (llamarl.models.stacked): qweight rows and scales stack along dim 0
+    def stack_tensors(self) -> tuple[torch.Tensor, ...] | None:
+        return (self.qweight, self.scale) if self.bias is None else None
+
+    def stacked_forward(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self._run(x, qweight, scale)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}, "
