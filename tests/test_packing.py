@@ -177,3 +177,25 @@ def test_engine_packs_by_default_and_generates_the_same():
         torch.testing.assert_close(packed(ids), plain(ids), rtol=1e-5, atol=1e-5)
     packed(ids).sum().backward()
     assert packed.lm_head.weight.grad is not None
+
+
+def test_weight_sync_buckets_lay_out_stackable_projections():
+    """The generator's flat buckets (state-dict order, 256-byte aligned) put q|k|v and gate|up end to end
+    for shapes whose projections are multiples of 256 bytes: the generator runs them stacked too."""
+    from llamarl.weight_sync import GeneratorBuckets, GeneratorLayout, TrainerLayout, llama_param_specs, plan_sync
+
+    m = _model(7)
+    plan = plan_sync(llama_param_specs(CFG, torch.float32), TrainerLayout(1), GeneratorLayout())
+    b = GeneratorBuckets.create(plan, 0, storage="shm", slots=1)
+    try:
+        b.load_into(m, 0)
+        x = torch.randn(1, CFG["hidden_size"])
+        with torch.no_grad():
+            for layer in m.model.layers:
+                a, f = layer.self_attn, layer.mlp
+                assert stacked.project(a, "qkv", x, (a.q_proj, a.k_proj, a.v_proj)) is not None
+                assert stacked.project(f, "gate_up", x, (f.gate_proj, f.up_proj)) is not None
+        assert not pack_parameters_(m)  # the bucket views stay where the trainer writes
+    finally:
+        del m
+        b.close()
