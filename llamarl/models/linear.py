@@ -52,7 +52,8 @@ class Linear(nn.Linear):
     # the stacked-projection protocol (llamarl.models.stacked)
     def stack_tensors(self) -> tuple[torch.Tensor, ...] | None:
         """The tensors that projections stack along dim 0 to run as one product (None: cannot stack)."""
-        return (self.weight,) if self.bias is None else None
+        params = self._parameters  # direct lookups: this runs once per projection per decode step
+        return (params["weight"],) if params.get("bias") is None else None
 
     def stacked_forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return linear(x, weight)

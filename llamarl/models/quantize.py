@@ -117,7 +117,8 @@ class QuantizedLinear(nn.Module):
 
     # the stacked-projection protocol (llamarl.models.stacked): qweight rows and scales stack along dim 0
     def stack_tensors(self) -> tuple[torch.Tensor, ...] | None:
-        return (self.qweight, self.scale) if self.bias is None else None
+        buffers = self._buffers  # direct lookups: this runs once per projection per decode step
+        return (buffers["qweight"], buffers["scale"]) if buffers.get("bias") is None else None
 
     def stacked_forward(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return self._run(x, qweight, scale)

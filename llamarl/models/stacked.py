@@ -58,14 +58,13 @@ def adjacent_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
 def project(owner: nn.Module, group: str, x: torch.Tensor, modules: Sequence[nn.Module]) -> tuple[torch.Tensor, ...] | None:
     """``tuple(m(x) for m in modules)`` as one stacked product (see the module docstring), or None when the
     modules cannot run stacked right now; ``owner`` / ``group`` name the cache entry (e.g. the attention
-    module and "qkv")."""
-    kind = type(modules[0])
-    if not hasattr(kind, "stacked_forward") or any(type(m) is not kind for m in modules):
+    module and "qkv"). Runs once per group per decode step, so the path that finds its cache entry valid
+    costs a few microseconds: the tensors' addresses are compared, the rest was checked when it was built."""
+    try:
+        parts = [m.stack_tensors() for m in modules]
+    except AttributeError:  # not a stackable projection type
         return None
-    if len({getattr(m, "backend", None) for m in modules}) != 1:
-        return None
-    parts = [m.stack_tensors() for m in modules]
-    if any(p is None for p in parts):
+    if None in parts:
         return None
     if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for p in parts for t in p)):
         return None
@@ -74,11 +73,22 @@ def project(owner: nn.Module, group: str, x: torch.Tensor, modules: Sequence[nn.
     if groups is None:
         groups = _CACHE.setdefault(owner, {})
     entry = groups.get(group)
-    if entry is None or entry[0] != key:
-        stacked = tuple(adjacent_view([p[i] for p in parts]) for i in range(len(parts[0])))
-        entry = (key, None if any(s is None for s in stacked) else stacked, [p[0].shape[0] for p in parts])
-        groups[group] = entry
-    _, stacked, sizes = entry
+    if entry is None or entry[0] != key or entry[1] != tuple(map(id, modules)):
+        entry = groups[group] = _entry(key, modules, parts)
+    stacked = entry[2]
     if stacked is None:
         return None
-    return modules[0].stacked_forward(x, *stacked).split(sizes, dim=-1)
+    return modules[0].stacked_forward(x, *stacked).split(entry[3], dim=-1)
+
+
+def _entry(key: tuple[int, ...], modules: Sequence[nn.Module], parts: list[tuple[torch.Tensor, ...]]) -> tuple:
+    """(address key, module ids, stacked views or None, output sizes): stacked only for modules of one type
+    (and one backend, for quantized ones) whose tensors are adjacent."""
+    ids = tuple(map(id, modules))
+    kind = type(modules[0])
+    if any(type(m) is not kind for m in modules) or len({getattr(m, "backend", None) for m in modules}) != 1:
+        return key, ids, None, None
+    stacked = tuple(adjacent_view([p[i] for p in parts]) for i in range(len(parts[0])))
+    if any(s is None for s in stacked):
+        return key, ids, None, None
+    return key, ids, stacked, [p[0].shape[0] for p in parts]

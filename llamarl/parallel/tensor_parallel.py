@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llamarl.models import Llama, LlamaConfig
+from llamarl.models import linear as dense
 from llamarl.weight_sync.layout import balanced_bounds, llama_tp_split
 
 
@@ -177,7 +178,15 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and self.tp.size > 1:
             x = _CopyToTP.apply(x, self.tp)
-        return F.linear(x, self.weight)
+        return dense.linear(x, self.weight)
+
+    # the stacked-projection protocol (llamarl.models.stacked): without autograd the forward is a plain
+    # product with the local rows, so a rank's q|k|v (gate|up) shards stack like unsharded weights
+    def stack_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self._parameters["weight"],)
+
+    def stacked_forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return dense.linear(x, weight)
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (local rows [{self.out_start}, {self.out_end})), "
@@ -208,7 +217,7 @@ class RowParallelLinear(nn.Module):
         if x_local.shape[-1] != n:
             raise ValueError(f"RowParallelLinear on TP rank {self.tp.rank}: input has {x_local.shape[-1]} features, "
                              f"this rank's input slice [{self.in_start}, {self.in_end}) has {n}")
-        y = F.linear(x_local, self.weight)
+        y = dense.linear(x_local, self.weight)
         return _ReduceFromTP.apply(y, self.tp) if self.tp.size > 1 else y
 
     def extra_repr(self) -> str:
@@ -269,7 +278,7 @@ class VocabParallelLMHead(nn.Module):
         """[.., vocab_end - vocab_start]: this rank's columns of the logits."""
         if torch.is_grad_enabled() and self.tp.size > 1:
             h = _CopyToTP.apply(h, self.tp)
-        return F.linear(h, self.weight)
+        return dense.linear(h, self.weight)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         z = self.local_logits(h)
