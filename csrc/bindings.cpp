@@ -235,6 +235,25 @@ PYBIND11_MODULE(_C, m) {
         py::arg("tokens"), py::arg("heads"), py::arg("head_dim"),
         "RoPE of [tokens, heads, head_dim] fp32 host buffers given by address: x's tokens x_token_stride floats "
         "apart (heads contiguous), out contiguous, cos / signed_sin [tokens, head_dim] contiguous.");
+  m.def("rope_kv_f32_cpu",
+        [](uint64_t q, uint64_t k, uint64_t v, uint64_t cos, uint64_t sin, const std::vector<int64_t>& strides,
+           uint64_t q_out, uint64_t kc, uint64_t vc, const std::vector<int64_t>& cache_strides, uint64_t slots,
+           int64_t slot0, int64_t S, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t Dh) {
+          if (strides.size() != 6 || cache_strides.size() != 6)
+            throw std::invalid_argument("rope_kv_f32_cpu: strides are (q_sb, q_st, k_sb, k_st, v_sb, v_st) and "
+                                        "cache_strides (kc_sb, kc_sh, kc_ss, vc_sb, vc_sh, vc_ss)");
+          auto f = [](uint64_t p) { return reinterpret_cast<float*>(p); };
+          llamarl::RopeKvArgs a{f(q), f(k), f(v), f(cos), f(sin), strides[0], strides[1], strides[2], strides[3],
+                                strides[4], strides[5], f(q_out), f(kc), f(vc), cache_strides[0], cache_strides[1],
+                                cache_strides[2], cache_strides[3], cache_strides[4], cache_strides[5],
+                                reinterpret_cast<const int64_t*>(slots), slot0, S, B, T, H, Hkv, Dh};
+          llamarl::rope_kv_f32_cpu(a);
+        },
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cos"), py::arg("signed_sin"), py::arg("strides"),
+        py::arg("q_out"), py::arg("k_cache"), py::arg("v_cache"), py::arg("cache_strides"), py::arg("slots"),
+        py::arg("slot0"), py::arg("S"), py::arg("B"), py::arg("T"), py::arg("H"), py::arg("Hkv"), py::arg("Dh"),
+        "RoPE on q and k plus one layer's KV-cache write (fp32 host buffers by address, element strides; "
+        "slots = 0: slots slot0 + t).");
   m.def("decode_attention_f32_cpu",
         [](uint64_t q, uint64_t k, uint64_t v, uint64_t mask, uint64_t out, int64_t B, int64_t Hkv, int64_t G,
            int64_t S, int64_t D, int64_t k_sb, int64_t k_sh, int64_t k_ss, int64_t v_sb, int64_t v_sh, int64_t v_ss,

@@ -9,6 +9,8 @@
 //   rope:      out[j] = x[j] * cos[j] + x[swap(j)] * signed_sin[j],  swap(j) = j +- Dh/2, for every head of
 //              every token (x's tokens may be strided: the q or k columns of a fused q|k|v product),
 //              signed_sin = (-sin, sin): each product and the sum rounded to fp32, as eager.
+//   rope_kv:   the same RoPE on q (to a new tensor) and on k, written with v straight into one layer's
+//              KV cache at the token's slot, which saves the cache update's two copies per layer.
 //
 // The sum of squares is accumulated in double (so mean(h^2) is the correctly rounded fp32 of the exact
 // mean up to one rounding), which may differ from torch's fp32 reduction in the last bit of the mean;
@@ -17,7 +19,9 @@
 #include "fused_cpu.h"
 
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
+#include <string>
 
 namespace llamarl {
 
@@ -44,26 +48,53 @@ void rms_norm_f32_cpu(const float* x, const float* residual, const float* w, flo
   }
 }
 
+namespace {
+
+// One head: o[j] = x[j] * c[j] + x[swap(j)] * s[j] (each product and the sum rounded to fp32).
+inline void rope_head(const float* x, const float* c, const float* s, float* o, int64_t half) {
+  for (int64_t j = 0; j < half; ++j) {
+    const float a = x[j] * c[j], b = x[j + half] * s[j];
+    o[j] = a + b;
+  }
+  for (int64_t j = half; j < 2 * half; ++j) {
+    const float a = x[j] * c[j], b = x[j - half] * s[j];
+    o[j] = a + b;
+  }
+}
+
+}  // namespace
+
 void rope_f32_cpu(const float* x, int64_t x_token_stride, const float* cos, const float* signed_sin, float* out,
                   int64_t tokens, int64_t heads, int64_t head_dim) {
   if (tokens < 0 || heads < 0 || head_dim < 2 || head_dim % 2)
     throw std::invalid_argument("rope_f32_cpu: head_dim must be even and >= 2");
   if (x_token_stride < heads * head_dim)
     throw std::invalid_argument("rope_f32_cpu: x_token_stride must be >= heads * head_dim (tokens may not overlap)");
-  const int64_t half = head_dim / 2;
-  for (int64_t t = 0; t < tokens; ++t) {
-    const float* c = cos + t * head_dim;
-    const float* s = signed_sin + t * head_dim;
-    for (int64_t hd = 0; hd < heads; ++hd) {
-      const float* xr = x + t * x_token_stride + hd * head_dim;
-      float* o = out + (t * heads + hd) * head_dim;
-      for (int64_t j = 0; j < half; ++j) {
-        const float a = xr[j] * c[j], b = xr[j + half] * s[j];
-        o[j] = a + b;
-      }
-      for (int64_t j = half; j < head_dim; ++j) {
-        const float a = xr[j] * c[j], b = xr[j - half] * s[j];
-        o[j] = a + b;
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t hd = 0; hd < heads; ++hd)
+      rope_head(x + t * x_token_stride + hd * head_dim, cos + t * head_dim, signed_sin + t * head_dim,
+                out + (t * heads + hd) * head_dim, head_dim / 2);
+}
+
+void rope_kv_f32_cpu(const RopeKvArgs& a) {
+  if (a.B < 0 || a.T < 0 || a.H < 0 || a.Hkv < 0 || a.Dh < 2 || a.Dh % 2)
+    throw std::invalid_argument("rope_kv_f32_cpu: head_dim must be even and >= 2, sizes >= 0");
+  for (int64_t b = 0; b < a.B; ++b) {
+    for (int64_t t = 0; t < a.T; ++t) {
+      const int64_t slot = a.slots != nullptr ? a.slots[t] : a.slot0 + t;
+      if (slot < 0 || slot >= a.S)
+        throw std::invalid_argument("rope_kv_f32_cpu: slot " + std::to_string(slot) + " outside the cache's " +
+                                    std::to_string(a.S) + " slots");
+      const int64_t token = b * a.T + t;
+      const float* c = a.cos + token * a.Dh;
+      const float* s = a.sin + token * a.Dh;
+      for (int64_t h = 0; h < a.H; ++h)
+        rope_head(a.q + b * a.q_sb + t * a.q_st + h * a.Dh, c, s, a.q_out + (token * a.H + h) * a.Dh, a.Dh / 2);
+      for (int64_t h = 0; h < a.Hkv; ++h) {
+        rope_head(a.k + b * a.k_sb + t * a.k_st + h * a.Dh, c, s, a.kc + b * a.kc_sb + h * a.kc_sh + slot * a.kc_ss,
+                  a.Dh / 2);
+        std::memcpy(a.vc + b * a.vc_sb + h * a.vc_sh + slot * a.vc_ss, a.v + b * a.v_sb + t * a.v_st + h * a.Dh,
+                    static_cast<size_t>(a.Dh) * sizeof(float));
       }
     }
   }

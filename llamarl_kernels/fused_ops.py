@@ -9,6 +9,8 @@ grid of the tensors' dtype (the identity for fp32):
     rms_norm(x, w, eps, residual)  h = rnd(x + residual) first, then y = rms_norm(h); returns (y, h)
     rope(q, k, cos, signed_sin)    out = rnd(rnd(x · cos) + rnd(swap(x) · signed_sin)) for x = q and k,
                                    swap(x_lo, x_hi) = (x_hi, x_lo) (halves of head_dim, HF layout)
+    rope_kv(q, k, v, cos, signed_sin, k_cache, v_cache, slots)
+                                   rope, rotated k and v written straight into one layer's KV cache
     silu_mul(gate, up)             out = rnd(rnd(g / (1 + exp(-g))) · up)
 
 Why these are eager's bits: every value is upcast to fp32 right after its load (exact); a product of
@@ -36,6 +38,8 @@ Kernels and launch (GPU; the interpreter uses the same grids):
 - ``_rope_kernel``: grid (B·T, 2): program (token, 0) rotates the token's q heads, (token, 1) its k
   heads, so decode (B·T = 1) still runs two programs side by side; cos/sin are read once per program,
   heads go in tiles of [BLOCK_H, Dh/2] per half (BLOCK_H·Dh/2 <= 2048), 4 warps.
+- ``_rope_kv_kernel``: grid (B·T, 3): as ``_rope_kernel``, with k's output the cache row of the token's
+  slot, and a third program copying the token's v heads there.
 - ``_silu_mul_kernel``: grid (M, cdiv(N, 1024)), 4 warps, 8 elements per thread.
 
 Numerics shared by the GPU and the interpreter: bf16 tensors are passed as int16 bits and widened by a
@@ -58,6 +62,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from llamarl_kernels.logprobs import check_device_runnable
 from llamarl_kernels.quant import _round_for_store
+from llamarl_kernels.shapes import rope_kv_shapes
 
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernels' dtype switch
 MAX_ROW = 65536  # rms_norm keeps a row in registers
@@ -109,14 +114,15 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def _rope_heads(x_ptr, stride_h, out_ptr, n_heads, c_lo, c_hi, s_lo, s_hi, half, d, d_mask,
+def _rope_heads(x_ptr, stride_h, out_ptr, out_stride_h, n_heads, c_lo, c_hi, s_lo, s_hi, half, d, d_mask,
                 KIND: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Rotate n_heads heads of one token: x at x_ptr + h * stride_h + [0, 2·half), out contiguous."""
+    """Rotate n_heads heads of one token: x at x_ptr + h * stride_h + [0, 2·half), out at
+    out_ptr + h * out_stride_h + [0, 2·half)."""
     for h0 in range(0, n_heads, BLOCK_H):
         heads = h0 + tl.arange(0, BLOCK_H)
         mask = (heads < n_heads)[:, None] & d_mask[None, :]
         src = x_ptr + heads.to(tl.int64)[:, None] * stride_h + d[None, :]
-        dst = out_ptr + heads.to(tl.int64)[:, None] * (2 * half) + d[None, :]
+        dst = out_ptr + heads.to(tl.int64)[:, None] * out_stride_h + d[None, :]
         x_lo = _load_f32(src, mask, KIND)
         x_hi = _load_f32(src + half, mask, KIND)
         lo = _round_for_store(x_lo * c_lo[None, :], KIND) + _round_for_store(x_hi * s_lo[None, :], KIND)
@@ -143,11 +149,53 @@ def _rope_kernel(
     s_lo = _load_f32(sin_row + d, d_mask, KIND)
     s_hi = _load_f32(sin_row + half + d, d_mask, KIND)
     if tl.program_id(1) == 0:
-        _rope_heads(q_ptr + b * sq_b + t * sq_t, sq_h, qo_ptr + token * H * 2 * half, H,
+        _rope_heads(q_ptr + b * sq_b + t * sq_t, sq_h, qo_ptr + token * H * 2 * half, 2 * half, H,
                     c_lo, c_hi, s_lo, s_hi, half, d, d_mask, KIND, BLOCK_H)
     else:
-        _rope_heads(k_ptr + b * sk_b + t * sk_t, sk_h, ko_ptr + token * HKV * 2 * half, HKV,
+        _rope_heads(k_ptr + b * sk_b + t * sk_t, sk_h, ko_ptr + token * HKV * 2 * half, 2 * half, HKV,
                     c_lo, c_hi, s_lo, s_hi, half, d, d_mask, KIND, BLOCK_H)
+
+
+@triton.jit
+def _rope_kv_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, slots_ptr, slot0, T, H, HKV, half,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sc_b, sc_t, ss_b, ss_t,
+    skc_b, skc_h, skc_s, svc_b, svc_h, svc_s,
+    KIND: tl.constexpr, SLOTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    """``_rope_kernel`` writing rotated k straight into the KV cache at the token's slot, plus a third
+    program per token that copies its v heads there (raw bits)."""
+    token = tl.program_id(0).to(tl.int64)  # b * T + t
+    b = token // T
+    t = token % T
+    if SLOTS:
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+    else:
+        slot = slot0 + t
+    d = tl.arange(0, BLOCK_HALF)
+    d_mask = d < half
+    which = tl.program_id(1)
+    if which == 2:
+        for h0 in range(0, HKV, BLOCK_H):
+            heads = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
+            mask = (heads < HKV)[:, None] & d_mask[None, :]
+            src = v_ptr + b * sv_b + t * sv_t + heads[:, None] * sv_h + d[None, :]
+            dst = vc_ptr + b * svc_b + slot * svc_s + heads[:, None] * svc_h + d[None, :]
+            tl.store(dst, tl.load(src, mask=mask), mask=mask)
+            tl.store(dst + half, tl.load(src + half, mask=mask), mask=mask)
+    else:
+        cos_row = cos_ptr + b * sc_b + t * sc_t
+        sin_row = sin_ptr + b * ss_b + t * ss_t
+        c_lo = _load_f32(cos_row + d, d_mask, KIND)
+        c_hi = _load_f32(cos_row + half + d, d_mask, KIND)
+        s_lo = _load_f32(sin_row + d, d_mask, KIND)
+        s_hi = _load_f32(sin_row + half + d, d_mask, KIND)
+        if which == 0:
+            _rope_heads(q_ptr + b * sq_b + t * sq_t, sq_h, qo_ptr + token * H * 2 * half, 2 * half, H,
+                        c_lo, c_hi, s_lo, s_hi, half, d, d_mask, KIND, BLOCK_H)
+        else:
+            _rope_heads(k_ptr + b * sk_b + t * sk_t, sk_h, kc_ptr + b * skc_b + slot * skc_s, skc_h, HKV,
+                        c_lo, c_hi, s_lo, s_hi, half, d, d_mask, KIND, BLOCK_H)
 
 
 @triton.jit
@@ -288,6 +336,39 @@ def rope(
             KIND=_KIND[dtype], BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4, enable_fp_fusion=False,
         )
     return q_out, k_out
+
+
+def rope_kv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: int | torch.Tensor,
+) -> torch.Tensor:
+    """``rope`` plus one layer's KV-cache write in one launch: rotated k and v go straight into ``k_cache`` /
+    ``v_cache`` [B, Hkv, S, Dh] at slot ``slots + t`` (int) or ``slots[t]`` (LongTensor [T] on the device:
+    CUDA-graph safe) for token t; returns rotated q (new, contiguous). Bitwise ``rope`` followed by the
+    cache's copies. Slots must lie in [0, S) (the caller, ``KVCache.update_rope``, checks int slots)."""
+    dtype = _check_float("rope_kv", q=q, k=k, v=v, cos=cos, signed_sin=signed_sin, k_cache=k_cache, v_cache=v_cache)
+    B, T, H, Hkv, Dh = rope_kv_shapes(q, k, v, cos, signed_sin, k_cache, v_cache, slots)
+    from_tensor = isinstance(slots, torch.Tensor)
+    if from_tensor and slots.device != q.device:
+        raise ValueError(f"rope_kv: slots must be on {q.device} like q, got {slots.device}")
+    q_out = torch.empty((B, T, H, Dh), dtype=dtype, device=q.device)
+    if B * T == 0:
+        return q_out
+    half = Dh // 2
+    block_half = triton.next_power_of_2(half)
+    block_h = min(triton.next_power_of_2(max(H, Hkv, 1)), max(1, 2048 // block_half))
+    with _device_guard(q):
+        _rope_kv_kernel[(B * T, 3)](
+            _bits(q), _bits(k), _bits(v), _bits(cos), _bits(signed_sin), _bits(q_out), _bits(k_cache),
+            _bits(v_cache), slots if from_tensor else _bits(q_out), 0 if from_tensor else int(slots), T, H, Hkv, half,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), cos.stride(0), cos.stride(1), signed_sin.stride(0),
+            signed_sin.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            KIND=_KIND[dtype], SLOTS=from_tensor, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4,
+            enable_fp_fusion=False,
+        )
+    return q_out
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -111,12 +111,25 @@ def test_bad_inputs_are_named():
         cpu_fused.rms_norm(x.requires_grad_(), w, 1e-5)
 
 
+def test_rope_kv_rejects_slots_outside_the_cache():
+    q, kv = torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 1, 4)
+    cos = torch.ones(1, 1, 1, 4)
+    cache = torch.zeros(1, 1, 5, 4)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="slot 5 outside the cache's 5 slots"):
+            cpu_fused.rope_kv(q, kv, kv, cos, cos, cache, cache.clone(), 5)
+        with pytest.raises(ValueError, match=r"k_cache must be \[1, 1, slots, 4\]"):
+            cpu_fused.rope_kv(q, kv, kv, cos, cos, torch.zeros(1, 2, 5, 4), cache, 0)
+        with pytest.raises(ValueError, match="slots must be an int or a LongTensor"):
+            cpu_fused.rope_kv(q, kv, kv, cos, cos, cache, cache.clone(), torch.tensor([1, 2]))
+
+
 def test_model_decode_with_native_ops_matches_the_eager_path(monkeypatch):
     """Prefill + KV-cache decode steps under no_grad (native norm / RoPE) against the same forward with
     autograd on (the eager ops), logits within fp32 summation-order tolerance."""
     from llamarl.generation.kv_cache import KVCache
 
-    calls = count_calls(monkeypatch, cpu_fused, ["rms_norm", "rope", "decode_attention"])
+    calls = count_calls(monkeypatch, cpu_fused, ["rms_norm", "rope_kv", "decode_attention"])
 
     cfg = LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                       num_attention_heads=6, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
@@ -130,8 +143,9 @@ def test_model_decode_with_native_ops_matches_the_eager_path(monkeypatch):
         pre = model(ids[:, :6], 0, cache)
         steps = [model(ids[:, t:t + 1], t, cache) for t in range(6, 9)]
     got = torch.cat([pre] + steps, dim=1)
-    # 4 forwards x (2 norms per layer + the final one), one RoPE per layer; attention in the 3 decode steps
-    assert calls == {"rms_norm": 4 * (2 * 2 + 1), "rope": 4 * 2, "decode_attention": 3 * 2}
+    # 4 forwards x (2 norms per layer + the final one), one RoPE + cache write per layer; attention in the
+    # 3 decode steps
+    assert calls == {"rms_norm": 4 * (2 * 2 + 1), "rope_kv": 4 * 2, "decode_attention": 3 * 2}
     torch.testing.assert_close(got, full.detach(), rtol=1e-5, atol=1e-5)
 
 

@@ -150,6 +150,36 @@ def test_rope_strided_inputs_and_model_tables(device):
     _assert_same_bits(k_out, apply_rope(k, cos, sin))
 
 
+@pytest.mark.parametrize("impl, dtype", [("triton", torch.bfloat16), ("triton", torch.float16),
+                                         ("triton", torch.float32), ("cpu_native", torch.float32)])
+@pytest.mark.parametrize("slots_kind", ["int", "tensor"])
+def test_rope_kv_writes_the_cache_bitwise(impl, dtype, slots_kind, device):
+    """rope_kv = RoPE on q and k, then rotated k and v copied into the cache at the token slots: q bitwise
+    eager's RoPE, the cache rows at the slots bitwise rope(k) and v, every other cache element untouched.
+    q, k, v are column views of one fused q|k|v product; the cache is the row slice of a bigger one."""
+    from llamarl.models import cpu_fused
+
+    op = fused_ops.rope_kv if impl == "triton" else cpu_fused.rope_kv
+    dev = device if impl == "triton" else torch.device("cpu")
+    torch.manual_seed(7)
+    B, T, H, Hkv, Dh, S = 2, 3, 6, 2, 8, 10
+    qkv = torch.randn(B, T, (H + 2 * Hkv) * Dh).to(dtype).to(dev)
+    q, k, v = (t.view(B, T, -1, Dh) for t in qkv.split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1))
+    cos, sin = (torch.randn(B, T, 1, Dh).to(dtype).to(dev) for _ in range(2))
+    full_k, full_v = (torch.randn(B + 1, Hkv, S, Dh).to(dtype).to(dev) for _ in range(2))
+    want_k, want_v = full_k.clone(), full_v.clone()
+    slots = 4 if slots_kind == "int" else torch.tensor([7, 2, 5], device=dev)
+    idx = torch.arange(4, 4 + T) if slots_kind == "int" else slots.cpu()
+    with torch.no_grad():
+        q_out = op(q, k, v, cos, sin, full_k[:B], full_v[:B], slots)
+    want_k[:B, :, idx.to(dev)] = apply_rope(k, cos, sin).transpose(1, 2)
+    want_v[:B, :, idx.to(dev)] = v.transpose(1, 2)
+    assert q_out.is_contiguous()
+    _assert_same_bits(q_out, apply_rope(q, cos, sin))
+    _assert_same_bits(full_k, want_k)
+    _assert_same_bits(full_v, want_v)
+
+
 # ----------------------------------------------------------------------------------------------------
 # silu_mul
 # ----------------------------------------------------------------------------------------------------
@@ -281,7 +311,7 @@ def test_model_uses_fused_ops_and_matches_eager_on_cpu(monkeypatch):
     interpreter) and compared with the eager path; every fused op must actually be called."""
     if fused_ops.INTERPRETED is False:
         pytest.skip("the forced CPU path needs the Triton interpreter")
-    calls = count_calls(monkeypatch, fused_ops, ["rms_norm", "rope", "silu_mul"])
+    calls = count_calls(monkeypatch, fused_ops, ["rms_norm", "rope_kv", "silu_mul"])
     model = _tiny_model(torch.bfloat16, "cpu")
     ids = torch.randint(0, TINY_CFG.vocab_size, (2, 7))
     state = {"on": False}
@@ -289,8 +319,9 @@ def test_model_uses_fused_ops_and_matches_eager_on_cpu(monkeypatch):
                         and x.dtype in (torch.bfloat16, torch.float16) else None)
     _compare_fused(model, ids, 3, lambda on: state.update(on=on))
     L = TINY_CFG.num_hidden_layers
-    # 1 prefill + 3 decode forwards; per forward 2 norms per layer + the final one, 1 rope and 1 silu_mul
-    assert calls == {"rms_norm": 4 * (2 * L + 1), "rope": 4 * L, "silu_mul": 4 * L}
+    # 1 prefill + 3 decode forwards; per forward 2 norms per layer + the final one, 1 rope with the cache
+    # write and 1 silu_mul per layer
+    assert calls == {"rms_norm": 4 * (2 * L + 1), "rope_kv": 4 * L, "silu_mul": 4 * L}
 
 
 def test_fused_path_is_off_with_autograd_and_on_cpu():

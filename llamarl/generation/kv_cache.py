@@ -68,6 +68,24 @@ class KVCache:
         vc.index_copy_(2, input_pos, v)
         return kc, vc
 
+    def update_rope(
+        self, layer: int, ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+        signed_sin: torch.Tensor, input_pos: int | torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """RoPE and ``update`` in one op: q, k, v [B, T, heads, Dh] (pre-RoPE, any token strides); ``ops`` is a
+        fused-op module with ``rope_kv`` (llamarl.models.cpu_fused or llamarl_kernels.fused_ops), which
+        writes rotated k and v straight into this layer's cache. Returns (rotated q [B, T, H, Dh], K, V)
+        with K, V as ``update`` returns them."""
+        B, T = k.shape[0], k.shape[1]
+        kc, vc = self.k[layer][:B], self.v[layer][:B]
+        if isinstance(input_pos, int):
+            end = input_pos + T
+            if end > self.max_seq_len:
+                raise ValueError(f"KV cache overflow: writing slots up to {end} but max_seq_len={self.max_seq_len}")
+            q = ops.rope_kv(q, k, v, cos, signed_sin, kc, vc, input_pos)
+            return q, kc[:, :, :end], vc[:, :, :end]
+        return ops.rope_kv(q, k, v, cos, signed_sin, kc, vc, input_pos), kc, vc
+
     def set_start(self, start: torch.Tensor) -> None:
         """Left-pad offsets of rows [0, len(start)) (a CPU tensor: the padding flag is computed on the host)."""
         self.has_padding = bool((start > 0).any())

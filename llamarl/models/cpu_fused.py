@@ -7,6 +7,8 @@ microsecond of arithmetic. Math, identical to the eager ops of ``llamarl.models.
 
     rms_norm(x, w, eps[, residual])  h = x + residual;  y = w * (h * (1 / sqrt(mean(h^2) + eps)))
     rope(q, k, cos, signed_sin)      x' = x * cos + swap(x) * signed_sin,  swap(lo, hi) = (hi, lo)
+    rope_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
+                                     rope, with rotated k and v written straight into one layer's KV cache
     silu_mul(gate, up)               F.silu(gate) * up (eager: two vectorised torch ops, already cheap)
     decode_attention(q, k, v, mask)  softmax(q kᵀ / sqrt(Dh) + mask) v for one query per row, grouped-query
                                      (csrc/attention_cpu.cpp; torch's CPU SDPA costs ~30 us per call at one
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from llamarl._native import native
+from llamarl_kernels.shapes import rope_kv_shapes
 
 _FP32 = torch.float32
 
@@ -119,6 +122,42 @@ def rope(
             n.rope_f32_cpu(x.data_ptr(), stride, cos.data_ptr(), signed_sin.data_ptr(), out.data_ptr(), B * T,
                            x.shape[2], Dh)
     return q_out, k_out
+
+
+def rope_kv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: int | torch.Tensor,
+) -> torch.Tensor:
+    """``rope`` on q and k plus one layer's KV-cache write: rotated k and v go straight into
+    ``k_cache`` / ``v_cache`` [B, Hkv, S, Dh] at slot ``slots + t`` (int) or ``slots[t]`` (LongTensor [T])
+    for token t; returns rotated q, contiguous. Bitwise what ``rope`` followed by the cache's copies gives."""
+    B, T, H, Hkv, Dh = rope_kv_shapes(q, k, v, cos, signed_sin, k_cache, v_cache, slots)
+    cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
+    _check("rope_kv", cos=cos, signed_sin=signed_sin)
+    xs = []
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not (x.is_cpu and x.dtype is _FP32):
+            raise ValueError(f"rope_kv: {name} must be a float32 CPU tensor, got {x.dtype} on {x.device}")
+        if x.stride(3) != 1 or (x.shape[2] > 1 and x.stride(2) != Dh):
+            x = x.contiguous()  # heads must be contiguous within a token; batch and token strides are free
+        xs.append(x)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not (c.is_cpu and c.dtype is _FP32):
+            raise ValueError(f"rope_kv: {name} must be a float32 CPU tensor, got {c.dtype} on {c.device}")
+    _no_backward("rope_kv", q, k, v, k_cache, v_cache)
+    q_out = torch.empty(q.shape, dtype=_FP32)
+    slot_t = slots.contiguous() if isinstance(slots, torch.Tensor) else None
+    if B * T:
+        q, k, v = xs
+        native().rope_kv_f32_cpu(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(),
+            [q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1)],
+            q_out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            [k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+             v_cache.stride(2)],
+            0 if slot_t is None else slot_t.data_ptr(), 0 if slot_t is not None else int(slots), k_cache.shape[2],
+            B, T, H, Hkv, Dh)
+    return q_out
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,9 @@ Three ways to call the model (``hidden_states`` takes the same arguments and sto
 
 The cache protocol used here: ``cache.start`` (LongTensor [rows]), ``cache.max_seq_len``,
 ``cache.has_padding`` (host bool: False promises every start is 0, which lets decode skip the mask) and
-``cache.update(layer, k, v, input_pos) -> (k_all, v_all)`` with k, v [B, kv_heads, T, head_dim].
+``cache.update(layer, k, v, input_pos) -> (k_all, v_all)`` with k, v [B, kv_heads, T, head_dim]; a cache
+that also has ``update_rope`` (llamarl.generation.kv_cache.KVCache) lets the fused ops apply RoPE and write
+k, v into it in one op (``rope_kv``) wherever the fused ops run.
 
 Residual stream: layers pass it on in two parts, like vLLM's: layer i returns (mlp_out, h) and layer
 i + 1's input norm computes the stream ``mlp_out + h`` itself (the final norm does it after the last
@@ -187,13 +189,16 @@ class Attention(nn.Module):
         q, k, v = qkv if qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         q, k, v = q.view(B, T, H, Dh), k.view(B, T, Hkv, Dh), v.view(B, T, Hkv, Dh)
         ops = _fused(x)
-        if ops is not None:
-            q, k = ops.rope(q, k, ctx.cos, ctx.sin)
+        if ops is not None and hasattr(ctx.cache, "update_rope"):  # RoPE writes k, v into the cache itself
+            q, k, v = ctx.cache.update_rope(self.layer_idx, ops, q, k, v, ctx.cos, ctx.sin, ctx.input_pos)
         else:
-            q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, Dh]
-        if ctx.cache is not None:
-            k, v = ctx.cache.update(self.layer_idx, k, v, ctx.input_pos)
+            if ops is not None:
+                q, k = ops.rope(q, k, ctx.cos, ctx.sin)
+            else:
+                q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, Dh]
+            if ctx.cache is not None:
+                k, v = ctx.cache.update(self.layer_idx, k, v, ctx.input_pos)
         G = H // Hkv
         if T == 1:
             # Decode: the G query heads sharing a kv head are stacked along the query axis,

@@ -1,0 +1,28 @@
+"""Shape checks shared by the Triton kernels and their native CPU counterparts (``llamarl.models.cpu_fused``);
+pure torch, so importing this never imports Triton."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_kv_shapes(q, k, v, cos, signed_sin, k_cache, v_cache, slots) -> tuple[int, int, int, int, int]:
+    """The sizes (B, T, H, Hkv, Dh) of a ``rope_kv`` call (fused_ops and cpu_fused take the same arguments);
+    raises ValueError naming the first argument that does not fit."""
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"rope_kv: q must be [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads, head_dim], "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    B, T, H, Dh = q.shape
+    Hkv = k.shape[2]
+    if Dh % 2:
+        raise ValueError(f"rope_kv: head_dim must be even (rotate-half layout), got {Dh}")
+    for name, t in (("cos", cos), ("signed_sin", signed_sin)):
+        if t.shape != (B, T, 1, Dh):
+            raise ValueError(f"rope_kv: {name} must have shape {(B, T, 1, Dh)}, got {tuple(t.shape)}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 4 or c.shape[0] != B or c.shape[1] != Hkv or c.shape[3] != Dh or c.stride(3) != 1:
+            raise ValueError(f"rope_kv: {name} must be [{B}, {Hkv}, slots, {Dh}] with unit stride along the last dim, "
+                             f"got {tuple(c.shape)} strides {c.stride()}")
+    if isinstance(slots, torch.Tensor) and (slots.dtype != torch.long or slots.shape != (T,)):
+        raise ValueError(f"rope_kv: slots must be an int or a LongTensor [{T}], got {slots.dtype} {tuple(slots.shape)}")
+    return B, T, H, Hkv, Dh
