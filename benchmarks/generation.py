@@ -190,7 +190,9 @@ def rl_row(args, cfg, ours, hf, device) -> dict:
 
 
 def profile_decode(args, cfg, ours, device, steps: int = 16, top: int = 12) -> str:
-    """Kernel count and the top kernels (GPU time) of ``steps`` CUDA-graph decode steps at batch 1."""
+    """Where a batch-1 generate call (CUDA graphs) spends its time: wall time against the GPU's busy time
+    (the sum of kernel times: the rest is the GPU waiting for the host), the CUDA runtime calls the host
+    made (launches, copies, synchronisations: count and host time) and the top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     engine = GenerationEngine(ours, max_batch_size=1, max_seq_len=args.prompt_len + steps + 1)
@@ -199,15 +201,23 @@ def profile_decode(args, cfg, ours, device, steps: int = 16, top: int = 12) -> s
     engine.generate(prompt, params, eos_token_id=())  # capture outside the profile
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         engine.generate(prompt, params, eos_token_id=())
         torch.cuda.synchronize(device)
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    total_us = sum(e.self_device_time_total for e in kernels)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_ms = sum(e.self_device_time_total for e in kernels) / 1e3
     launches = sum(e.count for e in kernels)
+    runtime = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.key.startswith("cuda")),
+                     key=lambda e: e.cpu_time_total, reverse=True)
     kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    lines = [f"profile, batch 1, {steps} tokens (prefill included): {launches} kernel runs, "
-             f"{total_us / 1e3:.2f} ms GPU time; top kernels (count, ms):"]
-    lines += [f"{e.key[:70]} ({e.count}, {e.self_device_time_total / 1e3:.3f})" for e in kernels[:top]]
+    lines = [f"profile, batch 1, {steps} tokens (prefill included, under the profiler): wall {wall_ms:.2f} ms, "
+             f"GPU busy {busy_ms:.2f} ms ({busy_ms / wall_ms:.0%}), {launches} kernel runs",
+             "host CUDA calls (count, host ms): " + ", ".join(
+                 f"{e.key} ({e.count}, {e.cpu_time_total / 1e3:.2f})" for e in runtime[:8]),
+             "top kernels (count, ms): " + ", ".join(
+                 f"{e.key[:70]} ({e.count}, {e.self_device_time_total / 1e3:.3f})" for e in kernels[:top])]
     return "; ".join(lines)
 
 
