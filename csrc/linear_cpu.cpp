@@ -178,13 +178,23 @@ void row4_tiles(const float* x, const float* wr, float* y, int64_t M, int64_t K,
 // than by the weight stream, where 4-row tiles need 2.5x fewer loads per FMA; with rows shorter than
 // 512 values the four short streams defeat the prefetcher instead. Measured on the 2-core host, one
 // thread, M = 8: 768 -> 32000 14.6 -> 10.1 ms, 2048 -> 768 1.01 -> 0.53 ms, 1024 -> 384 266 -> 145 us,
-// but 384 -> 32000 3.8 -> 5.6 ms; at M <= 4 one row at a time was as fast or faster on every shape.
-bool four_rows(int64_t M, int64_t K) { return kIsa == Isa::kAvx512 && M >= 5 && K >= 512; }
+// but 384 -> 32000 3.8 -> 5.6 ms. At M = 4 they pay off only for long rows (weights on 2 MiB pages,
+// timed alternately in one process: 4 x 2048 -> 6144 4.4-5.1 -> 3.0-3.1 ms, but 4 x 768 -> 32000
+// 4.6-6.1 -> 7.2 ms); at M <= 3 one row at a time was as fast or faster on every shape.
+bool four_rows(int64_t M, int64_t K) {
+  return kIsa == Isa::kAvx512 && ((M >= 5 && K >= 512) || (M == 4 && K >= 2048));
+}
 
-// Rows [n0, n1) of the output for all M inputs: tiles of 4 inputs (4 accumulators + 5 operands), then the
-// rest in 2s and 1s; a row met by more than 4 inputs is re-read from L1. (Tiles of 8 on AVX-512, one pass
-// per row, measured slower: 4.7 ms instead of 3.3 ms for 8 x 384 -> 32000.) Under four_rows, blocks of
-// four rows take 4 x 4 tiles first.
+// Whether the one-row path takes inputs 4 at a time: not on AVX-512 at M <= 4, where the 4-input tile
+// (one 64-byte weight load and four input loads per four 16-lane FMAs) measured slower than two passes
+// of 2 (same host, 2 MiB pages, alternately timed in one process: 4 x 384 -> 32000 2.1-4.4 -> 1.8-2.6
+// ms over four runs; at 8 x 384 -> 32000 neither won every run, so M >= 5 keeps the 4-input tile).
+bool wide_tiles(int64_t M) { return kIsa != Isa::kAvx512 || M > 4; }
+
+// Rows [n0, n1) of the output for all M inputs: tiles of 4 inputs (4 accumulators + 5 operands; see
+// wide_tiles), then the rest in 2s and 1s; a row met by more inputs is re-read from L1.
+// (Tiles of 8 on AVX-512, one pass per row, measured slower: 4.7 ms instead of 3.3 ms for
+// 8 x 384 -> 32000.) Under four_rows, blocks of four rows take 4 x 4 tiles first.
 void rows_range(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
 #ifdef LLAMARL_X86
   if (four_rows(M, K)) {
@@ -197,10 +207,11 @@ void rows_range(const float* x, const float* w, float* y, int64_t M, int64_t K, 
     }
   }
 #endif
+  const bool wide = wide_tiles(M);
   for (int64_t n = n0; n < n1; ++n) {
     const float* wr = w + n * K;
     int64_t m = 0;
-    row_tiles<4>(x, wr, y, M, K, N, n, m);
+    if (wide) row_tiles<4>(x, wr, y, M, K, N, n, m);
     row_tiles<2>(x, wr, y, M, K, N, n, m);
     row_tiles<1>(x, wr, y, M, K, N, n, m);
   }

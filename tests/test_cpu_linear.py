@@ -18,8 +18,9 @@ from native_harness import run_with_cpu_isa
 
 SHAPES = [(1, 1, 1), (1, 7, 5), (2, 15, 4), (3, 16, 13), (4, 17, 64), (5, 33, 3), (8, 384, 1001), (16, 1000, 37),
           (13, 130, 257),
-          # four-row tiles (AVX-512, M >= 5, K >= 512): input remainders of 1, 2 and 3, leftover rows, K tails
-          (5, 512, 9), (7, 513, 6), (6, 527, 4), (8, 768, 3)]
+          # four-row tiles (AVX-512, M >= 5 and K >= 512, or M = 4 and K >= 2048): input remainders of 1, 2
+          # and 3, leftover rows, K tails
+          (5, 512, 9), (7, 513, 6), (6, 527, 4), (8, 768, 3), (4, 2048, 7), (4, 2049, 5)]
 
 
 def _check(M: int, K: int, N: int, threads: int = 1, seed: int = 0) -> None:
@@ -44,7 +45,7 @@ def test_matches_fp64_on_odd_shapes(M, K, N):
     _check(M, K, N)
 
 
-@pytest.mark.parametrize("M, K", [(3, 512), (8, 768)])
+@pytest.mark.parametrize("M, K", [(3, 512), (4, 2048), (8, 768)])
 def test_threads_split_the_rows_without_changing_a_bit(M, K):
     x, w = torch.randn(M, K), torch.randn(4099, K)  # 2 threads: the split falls inside a block of four rows
     torch.set_num_threads(1)
