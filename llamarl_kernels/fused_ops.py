@@ -114,10 +114,16 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def _rope_heads(x_ptr, stride_h, out_ptr, out_stride_h, n_heads, c_lo, c_hi, s_lo, s_hi, half, d, d_mask,
-                KIND: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Rotate n_heads heads of one token: x at x_ptr + h * stride_h + [0, 2·half), out at
-    out_ptr + h * out_stride_h + [0, 2·half)."""
+def _rope_token(x_ptr, stride_h, out_ptr, out_stride_h, n_heads, cos_row, sin_row, half,
+                KIND: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate n_heads heads of one token with its cos / signed_sin rows: x at x_ptr + h * stride_h +
+    [0, 2·half), out at out_ptr + h * out_stride_h + [0, 2·half)."""
+    d = tl.arange(0, BLOCK_HALF)
+    d_mask = d < half
+    c_lo = _load_f32(cos_row + d, d_mask, KIND)
+    c_hi = _load_f32(cos_row + half + d, d_mask, KIND)
+    s_lo = _load_f32(sin_row + d, d_mask, KIND)
+    s_hi = _load_f32(sin_row + half + d, d_mask, KIND)
     for h0 in range(0, n_heads, BLOCK_H):
         heads = h0 + tl.arange(0, BLOCK_H)
         mask = (heads < n_heads)[:, None] & d_mask[None, :]
@@ -140,20 +146,14 @@ def _rope_kernel(
     token = tl.program_id(0).to(tl.int64)  # b * T + t
     b = token // T
     t = token % T
-    d = tl.arange(0, BLOCK_HALF)
-    d_mask = d < half
     cos_row = cos_ptr + b * sc_b + t * sc_t
     sin_row = sin_ptr + b * ss_b + t * ss_t
-    c_lo = _load_f32(cos_row + d, d_mask, KIND)
-    c_hi = _load_f32(cos_row + half + d, d_mask, KIND)
-    s_lo = _load_f32(sin_row + d, d_mask, KIND)
-    s_hi = _load_f32(sin_row + half + d, d_mask, KIND)
     if tl.program_id(1) == 0:
-        _rope_heads(q_ptr + b * sq_b + t * sq_t, sq_h, qo_ptr + token * H * 2 * half, 2 * half, H,
-                    c_lo, c_hi, s_lo, s_hi, half, d, d_mask, KIND, BLOCK_H)
+        _rope_token(q_ptr + b * sq_b + t * sq_t, sq_h, qo_ptr + token * H * 2 * half, 2 * half, H,
+                    cos_row, sin_row, half, KIND, BLOCK_H, BLOCK_HALF)
     else:
-        _rope_heads(k_ptr + b * sk_b + t * sk_t, sk_h, ko_ptr + token * HKV * 2 * half, 2 * half, HKV,
-                    c_lo, c_hi, s_lo, s_hi, half, d, d_mask, KIND, BLOCK_H)
+        _rope_token(k_ptr + b * sk_b + t * sk_t, sk_h, ko_ptr + token * HKV * 2 * half, 2 * half, HKV,
+                    cos_row, sin_row, half, KIND, BLOCK_H, BLOCK_HALF)
 
 
 @triton.jit
@@ -172,10 +172,18 @@ def _rope_kv_kernel(
         slot = tl.load(slots_ptr + t).to(tl.int64)
     else:
         slot = slot0 + t
-    d = tl.arange(0, BLOCK_HALF)
-    d_mask = d < half
+    cos_row = cos_ptr + b * sc_b + t * sc_t
+    sin_row = sin_ptr + b * ss_b + t * ss_t
     which = tl.program_id(1)
-    if which == 2:
+    if which == 0:
+        _rope_token(q_ptr + b * sq_b + t * sq_t, sq_h, qo_ptr + token * H * 2 * half, 2 * half, H,
+                    cos_row, sin_row, half, KIND, BLOCK_H, BLOCK_HALF)
+    elif which == 1:
+        _rope_token(k_ptr + b * sk_b + t * sk_t, sk_h, kc_ptr + b * skc_b + slot * skc_s, skc_h, HKV,
+                    cos_row, sin_row, half, KIND, BLOCK_H, BLOCK_HALF)
+    else:
+        d = tl.arange(0, BLOCK_HALF)
+        d_mask = d < half
         for h0 in range(0, HKV, BLOCK_H):
             heads = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
             mask = (heads < HKV)[:, None] & d_mask[None, :]
@@ -183,19 +191,6 @@ def _rope_kv_kernel(
             dst = vc_ptr + b * svc_b + slot * svc_s + heads[:, None] * svc_h + d[None, :]
             tl.store(dst, tl.load(src, mask=mask), mask=mask)
             tl.store(dst + half, tl.load(src + half, mask=mask), mask=mask)
-    else:
-        cos_row = cos_ptr + b * sc_b + t * sc_t
-        sin_row = sin_ptr + b * ss_b + t * ss_t
-        c_lo = _load_f32(cos_row + d, d_mask, KIND)
-        c_hi = _load_f32(cos_row + half + d, d_mask, KIND)
-        s_lo = _load_f32(sin_row + d, d_mask, KIND)
-        s_hi = _load_f32(sin_row + half + d, d_mask, KIND)
-        if which == 0:
-            _rope_heads(q_ptr + b * sq_b + t * sq_t, sq_h, qo_ptr + token * H * 2 * half, 2 * half, H,
-                        c_lo, c_hi, s_lo, s_hi, half, d, d_mask, KIND, BLOCK_H)
-        else:
-            _rope_heads(k_ptr + b * sk_b + t * sk_t, sk_h, kc_ptr + b * skc_b + slot * skc_s, skc_h, HKV,
-                        c_lo, c_hi, s_lo, s_hi, half, d, d_mask, KIND, BLOCK_H)
 
 
 @triton.jit

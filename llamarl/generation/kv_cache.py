@@ -48,6 +48,17 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+    def _layer(self, layer: int, B: int, T: int, input_pos: int | torch.Tensor):
+        """(K rows [:B], V rows [:B], end): end = input_pos + T, the slots attention then reads, for an int
+        input_pos (checked against the cache's length); None for a slot tensor (attention reads them all)."""
+        kc, vc = self.k[layer][:B], self.v[layer][:B]
+        if not isinstance(input_pos, int):
+            return kc, vc, None
+        end = input_pos + T
+        if end > self.max_seq_len:
+            raise ValueError(f"KV cache overflow: writing slots up to {end} but max_seq_len={self.max_seq_len}")
+        return kc, vc, end
+
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, input_pos: int | torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,18 +66,14 @@ class KVCache:
 
         int input_pos: returns slots [0, input_pos + T); tensor input_pos [T]: returns all slots.
         """
-        B, T = k.shape[0], k.shape[2]
-        kc, vc = self.k[layer][:B], self.v[layer][:B]
-        if isinstance(input_pos, int):
-            end = input_pos + T
-            if end > self.max_seq_len:
-                raise ValueError(f"KV cache overflow: writing slots up to {end} but max_seq_len={self.max_seq_len}")
-            kc[:, :, input_pos:end] = k
-            vc[:, :, input_pos:end] = v
-            return kc[:, :, :end], vc[:, :, :end]
-        kc.index_copy_(2, input_pos, k)
-        vc.index_copy_(2, input_pos, v)
-        return kc, vc
+        kc, vc, end = self._layer(layer, k.shape[0], k.shape[2], input_pos)
+        if end is None:
+            kc.index_copy_(2, input_pos, k)
+            vc.index_copy_(2, input_pos, v)
+            return kc, vc
+        kc[:, :, input_pos:end] = k
+        vc[:, :, input_pos:end] = v
+        return kc[:, :, :end], vc[:, :, :end]
 
     def update_rope(
         self, layer: int, ops, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -76,15 +83,9 @@ class KVCache:
         fused-op module with ``rope_kv`` (llamarl.models.cpu_fused or llamarl_kernels.fused_ops), which
         writes rotated k and v straight into this layer's cache. Returns (rotated q [B, T, H, Dh], K, V)
         with K, V as ``update`` returns them."""
-        B, T = k.shape[0], k.shape[1]
-        kc, vc = self.k[layer][:B], self.v[layer][:B]
-        if isinstance(input_pos, int):
-            end = input_pos + T
-            if end > self.max_seq_len:
-                raise ValueError(f"KV cache overflow: writing slots up to {end} but max_seq_len={self.max_seq_len}")
-            q = ops.rope_kv(q, k, v, cos, signed_sin, kc, vc, input_pos)
-            return q, kc[:, :, :end], vc[:, :, :end]
-        return ops.rope_kv(q, k, v, cos, signed_sin, kc, vc, input_pos), kc, vc
+        kc, vc, end = self._layer(layer, k.shape[0], k.shape[1], input_pos)
+        q = ops.rope_kv(q, k, v, cos, signed_sin, kc, vc, input_pos)
+        return (q, kc, vc) if end is None else (q, kc[:, :, :end], vc[:, :, :end])
 
     def set_start(self, start: torch.Tensor) -> None:
         """Left-pad offsets of rows [0, len(start)) (a CPU tensor: the padding flag is computed on the host)."""
