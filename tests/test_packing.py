@@ -199,3 +199,26 @@ def test_weight_sync_buckets_lay_out_stackable_projections():
     finally:
         del m
         b.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantization", ["none", "int8", "fp8"])
+def test_packed_engine_on_cuda(quantization):
+    """GPU only: an engine that packs (stacked q|k|v and gate|up, cuBLAS or the Triton quantized kernels,
+    CUDA graphs) gives the tokens and log-probs of an engine on an unpacked copy of the same model."""
+    packed, plain = _model(8).cuda(), _model(8).cuda()
+    e1 = GenerationEngine(packed, max_batch_size=4, max_seq_len=40, quantization=quantization)
+    e2 = GenerationEngine(plain, max_batch_size=4, max_seq_len=40, quantization=quantization, pack_weights=False)
+    assert e1.packed and not e2.packed
+    a = packed.model.layers[0].self_attn
+    x = torch.randn(3, CFG["hidden_size"], device="cuda")
+    with torch.no_grad():
+        got = stacked.project(a, "qkv", x, (a.q_proj, a.k_proj, a.v_proj))
+        assert got is not None
+        for g, r in zip(got, (a.q_proj(x), a.k_proj(x), a.v_proj(x))):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0)
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    for x, y in zip(e1.generate(prompts, params, eos_token_id=()), e2.generate(prompts, params, eos_token_id=())):
+        assert x.token_ids == y.token_ids
+        assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-4

@@ -22,8 +22,9 @@ storage (the weight sync's buckets: packing would detach the model from the memo
 into), a model with ``weights_key`` set (its parameters were re-pointed on purpose), or nothing to pack.
 
 Memory: the model's weights are held twice while they are copied, one tensor's worth at a time freed
-after; on a GPU that is a transient doubling of the model's footprint (pass ``pack_weights=False`` to
-the engine where that does not fit). Sets ``model.weights_key`` (CUDA-graph decoders key their graphs
+after; on a GPU that is a transient doubling of the model's footprint, so a GPU without that much free
+memory (plus 256 MiB) is left unpacked with a RuntimeWarning that says so (``pack_weights=False`` on the
+engine skips packing outright). Sets ``model.weights_key`` (CUDA-graph decoders key their graphs
 by it, see llamarl.generation.cuda_graphs) and ``model.packed_hugepages`` (whether the CPU buffer was
 advised for huge pages).
 """
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import mmap
 import sys
+import warnings
 
 import torch
 from torch import nn
@@ -81,6 +83,15 @@ def pack_parameters_(model: nn.Module) -> bool:
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors.values():
         by_device.setdefault(t.device, []).append(t)
+    for device, group in by_device.items():
+        if device.type == "cuda":
+            need = sum(_round_up(t.numel() * t.element_size(), ALIGN) for t in group)
+            free, _ = torch.cuda.mem_get_info(device)
+            if free < need + (256 << 20):
+                warnings.warn(f"pack_parameters_: not packing the model's weights: {device} has {free / 2**30:.2f} GiB "
+                              f"free and the packed copy needs {need / 2**30:.2f} GiB while the weights are copied "
+                              "(q|k|v and gate|up then run as separate products)", RuntimeWarning, stacklevel=2)
+                return False
     hugepages = False
     with torch.no_grad():
         for device, group in by_device.items():
