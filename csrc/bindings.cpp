@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "copy_engine.h"
+#include "decode_layer_cpu.h"
 #include "cuda_ipc.h"
 #include "attention_cpu.h"
 #include "fused_cpu.h"
@@ -254,6 +255,24 @@ PYBIND11_MODULE(_C, m) {
         py::arg("slot0"), py::arg("S"), py::arg("B"), py::arg("T"), py::arg("H"), py::arg("Hkv"), py::arg("Dh"),
         "RoPE on q and k plus one layer's KV-cache write (fp32 host buffers by address, element strides; "
         "slots = 0: slots slot0 + t).");
+  m.def("decode_layer_f32_cpu",
+        [](const std::vector<uint64_t>& p, const std::vector<int64_t>& n, float eps, int num_threads) {
+          if (p.size() != 15 || n.size() != 16)
+            throw std::invalid_argument("decode_layer_f32_cpu: expects 15 addresses and 16 sizes (see bindings.cpp)");
+          auto c = [](uint64_t v) { return reinterpret_cast<const float*>(v); };
+          auto m = [](uint64_t v) { return reinterpret_cast<float*>(v); };
+          llamarl::DecodeLayerArgs a{c(p[0]), c(p[1]), m(p[2]), m(p[3]), c(p[4]), c(p[5]), c(p[6]), c(p[7]), c(p[8]),
+                                     c(p[9]), c(p[10]), c(p[11]), m(p[12]), m(p[13]), n[0], n[1], n[2], n[3], n[4],
+                                     n[5], n[6], n[7], n[8], c(p[14]), n[9], n[10], n[11], n[12], n[13], n[14], n[15],
+                                     eps, num_threads};
+          py::gil_scoped_release nogil;
+          llamarl::decode_layer_f32_cpu(a);
+        },
+        py::arg("ptrs"), py::arg("sizes"), py::arg("eps"), py::arg("num_threads") = 1,
+        "One decoder layer of a decode step (csrc/decode_layer_cpu.h). ptrs: x, residual (0: none), mlp_out, "
+        "h_out, w_norm1, w_norm2, w_qkv, w_o, w_gate_up, w_down, cos, signed_sin, k_cache, v_cache, mask (0: none); "
+        "sizes: kc_sb, kc_sh, kc_ss, vc_sb, vc_sh, vc_ss, cache_slots, slot, S, mask_sb, B, D, H, Hkv, Dh, I. "
+        "GIL released.");
   m.def("decode_attention_f32_cpu",
         [](uint64_t q, uint64_t k, uint64_t v, uint64_t mask, uint64_t out, int64_t B, int64_t Hkv, int64_t G,
            int64_t S, int64_t D, int64_t k_sb, int64_t k_sh, int64_t k_ss, int64_t v_sb, int64_t v_sh, int64_t v_ss,

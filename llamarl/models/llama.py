@@ -58,7 +58,9 @@ layer instead of 41), and its CUDA-graph replay takes 1.40 ms instead of 1.94 ms
 contiguous fp32 activations on the CPU with autograd off, RMSNorm (with the add) and RoPE run as
 native C++ ops instead (llamarl.models.cpu_fused: RoPE bitwise equal to eager, the norm's mean summed
 in double), which removes ~16 eager torch calls per layer from a CPU decode step, and so does decode
-attention (one query per row, summed in another order than torch's SDPA). Autograd, fp64 and the
+attention (one query per row, summed in another order than torch's SDPA); where a decode step's whole
+layer qualifies (stacked fp32 weights, an int cache slot), it runs as one native call instead
+(llamarl.models.cpu_decode: the same kernels without the Python between them). Autograd, fp64 and the
 other layouts of the activations run the eager code below. ``LLAMARL_FUSED_OPS=0`` in the environment (read once, at
 import: ``FUSED_OPS``) turns both off, for A/B measurements; when they are on, a failing kernel raises,
 it never falls back.
@@ -75,7 +77,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llamarl.models import cpu_fused, stacked
+from llamarl.models import cpu_decode, cpu_fused, stacked
 from llamarl.models.config import LlamaConfig
 from llamarl.models.linear import Linear
 
@@ -252,6 +254,10 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The stream entering the layer is ``x + residual`` (``x`` for the first layer, residual None);
         returns (mlp_out, h), whose sum is the stream leaving it (see the module docstring)."""
+        if FUSED_OPS and x.is_cpu:  # a CPU decode step: the whole layer as one native call where it applies
+            out = cpu_decode.decode_layer(self, x, ctx, residual)
+            if out is not None:
+                return out
         if residual is None:
             h, a = x, self.input_layernorm(x)
         else:

@@ -60,13 +60,29 @@ def project(owner: nn.Module, group: str, x: torch.Tensor, modules: Sequence[nn.
     modules cannot run stacked right now; ``owner`` / ``group`` name the cache entry (e.g. the attention
     module and "qkv"). Runs once per group per decode step, so the path that finds its cache entry valid
     costs a few microseconds: the tensors' addresses are compared, the rest was checked when it was built."""
+    entry = _lookup(owner, group, modules, x)
+    if entry is None:
+        return None
+    return modules[0].stacked_forward(x, *entry[2]).split(entry[3], dim=-1)
+
+
+def views(owner: nn.Module, group: str, modules: Sequence[nn.Module]) -> tuple[torch.Tensor, ...] | None:
+    """The stacked tensors ``project`` would multiply by (e.g. ``(W_qkv,)``), or None; for callers that run
+    the product themselves (llamarl.models.cpu_decode). Autograd is the caller's concern here."""
+    entry = _lookup(owner, group, modules, None)
+    return None if entry is None else entry[2]
+
+
+def _lookup(owner: nn.Module, group: str, modules: Sequence[nn.Module], x: torch.Tensor | None):
+    """The valid cache entry (key, ids, stacked views, sizes) for ``modules`` now, or None."""
     try:
         parts = [m.stack_tensors() for m in modules]
     except AttributeError:  # not a stackable projection type
         return None
     if None in parts:
         return None
-    if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for p in parts for t in p)):
+    if x is not None and torch.is_grad_enabled() and (
+            x.requires_grad or any(t.requires_grad for p in parts for t in p)):
         return None
     key = tuple(t.data_ptr() for p in parts for t in p)
     groups = _CACHE.get(owner)
@@ -75,10 +91,7 @@ def project(owner: nn.Module, group: str, x: torch.Tensor, modules: Sequence[nn.
     entry = groups.get(group)
     if entry is None or entry[0] != key or entry[1] != tuple(map(id, modules)):
         entry = groups[group] = _entry(key, modules, parts)
-    stacked = entry[2]
-    if stacked is None:
-        return None
-    return modules[0].stacked_forward(x, *stacked).split(entry[3], dim=-1)
+    return entry if entry[2] is not None else None
 
 
 def _entry(key: tuple[int, ...], modules: Sequence[nn.Module], parts: list[tuple[torch.Tensor, ...]]) -> tuple:
