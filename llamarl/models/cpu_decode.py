@@ -57,7 +57,7 @@ def decode_layer(layer, x: torch.Tensor, ctx, residual: torch.Tensor | None) -> 
     if weights is None:
         return None
     attn, n1, n2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
-    if n1.weight.dtype is not _FP32 or n2.weight.dtype is not _FP32 or n1.eps != n2.eps:
+    if not (cpu_fused.usable(n1.weight) and cpu_fused.usable(n2.weight)) or n1.eps != n2.eps:
         return None
     H, Hkv, Dh = attn.n_heads, attn.n_kv, attn.head_dim
     S = slot + 1
