@@ -54,7 +54,9 @@ before it, RoPE on q and k, and SiLU(gate)·up each run as one Triton kernel wit
 RoPE and SiLU·up are bitwise equal to the eager ops; RMSNorm differs only where its fp32 mean (a
 reduction in another order) moves the rounding of an element, by one ulp (21 of 8.4M elements on an
 H200 in bf16). A Llama-3.2-1B decode forward then launches 272 kernels instead of 663 (about 17 per
-layer instead of 41), and its CUDA-graph replay takes 1.40 ms instead of 1.94 ms on an H200. For
+layer instead of 41), and its CUDA-graph replay takes 1.40 ms instead of 1.94 ms on an H200 (measured
+before stacked projections and ``rope_kv`` took 3 GEMVs and 2 cache copies more out of every layer;
+their effect on the H200 is not measured yet). For
 contiguous fp32 activations on the CPU with autograd off, RMSNorm (with the add) and RoPE run as
 native C++ ops instead (llamarl.models.cpu_fused: RoPE bitwise equal to eager, the norm's mean summed
 in double), which removes ~16 eager torch calls per layer from a CPU decode step, and so does decode
