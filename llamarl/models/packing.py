@@ -26,7 +26,9 @@ after; on a GPU that is a transient doubling of the model's footprint, so a GPU 
 memory (plus 256 MiB) is left unpacked with a RuntimeWarning that says so (``pack_weights=False`` on the
 engine skips packing outright). Sets ``model.weights_key`` (CUDA-graph decoders key their graphs
 by it, see llamarl.generation.cuda_graphs) and ``model.packed_hugepages`` (whether the CPU buffer was
-advised for huge pages).
+advised for huge pages). Views share the buffer's storage, so ``torch.save`` of a single packed tensor
+writes the whole buffer (it saves storages; a whole ``state_dict`` writes it once); ``save_pretrained``
+copies each tensor out.
 """
 
 from __future__ import annotations
