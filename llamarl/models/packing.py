@@ -21,10 +21,12 @@ not a plain dense tensor (FSDP's DTensors, meta tensors), tensors that already a
 storage (the weight sync's buckets: packing would detach the model from the memory the trainer writes
 into), a model with ``weights_key`` set (its parameters were re-pointed on purpose), or nothing to pack.
 
-Memory: the model's weights are held twice while they are copied, one tensor's worth at a time freed
-after; on a GPU that is a transient doubling of the model's footprint, so a GPU without that much free
-memory (plus 256 MiB) is left unpacked with a RuntimeWarning that says so (``pack_weights=False`` on the
-engine skips packing outright). Sets ``model.weights_key`` (CUDA-graph decoders key their graphs
+Memory: each tensor's old storage is freed as soon as it is copied (unless something else holds it). On
+the CPU the new buffer's pages are only committed as they are written, so the peak stays about one
+model plus one tensor (100M-parameter model, 382 MiB: peak RSS 699 -> 701 MiB). A GPU buffer is
+committed whole up front, a transient doubling of the model's footprint, so a GPU without that much
+free memory (plus 256 MiB) is left unpacked with a RuntimeWarning that says so (``pack_weights=False``
+on the engine skips packing outright). Sets ``model.weights_key`` (CUDA-graph decoders key their graphs
 by it, see llamarl.generation.cuda_graphs) and ``model.packed_hugepages`` (whether the CPU buffer was
 advised for huge pages). Views share the buffer's storage, so ``torch.save`` of a single packed tensor
 writes the whole buffer (it saves storages; a whole ``state_dict`` writes it once); ``save_pretrained``
