@@ -292,6 +292,51 @@ def test_static_decode_step_matches_eager(models, monkeypatch):
     assert 6 in compactions and {16, 8} <= set(buckets)
 
 
+def test_greedy_graph_chunks_match_single_steps(models, monkeypatch):
+    """``graph_steps=4``: greedy steps four at a time through ``decode_greedy`` (run without the capture,
+    on the CPU) give the eager engine's tokens and log-probs, with stops, compaction to a smaller bucket
+    and the single steps after the last whole chunk; a policy version that moves between replays tags
+    the tokens as the step-by-step rule says (a token carries the version that computed its logits)."""
+    from llamarl.generation.cuda_graphs import CUDAGraphDecoder
+
+    _, model = models
+    prompts = PROMPTS * 3
+    eager = GenerationEngine(model, max_batch_size=16, max_seq_len=40)
+    chunked = GenerationEngine(model, max_batch_size=16, max_seq_len=40)
+    chunked.graphs = CUDAGraphDecoder(model, chunked.cache, 16, capture=False)
+    chunked.graph_steps = 4
+    greedy = SamplingParams(max_new_tokens=20, temperature=0.0)
+    ref = eager.generate(prompts, greedy, eos_token_id=())
+    others = set(ref[1].token_ids + ref[3].token_ids)
+    stops = tuple(next(t for t in ref[i].token_ids[:8] if t not in others) for i in (0, 2))
+    chunks, orig = [], chunked.graphs.decode_greedy
+    monkeypatch.setattr(chunked.graphs, "decode_greedy",
+                        lambda logits, slot, k: (chunks.append((logits.shape[0], slot, k)), orig(logits, slot, k))[1])
+    compactions = count_compactions(monkeypatch)
+    for params in (greedy, SamplingParams(max_new_tokens=20, temperature=0.0, stop_token_ids=stops)):
+        x = eager.generate(prompts, params, eos_token_id=())
+        y = chunked.generate(prompts, params, eos_token_id=())
+        assert [o.token_ids for o in x] == [o.token_ids for o in y]
+        assert [o.finish_reason for o in x] == [o.finish_reason for o in y]
+        assert max(abs(u - v) for ox, oy in zip(x, y) for u, v in zip(ox.logprobs, oy.logprobs)) < 1e-5
+    assert {k for _, _, k in chunks} == {4} and 6 in compactions and {r for r, _, _ in chunks} >= {12, 6}
+
+    # versions: bump the policy version after every replay
+    def bumping(logits, slot, k):
+        out = orig(logits, slot, k)
+        model.policy_version += 1
+        return out
+
+    monkeypatch.setattr(chunked.graphs, "decode_greedy", bumping)
+    model.policy_version = 0
+    try:
+        out = chunked.generate([PROMPTS[0]], greedy, eos_token_id=())[0]
+    finally:
+        model.policy_version = 0
+    # chunks at steps 0, 4, 8, 12 (4 replays), then single steps 16..19
+    assert out.policy_versions == [0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4]
+
+
 @pytest.mark.gpu
 def test_cuda_graph_decode_matches_eager(models):
     """GPU only: the CUDA-graph decode path gives the eager path's tokens and log-probs."""
@@ -316,6 +361,28 @@ def test_cuda_graph_decode_matches_eager(models):
     # and the CUDA result agrees with the CPU reference
     c = generate(cpu_model, prompts, greedy, eos_token_id=())
     assert [o.token_ids for o in c] == [o.token_ids for o in graphs.generate(prompts, greedy, eos_token_id=())]
+
+
+@pytest.mark.gpu
+def test_cuda_graph_greedy_chunks_match_eager(models):
+    """GPU only: ``graph_steps=4`` (four greedy steps captured in one graph) gives the eager engine's
+    tokens and log-probs, with stops and compaction to a smaller bucket."""
+    _, cpu_model = models
+    model = Llama(cpu_model.config).cuda().eval()
+    model.load_state_dict(cpu_model.state_dict())
+    prompts = PROMPTS * 3
+    eager = GenerationEngine(model, max_batch_size=16, max_seq_len=40, cuda_graphs=False)
+    chunked = GenerationEngine(model, max_batch_size=16, max_seq_len=40, graph_steps=4)
+    greedy = SamplingParams(max_new_tokens=20, temperature=0.0)
+    a = eager.generate(prompts, greedy, eos_token_id=())
+    others = set(a[1].token_ids + a[3].token_ids)
+    stops = tuple(next(t for t in a[i].token_ids[:8] if t not in others) for i in (0, 2))
+    for params in (greedy, SamplingParams(max_new_tokens=20, temperature=0.0, stop_token_ids=stops)):
+        x = eager.generate(prompts, params, eos_token_id=())
+        y = chunked.generate(prompts, params, eos_token_id=())
+        assert [o.token_ids for o in x] == [o.token_ids for o in y]
+        assert max(abs(u - v) for ox, oy in zip(x, y) for u, v in zip(ox.logprobs, oy.logprobs)) < 1e-4
+    assert any(key[0] == "greedy" for key in chunked.graphs._graphs)
 
 
 @pytest.mark.gpu

@@ -39,7 +39,10 @@ place; the version read at each step tags the tokens), never during a forward pa
 Devices: everything runs where the model lives. On CUDA the engine replays the decode step as CUDA
 graphs (llamarl.generation.cuda_graphs) unless ``cuda_graphs=False``; the eager path is the reference
 (the one-shot ``generate`` is always eager). Host synchronisation happens once per step on CPU and
-every ``sync_every`` steps on CUDA (to check whether all rows are done and to compact).
+every ``sync_every`` steps on CUDA (to check whether all rows are done and to compact). With
+``graph_steps=k > 1`` greedy requests on CUDA graphs run k steps per replay (sampling inside the graph,
+``CUDAGraphDecoder.decode_greedy``), with the check after each replay; same tokens and log-probs, one
+host round trip per k tokens. It is opt-in until the H200 shows it pays (benchmarks/generation times it).
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ class GenerationEngine:
         cuda_graphs: bool | None = None,
         sync_every: int | None = None,
         pack_weights: bool = True,
+        graph_steps: int = 1,
     ) -> None:
         if quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
@@ -126,6 +130,11 @@ class GenerationEngine:
         self.sync_every = sync_every if sync_every is not None else (8 if self.device.type == "cuda" else 1)
         if self.sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
+        if not isinstance(graph_steps, int) or graph_steps < 1:
+            raise ValueError(f"graph_steps must be an int >= 1, got {graph_steps!r}")
+        if graph_steps > 1 and cuda_graphs is False:
+            raise ValueError("graph_steps > 1 replays several decode steps as one CUDA graph; it needs cuda_graphs")
+        self.graph_steps = graph_steps
 
     # ------------------------------------------------------------------ public
     def generate(
@@ -237,29 +246,50 @@ class GenerationEngine:
         versions: list[int] = []
         rows = N
 
-        # 3. decode
-        for t in range(steps):
-            y, lp = sample_tokens(logits, params, generator)
-            out_tokens[out_row, t] = y
-            out_logprobs[out_row, t] = lp
-            versions.append(version)
-            finished = t + 1 >= row_budget
-            if stop_t is not None:
-                finished |= torch.isin(y, stop_t)
+        # 3. decode: sample step t from ``logits``, then decode that token at slot P + t for step t + 1
+        chunk = self.graph_steps if self.graphs is not None and params.greedy else 1
+        t = 0
+        while t < steps:
+            pending = None  # a sampled token still to be decoded (at slot P + t - 1)
+            if chunk > 1 and t + chunk < steps:  # `chunk` greedy steps in one CUDA-graph replay
+                new_version = int(self.model.policy_version)
+                y, lp, logits = self.graphs.decode_greedy(logits, P + t, chunk)
+                out_tokens[out_row, t : t + chunk] = y
+                out_logprobs[out_row, t : t + chunk] = lp
+                versions += [version] + [new_version] * (chunk - 1)
+                version = new_version
+                finished = t + chunk >= row_budget
+                if stop_t is not None:
+                    finished |= torch.isin(y, stop_t).any(dim=1)
+                t += chunk
+            else:
+                y, lp = sample_tokens(logits, params, generator)
+                out_tokens[out_row, t] = y
+                out_logprobs[out_row, t] = lp
+                versions.append(version)
+                finished = t + 1 >= row_budget
+                if stop_t is not None:
+                    finished |= torch.isin(y, stop_t)
+                t, pending = t + 1, y
             done |= finished
-            if t + 1 == steps:
+            if t == steps:
                 break
-            if (t + 1) % self.sync_every == 0:
+            if pending is None or t % self.sync_every == 0:
                 live = int((~done).sum())
                 if live == 0:
                     break
                 if live <= rows // 2:
                     keep = (~done).nonzero().squeeze(1)
-                    self.cache.compact(keep, upto=P + t)
-                    out_row, row_budget, done, y = out_row[keep], row_budget[keep], done[keep], y[keep]
+                    self.cache.compact(keep, upto=P + t - (pending is not None))
+                    out_row, row_budget, done = out_row[keep], row_budget[keep], done[keep]
+                    if pending is None:
+                        logits = logits[keep]
+                    else:
+                        pending = pending[keep]
                     rows = live
-            version = int(self.model.policy_version)
-            logits = self._decode(y, P + t)
+            if pending is not None:
+                version = int(self.model.policy_version)
+                logits = self._decode(pending, P + t - 1)
 
         # 4. cut each sample at its stop token or budget
         tok_host = out_tokens.cpu().tolist()
