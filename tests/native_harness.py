@@ -1,6 +1,6 @@
-"""Helpers shared by the tests of the native CPU ops: run test code in a process whose instruction set is
-capped (``LLAMARL_CPU_ISA``, read once when llamarl._C loads), and count the calls a model makes to an
-op module."""
+"""Helpers shared by the tests of the native ops and kernels: run test code in a process whose instruction
+set is capped (``LLAMARL_CPU_ISA``, read once when llamarl._C loads), count the calls a model makes to an
+op module, and compile Triton kernels for sm_90 without a GPU (``run_sm90_compile``)."""
 
 from __future__ import annotations
 
@@ -30,3 +30,39 @@ def count_calls(monkeypatch, module, names) -> dict[str, int]:
             return _f(*args, **kw)
         monkeypatch.setattr(module, name, counted)
     return calls
+
+
+# Prepended to the scripts of run_sm90_compile: build(fn, signature, constexprs, 16-byte-aligned args, **options)
+# compiles one specialisation of a @triton.jit function for sm_90 (H100/H200) and returns its PTX.
+SM90_PRELUDE = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+target = GPUTarget("cuda", 90, 32)
+aligned = lambda fn, names: {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
+
+def build(fn, sig, consts, aligned_args, **opts):
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned(fn, aligned_args))
+    return triton.compile(src, target=target, options=opts).asm["ptx"]
+"""
+
+
+def run_sm90_compile(script: str, tmp_path) -> None:
+    """Run ``SM90_PRELUDE + script`` in a fresh process without TRITON_INTERPRET (the interpreter does not
+    type-check GPU lowering: bitcast widths, fp8 casts, dot operand types); the script must print "ok"
+    last. Skips when this Triton build has no NVIDIA backend."""
+    import pytest
+
+    triton = pytest.importorskip("triton")
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip("this Triton build has no NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", SM90_PRELUDE + script], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), f"triton {triton.__version__}:\n{r.stderr[-3000:]}"

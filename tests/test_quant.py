@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from llamarl_kernels.quant import QLinearConfig, QuantizeConfig, dequantize, quantize, quantized_linear
 from llamarl_kernels.reference import dequantize_ref, quantize_ref, quantized_linear_ref
+from native_harness import run_sm90_compile
 
 MODES = ["int8", "fp8"]
 QMAX = {"int8": 127.0, "fp8": 448.0}
@@ -394,18 +395,7 @@ def test_gpu_model_shapes_against_fp64(mode, M, N, K):
 # GPU lowering without a GPU: compile the kernels for sm_90 (H100/H200) ahead of time
 # ----------------------------------------------------------------------------------------------------
 _AOT_SCRIPT = r"""
-import re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 import llamarl_kernels.quant as Q
-
-target = GPUTarget("cuda", 90, 32)
-aligned = lambda fn, names: {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
-
-def build(fn, sig, consts, aligned_args, **opts):
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned(fn, aligned_args))
-    return triton.compile(src, target=target, options=opts).asm["ptx"]
 
 sig = {"w_ptr": "*i16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "R": "i32", "K": "i32", "stride_w": "i32",
        "stride_q": "i32", "QMAX_": "constexpr", "IS_FP8": "constexpr", "W_BF16_BITS": "constexpr",
@@ -437,19 +427,4 @@ print("ok")
 @pytest.mark.slow
 def test_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     """The interpreter does not type-check GPU lowering (bitcast widths, fp8 casts, dot operand types)."""
-    import os
-    import subprocess
-    import sys
-
-    triton = pytest.importorskip("triton")
-    from triton.backends import backends
-
-    if "nvidia" not in backends:
-        pytest.skip("this Triton build has no NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), f"triton {triton.__version__}:\n{r.stderr[-3000:]}"
+    run_sm90_compile(_AOT_SCRIPT, tmp_path)
