@@ -263,6 +263,10 @@ def test_bad_prompts_raise(models):
         GenerationEngine(model, quantization="int4")
     with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device"):
         GenerationEngine(model, cuda_graphs=True)  # the model is on the CPU
+    with pytest.raises(ValueError, match="graph_steps=8 replays several decode steps as one CUDA graph"):
+        GenerationEngine(model, graph_steps=8)
+    with pytest.raises(ValueError, match="graph_steps must be an int >= 1"):
+        GenerationEngine(model, graph_steps=0)
 
 
 def test_static_decode_step_matches_eager(models, monkeypatch):

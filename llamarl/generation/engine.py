@@ -108,6 +108,21 @@ class GenerationEngine:
             max_seq_len = min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
         if not isinstance(max_seq_len, int) or max_seq_len < 2:
             raise ValueError(f"max_seq_len must be an int >= 2, got {max_seq_len!r}")
+        embed = model.model.embed_tokens.weight  # never quantized: the model's device and compute dtype
+        device = embed.device
+        use_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if use_graphs and device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {device}")
+        sync_every = sync_every if sync_every is not None else (8 if device.type == "cuda" else 1)
+        if not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+        if not isinstance(graph_steps, int) or graph_steps < 1:
+            raise ValueError(f"graph_steps must be an int >= 1, got {graph_steps!r}")
+        if graph_steps > 1 and not use_graphs:
+            raise ValueError(f"graph_steps={graph_steps} replays several decode steps as one CUDA graph: it needs the "
+                             f"model on a CUDA device and cuda_graphs on (model on {device}, cuda_graphs="
+                             f"{cuda_graphs}); leave graph_steps=1 otherwise")
+        # everything is checked: from here on the model is changed (quantized, packed)
         if quantization != "none":
             from llamarl.models.quantize import quantize_model
 
@@ -116,25 +131,14 @@ class GenerationEngine:
         self.model, self.config = model, config
         self.quantization = quantization
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        embed = model.model.embed_tokens.weight  # never quantized: the model's device and compute dtype
-        self.device = embed.device
-        self.cache = KVCache(config, max_batch_size, max_seq_len, dtype=embed.dtype, device=self.device)
-        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        if use_graphs and self.device.type != "cuda":
-            raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {self.device}")
+        self.device = device
+        self.cache = KVCache(config, max_batch_size, max_seq_len, dtype=embed.dtype, device=device)
         self.graphs = None
         if use_graphs:
             from llamarl.generation.cuda_graphs import CUDAGraphDecoder
 
             self.graphs = CUDAGraphDecoder(model, self.cache, max_batch_size)
-        self.sync_every = sync_every if sync_every is not None else (8 if self.device.type == "cuda" else 1)
-        if self.sync_every < 1:
-            raise ValueError(f"sync_every must be >= 1, got {self.sync_every}")
-        if not isinstance(graph_steps, int) or graph_steps < 1:
-            raise ValueError(f"graph_steps must be an int >= 1, got {graph_steps!r}")
-        if graph_steps > 1 and cuda_graphs is False:
-            raise ValueError("graph_steps > 1 replays several decode steps as one CUDA graph; it needs cuda_graphs")
-        self.graph_steps = graph_steps
+        self.sync_every, self.graph_steps = sync_every, graph_steps
 
     # ------------------------------------------------------------------ public
     def generate(
