@@ -9,6 +9,7 @@ the weights' gradients, and follow weights that get re-pointed after the first c
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import pytest
@@ -54,7 +55,10 @@ def test_packing_moves_storage_only():
     assert m.weights_key[0] == "packed"
     if sys.platform.startswith("linux"):
         assert m.packed_hugepages and min(p.data_ptr() for p in m.parameters()) % (2 << 20) == 0
-    assert not pack_parameters_(m)  # once is enough: weights_key set
+    assert not pack_parameters_(m)  # once is enough: the tensors already are views of one buffer
+    twin = copy.deepcopy(m)  # separate tensors again, with the original's weights_key: packed anew
+    assert pack_parameters_(twin) and twin.weights_key != m.weights_key
+    assert _adjacent(*(getattr(twin.model.layers[0].self_attn, n).weight for n in ("q_proj", "k_proj", "v_proj")))
 
 
 def test_packing_leaves_bucket_views_alone():

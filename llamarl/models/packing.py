@@ -18,8 +18,9 @@ storage moves. What that buys a generator:
 
 Skipped (returns False, nothing changed) when packing would be wrong or pointless: a parameter that is
 not a plain dense tensor (FSDP's DTensors, meta tensors), tensors that already are views into a larger
-storage (the weight sync's buckets: packing would detach the model from the memory the trainer writes
-into), a model with ``weights_key`` set (its parameters were re-pointed on purpose), or nothing to pack.
+storage (a packed model, or the weight sync's buckets: packing would detach the model from the memory the
+trainer writes into), or nothing to pack. A deep copy of a packed model owns separate tensors again (and
+a stale ``weights_key``), so it is packed anew and gets its own key.
 
 Memory: each tensor's old storage is freed as soon as it is copied (unless something else holds it). On
 the CPU the new buffer's pages are only committed as they are written, so the peak stays about one
@@ -71,8 +72,6 @@ def _plain(t: torch.Tensor) -> bool:
 def pack_parameters_(model: nn.Module) -> bool:
     """Move ``model``'s parameters and buffers into one buffer per device (see the module docstring);
     returns whether it did."""
-    if getattr(model, "weights_key", None) is not None:
-        return False
     tensors: dict[int, torch.Tensor] = {}  # id -> tensor; tied parameters appear once
     for _, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t is None or id(t) in tensors:
