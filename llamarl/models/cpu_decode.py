@@ -43,7 +43,8 @@ def _weights(layer) -> tuple[torch.Tensor, ...] | None:
     return out
 
 
-def decode_layer(layer, x: torch.Tensor, ctx, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def decode_layer(layer, x: torch.Tensor, ctx,
+                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``layer(x, ctx, residual)`` (llamarl.models.llama.DecoderLayer) as one native call, or None when the
     conditions of the module docstring do not hold."""
     if not (ENABLED and linear.CPU_LINEAR) or torch.is_grad_enabled():

@@ -55,7 +55,8 @@ def adjacent_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided((rows, *rest), first.stride(), first.storage_offset())
 
 
-def project(owner: nn.Module, group: str, x: torch.Tensor, modules: Sequence[nn.Module]) -> tuple[torch.Tensor, ...] | None:
+def project(owner: nn.Module, group: str, x: torch.Tensor,
+            modules: Sequence[nn.Module]) -> tuple[torch.Tensor, ...] | None:
     """``tuple(m(x) for m in modules)`` as one stacked product (see the module docstring), or None when the
     modules cannot run stacked right now; ``owner`` / ``group`` name the cache entry (e.g. the attention
     module and "qkv"). Runs once per group per decode step, so the path that finds its cache entry valid
