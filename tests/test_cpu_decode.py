@@ -17,6 +17,7 @@ from llamarl.generation.kv_cache import KVCache
 from llamarl.models import Llama, LlamaConfig, cpu_decode, linear
 from llamarl.models.packing import pack_parameters_
 from llamarl.models.quantize import quantize_model
+from dist_harness import random_model
 from native_harness import count_calls
 
 CFG = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -24,12 +25,7 @@ CFG = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidde
 
 
 def _model(seed: int = 0, pack: bool = True) -> Llama:
-    torch.manual_seed(seed)
-    m = Llama(CFG).eval()
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if n.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
+    m = random_model(CFG, seed).eval()
     if pack:
         assert pack_parameters_(m)
     return m

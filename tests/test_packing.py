@@ -20,19 +20,14 @@ from llamarl.models import Llama, LlamaConfig, stacked
 from llamarl.models.packing import pack_parameters_
 from llamarl.models.quantize import quantize_model
 from llamarl.weight_sync.buckets import load_views
+from dist_harness import random_model
 
 CFG = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=64)
 
 
 def _model(seed: int = 0, **over) -> Llama:
-    torch.manual_seed(seed)
-    m = Llama(LlamaConfig(**{**CFG, **over})).eval()
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if n.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return m
+    return random_model(LlamaConfig(**{**CFG, **over}), seed).eval()
 
 
 def _adjacent(*ts: torch.Tensor) -> bool:

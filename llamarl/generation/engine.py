@@ -53,8 +53,8 @@ from typing import Any, Sequence
 import torch
 
 from llamarl.generation.kv_cache import KVCache
-from llamarl.models.packing import pack_parameters_
 from llamarl.generation.sampling import SamplingParams, make_generator, sample_tokens
+from llamarl.models.packing import pack_parameters_
 
 QUANTIZATION_MODES = ("none", "int8", "fp8")
 DEFAULT_MAX_SEQ_LEN = 4096

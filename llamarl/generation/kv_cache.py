@@ -48,9 +48,10 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def _layer(self, layer: int, B: int, T: int, input_pos: int | torch.Tensor):
-        """(K rows [:B], V rows [:B], end): end = input_pos + T, the slots attention then reads, for an int
-        input_pos (checked against the cache's length); None for a slot tensor (attention reads them all)."""
+    def rows(self, layer: int, B: int, T: int, input_pos: int | torch.Tensor):
+        """(K rows [:B], V rows [:B], end) of ``layer`` for writing T tokens at ``input_pos``: end = input_pos
+        + T, the slots attention then reads, for an int input_pos (checked against the cache's length); None
+        for a slot tensor (attention reads them all)."""
         kc, vc = self.k[layer][:B], self.v[layer][:B]
         if not isinstance(input_pos, int):
             return kc, vc, None
@@ -66,7 +67,7 @@ class KVCache:
 
         int input_pos: returns slots [0, input_pos + T); tensor input_pos [T]: returns all slots.
         """
-        kc, vc, end = self._layer(layer, k.shape[0], k.shape[2], input_pos)
+        kc, vc, end = self.rows(layer, k.shape[0], k.shape[2], input_pos)
         if end is None:
             kc.index_copy_(2, input_pos, k)
             vc.index_copy_(2, input_pos, v)
@@ -83,7 +84,7 @@ class KVCache:
         fused-op module with ``rope_kv`` (llamarl.models.cpu_fused or llamarl_kernels.fused_ops), which
         writes rotated k and v straight into this layer's cache. Returns (rotated q [B, T, H, Dh], K, V)
         with K, V as ``update`` returns them."""
-        kc, vc, end = self._layer(layer, k.shape[0], k.shape[1], input_pos)
+        kc, vc, end = self.rows(layer, k.shape[0], k.shape[1], input_pos)
         q = ops.rope_kv(q, k, v, cos, signed_sin, kc, vc, input_pos)
         return (q, kc, vc) if end is None else (q, kc[:, :, :end], vc[:, :, :end])
 

@@ -61,10 +61,7 @@ def decode_layer(layer, x: torch.Tensor, ctx,
     if not (cpu_fused.usable(n1.weight) and cpu_fused.usable(n2.weight)) or n1.eps != n2.eps:
         return None
     H, Hkv, Dh = attn.n_heads, attn.n_kv, attn.head_dim
-    S = slot + 1
-    if S > cache.max_seq_len:
-        raise ValueError(f"KV cache overflow: writing slots up to {S} but max_seq_len={cache.max_seq_len}")
-    kc, vc = cache.k[attn.layer_idx][:B], cache.v[attn.layer_idx][:B]
+    kc, vc, S = cache.rows(attn.layer_idx, B, 1, slot)  # attention reads slots [0, S = slot + 1)
     cos, sin = ctx.cos.contiguous(), ctx.sin.contiguous()
     mask, mask_sb = ctx.mask, 0
     if mask is not None:

@@ -45,6 +45,13 @@ def _check(op: str, **tensors: torch.Tensor) -> None:
     _no_backward(op, *tensors.values())
 
 
+def _check_fp32_cpu(op: str, **tensors: torch.Tensor) -> None:
+    """float32 CPU tensors of any layout (the caller handles strides)."""
+    for name, t in tensors.items():
+        if not (t.is_cpu and t.dtype is _FP32):
+            raise ValueError(f"{op}: {name} must be a float32 CPU tensor, got {t.dtype} on {t.device}")
+
+
 def _no_backward(op: str, *tensors: torch.Tensor) -> None:
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         raise RuntimeError(f"{op}: the native CPU op has no backward; call it under torch.no_grad()")
@@ -101,10 +108,9 @@ def rope(
     B, T, H, Dh = q.shape
     if Dh % 2:
         raise ValueError(f"rope: head_dim must be even (rotate-half layout), got {Dh}")
+    _check_fp32_cpu("rope", q=q, k=k)
     strides = []
-    for name, x in (("q", q), ("k", k)):
-        if not (x.is_cpu and x.dtype is _FP32):
-            raise ValueError(f"rope: {name} must be a float32 CPU tensor, got {x.dtype} on {x.device}")
+    for x in (q, k):
         stride = _token_stride(x)
         if stride is None:
             x = x.contiguous()
@@ -134,16 +140,12 @@ def rope_kv(
     B, T, H, Hkv, Dh = rope_kv_shapes(q, k, v, cos, signed_sin, k_cache, v_cache, slots)
     cos, signed_sin = cos.contiguous(), signed_sin.contiguous()
     _check("rope_kv", cos=cos, signed_sin=signed_sin)
+    _check_fp32_cpu("rope_kv", q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache)
     xs = []
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not (x.is_cpu and x.dtype is _FP32):
-            raise ValueError(f"rope_kv: {name} must be a float32 CPU tensor, got {x.dtype} on {x.device}")
+    for x in (q, k, v):
         if x.stride(3) != 1 or (x.shape[2] > 1 and x.stride(2) != Dh):
             x = x.contiguous()  # heads must be contiguous within a token; batch and token strides are free
         xs.append(x)
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not (c.is_cpu and c.dtype is _FP32):
-            raise ValueError(f"rope_kv: {name} must be a float32 CPU tensor, got {c.dtype} on {c.device}")
     _no_backward("rope_kv", q, k, v, k_cache, v_cache)
     q_out = torch.empty(q.shape, dtype=_FP32)
     slot_t = slots.contiguous() if isinstance(slots, torch.Tensor) else None

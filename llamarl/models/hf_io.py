@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from llamarl.models.config import LlamaConfig
+from llamarl.models.packing import owns_storage
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -212,7 +213,7 @@ def save_llama(model, path: str | os.PathLike, max_shard_bytes: int | None = Non
                 "(quantized models cannot be saved as HF checkpoints; save the unquantized weights)"
             )
         t = t.detach().to("cpu").contiguous()
-        if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        if not owns_storage(t):
             t = t.clone()  # a view into a flat buffer (packed or bucket weights): safetensors saves whole storages
         tensors[k] = t
     extra = [k for k in sd if k not in expected and not (k == "lm_head.weight" and config.tie_word_embeddings)]

@@ -69,6 +69,23 @@ def _plain(t: torch.Tensor) -> bool:
     return type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided and t.device.type != "meta"
 
 
+def owns_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` is its storage's only content (False for a view into a larger buffer: a packed model's
+    flat buffer or the weight sync's buckets)."""
+    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def _layout(group: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int], int]:
+    """(tensors in packing order, their byte offsets, total bytes): dtype by dtype, ALIGN-aligned."""
+    dtypes = list(dict.fromkeys(t.dtype for t in group))
+    order = [t for d in dtypes for t in group if t.dtype == d]
+    offsets, cursor = [], 0
+    for t in order:
+        offsets.append(cursor)
+        cursor = _round_up(cursor + t.numel() * t.element_size(), ALIGN)
+    return order, offsets, max(cursor, 1)
+
+
 def pack_parameters_(model: nn.Module) -> bool:
     """Move ``model``'s parameters and buffers into one buffer per device (see the module docstring);
     returns whether it did."""
@@ -76,38 +93,30 @@ def pack_parameters_(model: nn.Module) -> bool:
     for _, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t is None or id(t) in tensors:
             continue
-        if not _plain(t) or not t.is_contiguous():
-            return False
-        if t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            return False  # a view into a larger storage (weight-sync buckets): leave it there
+        if not _plain(t) or not t.is_contiguous() or not owns_storage(t):
+            return False  # not plain, or a view into a larger storage (packed, weight-sync buckets): leave it
         tensors[id(t)] = t
     if not tensors:
         return False
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors.values():
         by_device.setdefault(t.device, []).append(t)
-    for device, group in by_device.items():
+    layouts = {device: _layout(group) for device, group in by_device.items()}
+    for device, (_, _, nbytes) in layouts.items():
         if device.type == "cuda":
-            need = sum(_round_up(t.numel() * t.element_size(), ALIGN) for t in group)
             free, _ = torch.cuda.mem_get_info(device)
-            if free < need + (256 << 20):
+            if free < nbytes + (256 << 20):
                 warnings.warn(f"pack_parameters_: not packing the model's weights: {device} has {free / 2**30:.2f} GiB "
-                              f"free and the packed copy needs {need / 2**30:.2f} GiB while the weights are copied "
+                              f"free and the packed copy needs {nbytes / 2**30:.2f} GiB while the weights are copied "
                               "(q|k|v and gate|up then run as separate products)", RuntimeWarning, stacklevel=2)
                 return False
     hugepages = False
     with torch.no_grad():
-        for device, group in by_device.items():
-            dtypes = list(dict.fromkeys(t.dtype for t in group))
-            order = [t for d in dtypes for t in group if t.dtype == d]
-            offsets, cursor = [], 0
-            for t in order:
-                offsets.append(cursor)
-                cursor = _round_up(cursor + t.numel() * t.element_size(), ALIGN)
+        for device, (order, offsets, nbytes) in layouts.items():
             if device.type == "cpu":
-                flat, hugepages = cpu_buffer(max(cursor, 1))
+                flat, hugepages = cpu_buffer(nbytes)
             else:
-                flat = torch.empty(max(cursor, 1), dtype=torch.uint8, device=device)
+                flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
             for t, off in zip(order, offsets):
                 view = flat[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
                 view.copy_(t)

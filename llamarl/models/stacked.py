@@ -89,16 +89,16 @@ def _lookup(owner: nn.Module, group: str, modules: Sequence[nn.Module], x: torch
     groups = _CACHE.get(owner)
     if groups is None:
         groups = _CACHE.setdefault(owner, {})
-    entry = groups.get(group)
-    if entry is None or entry[0] != key or entry[1] != tuple(map(id, modules)):
-        entry = groups[group] = _entry(key, modules, parts)
+    entry, ids = groups.get(group), tuple(map(id, modules))
+    if entry is None or entry[0] != key or entry[1] != ids:
+        entry = groups[group] = _entry(key, ids, modules, parts)
     return entry if entry[2] is not None else None
 
 
-def _entry(key: tuple[int, ...], modules: Sequence[nn.Module], parts: list[tuple[torch.Tensor, ...]]) -> tuple:
+def _entry(key: tuple[int, ...], ids: tuple[int, ...], modules: Sequence[nn.Module],
+           parts: list[tuple[torch.Tensor, ...]]) -> tuple:
     """(address key, module ids, stacked views or None, output sizes): stacked only for modules of one type
     (and one backend, for quantized ones) whose tensors are adjacent."""
-    ids = tuple(map(id, modules))
     kind = type(modules[0])
     if any(type(m) is not kind for m in modules) or len({getattr(m, "backend", None) for m in modules}) != 1:
         return key, ids, None, None
