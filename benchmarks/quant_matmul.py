@@ -34,7 +34,8 @@ if not torch.cuda.is_available():  # must precede the first kernel import
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.harness import Measurement, Report, measure, measure_graph  # noqa: E402
-from llamarl_kernels.quant import QLinearConfig, default_qlinear_config, quantize, quantized_linear  # noqa: E402
+from llamarl_kernels.qlinear import QLinearConfig, default_qlinear_config, quantized_linear  # noqa: E402
+from llamarl_kernels.quant import quantize  # noqa: E402
 from llamarl_kernels.reference import dequantize_ref, quantize_ref  # noqa: E402
 
 FULL_SHAPES = [(4096, 14336), (14336, 4096), (4096, 4096)]  # (K, N)

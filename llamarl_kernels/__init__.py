@@ -16,7 +16,7 @@ _EXPORTS = {
     "silu_mul": "fused_ops",
     "quantize": "quant",
     "dequantize": "quant",
-    "quantized_linear": "quant",
+    "quantized_linear": "qlinear",
 }
 
 __all__ = sorted(_EXPORTS)

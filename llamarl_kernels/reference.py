@@ -9,7 +9,7 @@ import torch  # noqa: F401  (used by the sections below)
 
 
 # ----------------------------------------------------------------------------------------------------
-# int8 / fp8 weight-only quantization (kernels: llamarl_kernels/quant.py)
+# int8 / fp8 weight-only quantization (kernels: llamarl_kernels/quant.py and qlinear.py)
 #   scale_r = max_k |W[r, k]| / QMAX (1.0 where that is 0); p_r = 2**64 if scale_r < 2**-64 else 1
 #   inv_r = 1 / (scale_r * p_r); q = RNE(clamp((W * p_r) * inv_r, -QMAX, QMAX)), all fp32, IEEE rounding
 #   QMAX = 127 for int8 (round half to even to an integer), 448 for fp8 e4m3fn (RNE onto its grid).

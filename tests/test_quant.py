@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llamarl_kernels.quant import QLinearConfig, QuantizeConfig, dequantize, quantize, quantized_linear
+from llamarl_kernels.qlinear import QLinearConfig, quantized_linear
+from llamarl_kernels.quant import QuantizeConfig, dequantize, quantize
 from llamarl_kernels.reference import dequantize_ref, quantize_ref, quantized_linear_ref
 from native_harness import run_sm90_compile
 
@@ -395,6 +396,7 @@ def test_gpu_model_shapes_against_fp64(mode, M, N, K):
 # GPU lowering without a GPU: compile the kernels for sm_90 (H100/H200) ahead of time
 # ----------------------------------------------------------------------------------------------------
 _AOT_SCRIPT = r"""
+import llamarl_kernels.qlinear as QL
 import llamarl_kernels.quant as Q
 
 sig = {"w_ptr": "*i16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "R": "i32", "K": "i32", "stride_w": "i32",
@@ -411,7 +413,7 @@ for qty, (bm, bn, bk, split) in [("*i8", (1, 32, 256, 1)), ("*fp8e4nv", (16, 64,
            "stride_om": "i32", "HAS_BIAS": "constexpr", "OUT_KIND": "constexpr", "DOT_FP32": "constexpr",
            "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr",
            "GROUP_M": "constexpr"}
-    ptx = build(Q._qlinear_kernel, sig, dict(HAS_BIAS=False, OUT_KIND=1, DOT_FP32=False, BLOCK_M=bm, BLOCK_N=bn,
+    ptx = build(QL._qlinear_kernel, sig, dict(HAS_BIAS=False, OUT_KIND=1, DOT_FP32=False, BLOCK_M=bm, BLOCK_N=bn,
                 BLOCK_K=bk, SPLIT_K=split, GROUP_M=8),
                 ["x_ptr", "q_ptr", "scale_ptr", "bias_ptr", "out_ptr", "ws_ptr", "N", "K", "stride_xm",
                  "stride_qn", "stride_om"], num_warps=4, num_stages=4)

@@ -1,0 +1,284 @@
+"""Weight-only quantized linear: y = x · dequantize(q, scale)ᵀ without materialising the dequantized weight.
+
+Math (q[N, K] int8 or float8_e4m3fn codes with one fp32 scale per output channel, from
+``llamarl_kernels.quant.quantize``):
+
+    quantized_linear(x, q, scale, bias)[m, n] = scale_n * sum_k x[m, k] * float(q[n, k]) + bias_n
+
+accumulated in fp32, with the scale (and bias) applied once in the epilogue, then rounded to x's dtype.
+
+Layouts: q[N, K] row-major with unit stride along K (row stride may be larger: a slice of a bigger
+buffer is fine); scale[N] fp32 contiguous; x[..., K] (flattened to [M, K]); output [..., N] in x's dtype.
+
+Kernels:
+- ``_qlinear_kernel``: grid (tiles of [BLOCK_M, BLOCK_N], SPLIT_K).
+  BLOCK_M < 16 is the decode GEMV path (no tensor-core padding of M=1 to 16): weights stream through
+  registers in 16-byte vector loads, x is broadcast, products accumulate elementwise in a
+  [BLOCK_M, BLOCK_N, BLOCK_K] fp32 register tile that is reduced over K once, after the loop (no
+  shuffles inside it), and int8 is upcast by an integer add plus one FADD instead of the quarter-rate
+  I2F. BLOCK_M >= 16 is the tiled path with ``tl.dot``: weights are upcast in registers to x's dtype
+  (exact for int8 and e4m3 in bf16/fp16; fp32 x uses an IEEE fp32 dot).
+  SPLIT_K > 1 splits K across programs to fill the GPU when N / BLOCK_N is small; partial sums go to
+  an fp32 workspace [SPLIT_K, M, N] and ``_splitk_epilogue_kernel`` adds them in a fixed order
+  (deterministic, no atomics), then applies scale and bias.
+
+Numerics: as in ``llamarl_kernels.quant`` (every value upcast to fp32 after its load, the output rounded
+onto its grid in fp32 before the exact down-cast), so the GPU and the interpreter produce the same bytes
+for the same summation order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from llamarl_kernels.quant import (
+    _FLOAT_DTYPES,
+    _OUT_KIND,
+    _RNE_MAGIC,
+    INTERPRETED,
+    _check_pow2,
+    _check_qweight,
+    _launch_guard,
+    _round_for_store,
+)
+
+
+@triton.jit
+def _weight_to_f32(w):
+    """int8 -> fp32 without the slow I2F conversion: the sign-extended integer added to the bits of
+    1.5 * 2**23 is that float plus w, exactly (|w| < 2**22); subtracting 1.5 * 2**23 leaves w.
+    float8 -> fp32 is Triton's cast (bit manipulation, no F2F on sm_90)."""
+    if w.dtype == tl.int8:
+        return (w.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - _RNE_MAGIC
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _gemv_partial(x_rows, q_rows, mask_m, mask_n, k_start, k_end,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum_k x[m, k] * q[n, k] over [k_start, k_end) on CUDA cores: products are accumulated
+    elementwise in a [BLOCK_M, BLOCK_N, BLOCK_K] register tile and reduced across K once, after the
+    loop, so the streaming loop has no cross-thread shuffles."""
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        mask_k = k0 + cols < k_end
+        x = tl.load(x_rows + (k0 + cols)[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(q_rows + (k0 + cols)[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        acc += x.to(tl.float32)[:, None, :] * _weight_to_f32(w)[None, :, :]
+    return tl.sum(acc, axis=2)
+
+
+@triton.jit
+def _dot_partial(x_rows, q_rows, mask_m, mask_n, k_start, k_end, DOT_FP32: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The same partial sum with tl.dot on [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tiles."""
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        mask_k = k0 + cols < k_end
+        x = tl.load(x_rows + (k0 + cols)[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(q_rows + (k0 + cols)[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(x.to(tl.float32), tl.trans(_weight_to_f32(w)), acc, input_precision="ieee")
+        elif w.dtype == tl.int8:  # bf16/fp16 activations on the GPU: int8 and e4m3 are exact in both
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)  # Triton's int8 cast is bit tricks already
+        else:  # e4m3 -> fp32 is bit tricks + HADD2, -> bf16 a packed F2FP; direct e4m3 -> bf16 uses F2F
+            acc = tl.dot(x, tl.trans(_weight_to_f32(w).to(x.dtype)), acc)
+    return acc
+
+
+@triton.jit
+def _qlinear_kernel(
+    x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, ws_ptr,
+    M, N, K, stride_xm, stride_qn, stride_om,
+    HAS_BIAS: tl.constexpr, OUT_KIND: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # grouped ordering of the (m, n) tiles: GROUP_M row-tiles share each column sweep (L2 reuse of q)
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    q_rows = q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn
+
+    # this program's K range: whole BLOCK_K chunks, the last split may be short or empty
+    k_chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_start = pid_k * k_chunk
+    k_end = tl.minimum(k_start + k_chunk, K)
+
+    if BLOCK_M >= 16:
+        acc = _dot_partial(x_rows, q_rows, mask_m, mask_n, k_start, k_end, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        acc = _gemv_partial(x_rows, q_rows, mask_m, mask_n, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K)
+
+    if SPLIT_K == 1:
+        scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
+        y = acc * scale[None, :]
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        y = _round_for_store(y, OUT_KIND)
+        out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    else:
+        ws = ws_ptr + (pid_k * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
+        tl.store(ws, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _splitk_epilogue_kernel(
+    ws_ptr, scale_ptr, bias_ptr, out_ptr, M, N, stride_om,
+    HAS_BIAS: tl.constexpr, OUT_KIND: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    mask = (offs_m < M)[:, None] & mask_n[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for s in tl.static_range(SPLIT_K):  # fixed order: deterministic
+        ws = ws_ptr + (s * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
+        acc += tl.load(ws, mask=mask, other=0.0)
+    y = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    y = _round_for_store(y, OUT_KIND)
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------
+# launch configuration
+# ----------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class QLinearConfig:
+    """Launch parameters of ``_qlinear_kernel``.
+
+    block_m < 16 selects the GEMV path (broadcast-multiply-reduce), block_m >= 16 the ``tl.dot`` path.
+    split_k > 1 splits K across programs and adds a deterministic epilogue kernel.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        _check_pow2(self, ("block_m", "block_n", "block_k"))
+        if self.split_k < 1 or self.group_m < 1:
+            raise ValueError(f"QLinearConfig needs split_k >= 1 and group_m >= 1, got {self}")
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def default_qlinear_config(M: int, N: int, K: int, device: torch.device) -> QLinearConfig:
+    """Heuristic launch config; tuned by shape class (decode GEMV, small-M dot, prefill tiles)."""
+    if INTERPRETED or device.type != "cuda":
+        # few, large programs: the interpreter's cost is mostly per program and per loop iteration
+        bn, bk = min(256, triton.next_power_of_2(N)), min(256, triton.next_power_of_2(K))
+        return QLinearConfig(triton.next_power_of_2(M) if M <= 8 else min(64, triton.next_power_of_2(M)), bn, bk)
+    if M == 1:
+        cfg = QLinearConfig(1, 32, 256, num_warps=4, num_stages=4)
+    elif M <= 16:
+        cfg = QLinearConfig(16, 64, 128, num_warps=4, num_stages=4)
+    elif M <= 64:
+        cfg = QLinearConfig(64, 64, 128, num_warps=4, num_stages=4)
+    elif M <= 128:
+        cfg = QLinearConfig(64, 128, 64, num_warps=4, num_stages=4)
+    else:
+        cfg = QLinearConfig(128, 128, 64, num_warps=8, num_stages=3)
+    # split K until there are >= 2 programs per SM (keeping >= 4 K-chunks per split): a second launch
+    # (the split-K epilogue) is cheaper than leaving SMs idle while a few long programs stream K
+    tiles = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    k_chunks = triton.cdiv(K, cfg.block_k)
+    split = 1
+    while tiles * split < 2 * _num_sms(device) and k_chunks // (2 * split) >= 4 and split < 16:
+        split *= 2
+    return dataclasses.replace(cfg, split_k=split)
+
+
+# ----------------------------------------------------------------------------------------------------
+# public API
+# ----------------------------------------------------------------------------------------------------
+def quantized_linear(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: QLinearConfig | None = None,
+) -> torch.Tensor:
+    """y[..., n] = scale[n] * sum_k x[..., k] * q[n, k] (+ bias[n]), fp32 accumulation, in x's dtype."""
+    _check_qweight(q, scale, "quantized_linear")
+    N, K = q.shape
+    if x.dtype not in _OUT_KIND:
+        raise TypeError(f"quantized_linear: x must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] != K:
+        raise ValueError(f"quantized_linear: x's last dim must equal q's K={K} (q is [N={N}, K={K}]), "
+                         f"got x of shape {tuple(x.shape)}")
+    tensors = [x, q, scale]
+    if bias is not None:
+        if bias.shape != (N,) or bias.dtype not in _FLOAT_DTYPES or not bias.is_contiguous():
+            raise ValueError(f"quantized_linear: bias must be a contiguous float tensor of shape [{N}], "
+                             f"got {bias.dtype} {tuple(bias.shape)}")
+        tensors.append(bias)
+    guard = _launch_guard(*tensors, op="quantized_linear")
+
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out.reshape(*lead, N)
+    cfg = config or default_qlinear_config(M, N, K, x.device)
+    if cfg.split_k > 1:
+        ws = torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
+    else:
+        ws = out  # unused by the kernel when SPLIT_K == 1
+    dummy_bias = bias if bias is not None else scale
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), cfg.split_k)
+    common = dict(HAS_BIAS=bias is not None, OUT_KIND=_OUT_KIND[x.dtype])
+    with guard:
+        _qlinear_kernel[grid](
+            x2, q, scale, dummy_bias, out, ws, M, N, K, x2.stride(0), q.stride(0), out.stride(0),
+            DOT_FP32=INTERPRETED or x.dtype == torch.float32,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+            GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        )
+        if cfg.split_k > 1:
+            bm, bn = (min(64, triton.next_power_of_2(M)), min(128, triton.next_power_of_2(N))) if INTERPRETED \
+                else (min(16, triton.next_power_of_2(M)), 256)
+            _splitk_epilogue_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+                ws, scale, dummy_bias, out, M, N, out.stride(0),
+                SPLIT_K=cfg.split_k, BLOCK_M=bm, BLOCK_N=bn, **common,
+            )
+    return out.reshape(*lead, N)
