@@ -3,7 +3,7 @@
     python -m benchmarks.quant_matmul            # GPU: K->N = 4096->14336, 14336->4096, 4096->4096,
                                                  #      M = 1, 4, 16, 64, 256
     python -m benchmarks.quant_matmul --quick    # small shapes; on CPU Triton runs interpreted (< 1 min)
-    python -m benchmarks.quant_matmul --sweep    # GPU: also time a grid of launch configs (M in --sweep-m)
+    python -m benchmarks.quant_matmul --sweep    # also time a grid of launch configs (M in --sweep-m)
 
 Every row is timed in the same process (on CUDA from CUDA-graph replays cycling over enough weight
 copies to defeat the L2 cache, see ``time_op``): ``bf16`` is ``F.linear(x, w)``, ``int8pack`` is
@@ -56,11 +56,10 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
 def sweep_configs(M: int) -> list[QLinearConfig]:
     """Candidate launch configs for --sweep (GPU only)."""
     out = []
-    if M == 1:
-        for bn, bk in ((16, 256), (32, 128), (32, 256), (64, 128)):
-            for split in (1, 2, 4, 8):
-                for warps in (4, 8):
-                    out.append(QLinearConfig(1, bn, bk, split_k=split, num_warps=warps, num_stages=4))
+    if M == 1:  # one-row GEMV: tile shape x codes loaded ahead x split-K (tiles sized for ~4 programs/SM)
+        for bn, bk, warps in ((4, 1024, 4), (8, 512, 4), (16, 256, 4), (8, 1024, 8)):
+            for prefetch, split in ((0, 1), (1, 1), (2, 1), (1, 2)):
+                out.append(QLinearConfig(1, bn, bk, split_k=split, num_warps=warps, num_stages=4, prefetch=prefetch))
     else:
         bms = [16] if M <= 16 else [32, 64] if M <= 64 else [64, 128]
         for bm in bms:
@@ -70,6 +69,31 @@ def sweep_configs(M: int) -> list[QLinearConfig]:
                         out.append(QLinearConfig(bm, bn, bk, split_k=split, num_warps=4 if bm * bn <= 4096 else 8,
                                                  num_stages=4 if bm <= 64 else 3))
     return out
+
+
+def sweep(report: Report, K: int, N: int, M: int, x: torch.Tensor, weights: dict, bf16_s: float,
+          device: torch.device) -> None:
+    """Time every ``sweep_configs(M)`` config on each mode's weight copies; one row per config, each
+    result checked against the float64 reference first (a config that computes wrong never wins)."""
+    for mode, qs in weights.items():
+        best = None
+        for c in sweep_configs(M):
+            row = dict(K=K, N=N, M=M, mode=mode, block_n=c.block_n, block_k=c.block_k, warps=c.num_warps,
+                       split_k=c.split_k, prefetch=c.prefetch)
+            try:
+                err = check(quantized_linear(x, *qs[0], config=c), x, *qs[0])
+                t = time_op([lambda q=q, s=s: quantized_linear(x, q, s, config=c) for q, s in qs], 3, 10,
+                            device).median_s
+            except Exception as e:  # a config the compiler rejects (e.g. out of registers or shared memory)
+                report.add(**row, error=f"{type(e).__name__}: {str(e)[:80]}")
+                continue
+            nbytes = N * K + 4 * N + 2 * M * (K + N)
+            report.add(**row, us=t * 1e6, vs_bf16=bf16_s / t, GBps=nbytes / t / 1e9, max_rel_err=err)
+            if err < 1e-2 and (best is None or t < best[0]):
+                best = (t, c)
+        if best is not None:
+            report.note(f"best K={K} N={N} M={M} {mode}: {best[0] * 1e6:.1f} µs ({bf16_s / best[0]:.2f}x bf16) "
+                        f"with {best[1]}")
 
 
 def time_op(fns, warmup: int, iters: int, device: torch.device) -> Measurement:
@@ -94,7 +118,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small shapes (default on CPU)")
     ap.add_argument("--sweep", action="store_true", help="GPU: time a grid of launch configs for ours")
-    ap.add_argument("--sweep-m", type=int, nargs="+", default=[1, 16], help="the M values --sweep tunes")
+    ap.add_argument("--sweep-m", type=int, nargs="+", default=[1], help="the M values --sweep tunes")
     ap.add_argument("--iters", type=int, default=None)
     args = ap.parse_args()
 
@@ -104,15 +128,16 @@ def main() -> None:
     shapes, ms = (QUICK_SHAPES, QUICK_MS) if quick else (FULL_SHAPES, FULL_MS)
     iters = args.iters or (50 if cuda else 3)
     warmup = 10 if cuda else 1
-    if args.sweep and not cuda:
-        raise SystemExit("--sweep needs a CUDA device (configs cannot be compared meaningfully when interpreted)")
 
     report = Report("quant_matmul", "Weight-only int8/fp8 matmul vs bf16 F.linear")
+    sweep_report = Report("quant_matmul_sweep", "quantized_linear launch configs (--sweep)") if args.sweep else None
     bw = copy_bandwidth(device, (1 << 30) if cuda else (64 << 20))
     report.note(f"device copy bandwidth (read+write): {bw / 1e9:.1f} GB/s")
     if not cuda:
         report.note("CPU: Triton runs under TRITON_INTERPRET=1 -- 'ours' timings measure the interpreter, "
                     "not the kernel; only the GPU numbers mean anything")
+        if sweep_report is not None:
+            sweep_report.note("CPU: interpreted, so this only checks that every config runs and computes right")
     torch.manual_seed(0)
     targets: list[str] = []
     for K, N in shapes:
@@ -160,23 +185,12 @@ def main() -> None:
                         targets.append(f"{'PASS' if ratio >= 1.0 else 'FAIL'} {name} M={M} {K}->{N}: "
                                        f"{ratio:.2f}x bf16 (target >= 1.0x)")
             if args.sweep and M in args.sweep_m:
-                for name, qs in (("int8", q8s), ("fp8", qfs)):
-                    best = None
-                    for c in sweep_configs(M):
-                        try:
-                            t = time_op([lambda q=q, s=s, c=c: quantized_linear(x, q, s, config=c) for q, s in qs],
-                                        3, 10, device).median_s
-                        except Exception as e:  # a config the compiler rejects (e.g. out of shared memory)
-                            report.note(f"sweep K={K} N={N} M={M} {name} {c}: failed ({type(e).__name__})")
-                            continue
-                        if best is None or t < best[0]:
-                            best = (t, c)
-                    if best is not None:
-                        report.note(f"sweep best K={K} N={N} M={M} {name}: {best[0] * 1e6:.1f} µs "
-                                    f"({times['bf16'] / best[0]:.2f}x bf16) with {best[1]}")
+                sweep(sweep_report, K, N, M, x, {"int8": q8s, "fp8": qfs}, times["bf16"], device)
     for t in targets:
         report.note(t)
     report.save()
+    if sweep_report is not None:
+        sweep_report.save()
     quantize_throughput(shapes, device, bw, warmup, iters)
 
 

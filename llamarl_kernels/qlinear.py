@@ -12,11 +12,15 @@ buffer is fine); scale[N] fp32 contiguous; x[..., K] (flattened to [M, K]); outp
 
 Kernels:
 - ``_qlinear_kernel``: grid (tiles of [BLOCK_M, BLOCK_N], SPLIT_K).
-  BLOCK_M < 16 is the decode GEMV path (no tensor-core padding of M=1 to 16): weights stream through
-  registers in 16-byte vector loads, x is broadcast, products accumulate elementwise in a
-  [BLOCK_M, BLOCK_N, BLOCK_K] fp32 register tile that is reduced over K once, after the loop (no
-  shuffles inside it), and int8 is upcast by an integer add plus one FADD instead of the quarter-rate
-  I2F. BLOCK_M >= 16 is the tiled path with ``tl.dot``: weights are upcast in registers to x's dtype
+  BLOCK_M < 16 is the decode GEMV path (no tensor-core padding of M=1 to 16): codes stream through
+  registers in vector loads, x is broadcast, products accumulate elementwise in an fp32 register tile
+  that is reduced over K once, after the loop (no shuffles inside it), and int8 is upcast by an integer
+  add plus one FADD instead of the quarter-rate I2F. BLOCK_M = 1 (batch-1 decode) uses a 2-D
+  [BLOCK_N, BLOCK_K] tile in which x is loaded in the codes' own register layout, so the loop has no
+  shared-memory layout conversion and no barrier (the 3-D [BLOCK_M, BLOCK_N, BLOCK_K] tile of
+  BLOCK_M > 1 moved every code tile through shared memory, with four barriers per tile, in the sm_90
+  code of Triton 3.6 and 3.9); PREFETCH keeps the next tiles' loads in flight while a tile is multiplied.
+  BLOCK_M >= 16 is the tiled path with ``tl.dot``: weights are upcast in registers to x's dtype
   (exact for int8 and e4m3 in bf16/fp16; fp32 x uses an IEEE fp32 dot).
   SPLIT_K > 1 splits K across programs to fill the GPU when N / BLOCK_N is small; partial sums go to
   an fp32 workspace [SPLIT_K, M, N] and ``_splitk_epilogue_kernel`` adds them in a fixed order
@@ -58,19 +62,74 @@ def _weight_to_f32(w):
 
 
 @triton.jit
-def _gemv_partial(x_rows, q_rows, mask_m, mask_n, k_start, k_end,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """sum_k x[m, k] * q[n, k] over [k_start, k_end) on CUDA cores: products are accumulated
-    elementwise in a [BLOCK_M, BLOCK_N, BLOCK_K] register tile and reduced across K once, after the
-    loop, so the streaming loop has no cross-thread shuffles."""
-    cols = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        mask_k = k0 + cols < k_end
-        x = tl.load(x_rows + (k0 + cols)[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(q_rows + (k0 + cols)[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+def _gemv_tile(x_rows, q_rows, mask_m, mask_n, k0, k_end, cols):
+    """The x and code tiles at column k0, masked past k_end (a tile wholly past the end reads nothing)."""
+    mask_k = (k0 + cols < k_end)[None, :]
+    x = tl.load(x_rows + (k0 + cols)[None, :], mask=mask_m[:, None] & mask_k, other=0.0)
+    w = tl.load(q_rows + (k0 + cols)[None, :], mask=mask_n[:, None] & mask_k, other=0.0)
+    return x, w
+
+
+@triton.jit
+def _gemv_fma(acc, x, w, BLOCK_M: tl.constexpr):
+    """acc += x * q elementwise, in fp32 (the tile shapes of ``_gemv_partial``)."""
+    if BLOCK_M == 1:  # one return statement: Triton checks every return's type, even in a dead branch
+        acc += x.to(tl.float32) * _weight_to_f32(w)
+    else:
         acc += x.to(tl.float32)[:, None, :] * _weight_to_f32(w)[None, :, :]
-    return tl.sum(acc, axis=2)
+    return acc
+
+
+@triton.jit
+def _gemv_partial(x_rows, q_rows, mask_m, mask_n, k_start, k_end, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+    """sum_k x[m, k] * q[n, k] over [k_start, k_end) on CUDA cores, as [BLOCK_M, BLOCK_N]: products are
+    accumulated elementwise in a register tile and reduced across K once, after the loop, so the
+    streaming loop has no cross-thread shuffles.
+
+    BLOCK_M = 1 (the grid has one row tile per row of x, so the row always exists): a 2-D
+    [BLOCK_N, BLOCK_K] tile. x is loaded as that same 2-D shape (every row of the pointer tile is the one
+    row of x; the copies come from L1), and the column offsets are written so that the compiler sees runs
+    of VEC contiguous columns, x's 16-byte vector (8 for bf16/fp16): codes and activations then get one
+    register layout and nothing moves through shared memory in the loop. BLOCK_M > 1: a 3-D
+    [BLOCK_M, BLOCK_N, BLOCK_K] tile (its code tiles go through a shared-memory layout conversion).
+
+    PREFETCH = p > 0 keeps the next p tiles in registers: the loads of tile i + p are issued before tile
+    i is multiplied, so a program has p + 1 tiles of loads in flight instead of stalling on each tile's
+    latency (a GEMV at M = 1 is latency-bound with few programs per SM); codes are 1 byte, so a tile
+    costs BLOCK_N * BLOCK_K / threads bytes of registers. The order of the additions is the same for
+    every p."""
+    cols = tl.arange(0, BLOCK_K)
+    if BLOCK_M == 1:
+        VEC: tl.constexpr = 128 // x_rows.dtype.element_ty.primitive_bitwidth
+        cols = (cols // VEC) * VEC + cols % VEC  # the same values, seen as runs of VEC contiguous columns
+        x_rows = x_rows + tl.zeros([BLOCK_N, 1], tl.int32)  # [BLOCK_N, 1] pointers, all to the row of x
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    if PREFETCH == 0:
+        for k0 in range(k_start, k_end, BLOCK_K):
+            x, w = _gemv_tile(x_rows, q_rows, mask_m, mask_n, k0, k_end, cols)
+            acc = _gemv_fma(acc, x, w, BLOCK_M)
+    elif PREFETCH == 1:
+        x, w = _gemv_tile(x_rows, q_rows, mask_m, mask_n, k_start, k_end, cols)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            x1, w1 = _gemv_tile(x_rows, q_rows, mask_m, mask_n, k0 + BLOCK_K, k_end, cols)
+            acc = _gemv_fma(acc, x, w, BLOCK_M)
+            x, w = x1, w1
+    else:
+        x, w = _gemv_tile(x_rows, q_rows, mask_m, mask_n, k_start, k_end, cols)
+        x1, w1 = _gemv_tile(x_rows, q_rows, mask_m, mask_n, k_start + BLOCK_K, k_end, cols)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            x2, w2 = _gemv_tile(x_rows, q_rows, mask_m, mask_n, k0 + 2 * BLOCK_K, k_end, cols)
+            acc = _gemv_fma(acc, x, w, BLOCK_M)
+            x, w = x1, w1
+            x1, w1 = x2, w2
+    if BLOCK_M == 1:
+        out = tl.sum(acc, axis=1)[None, :]
+    else:
+        out = tl.sum(acc, axis=2)
+    return out
 
 
 @triton.jit
@@ -98,7 +157,7 @@ def _qlinear_kernel(
     M, N, K, stride_xm, stride_qn, stride_om,
     HAS_BIAS: tl.constexpr, OUT_KIND: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr, GROUP_M: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # grouped ordering of the (m, n) tiles: GROUP_M row-tiles share each column sweep (L2 reuse of q)
     pid = tl.program_id(0)
@@ -126,7 +185,7 @@ def _qlinear_kernel(
     if BLOCK_M >= 16:
         acc = _dot_partial(x_rows, q_rows, mask_m, mask_n, k_start, k_end, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
-        acc = _gemv_partial(x_rows, q_rows, mask_m, mask_n, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = _gemv_partial(x_rows, q_rows, mask_m, mask_n, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K, PREFETCH)
 
     if SPLIT_K == 1:
         scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
@@ -171,7 +230,8 @@ class QLinearConfig:
     """Launch parameters of ``_qlinear_kernel``.
 
     block_m < 16 selects the GEMV path (broadcast-multiply-reduce), block_m >= 16 the ``tl.dot`` path.
-    split_k > 1 splits K across programs and adds a deterministic epilogue kernel.
+    split_k > 1 splits K across programs and adds a deterministic epilogue kernel. prefetch (0, 1 or 2;
+    GEMV path only) is how many tiles of codes ahead each program loads (``_gemv_partial``).
     """
 
     block_m: int
@@ -181,11 +241,14 @@ class QLinearConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    prefetch: int = 0
 
     def __post_init__(self):
         _check_pow2(self, ("block_m", "block_n", "block_k"))
         if self.split_k < 1 or self.group_m < 1:
             raise ValueError(f"QLinearConfig needs split_k >= 1 and group_m >= 1, got {self}")
+        if self.prefetch not in (0, 1, 2):
+            raise ValueError(f"QLinearConfig.prefetch must be 0, 1 or 2 (tiles loaded ahead), got {self.prefetch}")
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -205,7 +268,10 @@ def default_qlinear_config(M: int, N: int, K: int, device: torch.device) -> QLin
         bn, bk = min(256, triton.next_power_of_2(N)), min(256, triton.next_power_of_2(K))
         return QLinearConfig(triton.next_power_of_2(M) if M <= 8 else min(64, triton.next_power_of_2(M)), bn, bk)
     if M == 1:
-        cfg = QLinearConfig(1, 32, 256, num_warps=4, num_stages=4)
+        # 8 x 512 codes per tile, one tile ahead: 115 registers on sm_90 (4 programs per SM), 32 codes in
+        # 4 loads per thread per tile. Until 2026-12 the default was the 3-D path's (1, 32, 256), measured
+        # on the H200 at 24.8 µs (int8) for 4096 -> 14336; benchmarks.quant_matmul --sweep compares both
+        cfg = QLinearConfig(1, 8, 512, num_warps=4, num_stages=4, prefetch=1)
     elif M <= 16:
         cfg = QLinearConfig(16, 64, 128, num_warps=4, num_stages=4)
     elif M <= 64:
@@ -272,7 +338,8 @@ def quantized_linear(
             x2, q, scale, dummy_bias, out, ws, M, N, K, x2.stride(0), q.stride(0), out.stride(0),
             DOT_FP32=INTERPRETED or x.dtype == torch.float32,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-            GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+            GROUP_M=cfg.group_m, PREFETCH=cfg.prefetch if cfg.block_m < 16 else 0,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )
         if cfg.split_k > 1:
             bm, bn = (min(64, triton.next_power_of_2(M)), min(128, triton.next_power_of_2(N))) if INTERPRETED \

@@ -255,25 +255,30 @@ def test_quantize_property(rows, cols, log_mag, mode, seed):
 # quantized_linear
 # ----------------------------------------------------------------------------------------------------
 def _check_linear(x, q, scale, bias, y):
-    """y vs float64 dequantize-then-matmul: fp32-accumulation bound + one output rounding, and <= 2x eager."""
-    x64, q64, s64 = x.double().cpu(), q.double().cpu(), scale.double().cpu()
+    """y vs float64 dequantize-then-matmul: fp32-accumulation bound + one output rounding, and <= 2x eager.
+    The float64 products run on the tensors' device (on the GPU the large model shapes take milliseconds)."""
+    x64, q64, s64 = x.double(), q.double(), scale.double()
     K = q.shape[1]
     y64 = (x64 @ q64.t()) * s64
     absdot = (x64.abs() @ q64.abs().t()) * s64
     if bias is not None:
-        y64 = y64 + bias.double().cpu()
-        absdot = absdot + bias.double().cpu().abs()
+        y64 = y64 + bias.double()
+        absdot = absdot + bias.double().abs()
     acc_err = (K + 3) * 2.0**-24 * absdot
     bound = acc_err + UNIT_ROUNDOFF[x.dtype] * (y64.abs() + acc_err) + 1e-37
-    err = (y.double().cpu() - y64).abs()
+    err = (y.double() - y64).abs()
     assert y.dtype == x.dtype and y.shape == (*x.shape[:-1], q.shape[0])
     assert (err <= bound).all(), f"max error {err.max().item():.3g} over the bound at {(err > bound).nonzero()[0]}"
-    ref_err = (quantized_linear_ref(x, q, scale, bias).double().cpu() - y64).abs()
+    ref_err = (quantized_linear_ref(x, q, scale, bias).double() - y64).abs()
     assert err.max() <= 2 * ref_err.max() + acc_err.max()
 
 
 LINEAR_CASES = [  # (M, N, K, config): every loop and tail of both paths
     (1, 37, 129, QLinearConfig(1, 16, 32)),  # GEMV, K and N tails
+    (1, 37, 300, QLinearConfig(1, 16, 64, prefetch=1)),  # one-row GEMV loading a tile ahead, K tail
+    (1, 50, 129, QLinearConfig(1, 8, 32, split_k=3, prefetch=2)),  # two tiles ahead, split-K, short last split
+    (3, 70, 130, QLinearConfig(4, 32, 64, split_k=2, prefetch=2)),  # multi-row GEMV, two tiles ahead
+    (2, 20, 40, QLinearConfig(2, 16, 16, split_k=4, prefetch=1)),  # empty last split, a tile ahead
     (3, 70, 130, QLinearConfig(4, 32, 64, split_k=2)),  # GEMV with an M tail, split-K
     (5, 33, 100, QLinearConfig(8, 16, 16, split_k=3)),  # short last split
     (2, 20, 40, QLinearConfig(2, 16, 16, split_k=4)),  # empty last split
@@ -366,6 +371,8 @@ def test_bad_inputs_raise_clear_errors(device):
         dequantize(q, scale, torch.int8)
     with pytest.raises(ValueError, match="power of two"):
         QLinearConfig(3, 16, 16)
+    with pytest.raises(ValueError, match="prefetch must be 0, 1 or 2"):
+        QLinearConfig(1, 16, 16, prefetch=3)
     if device.type == "cuda":
         with pytest.raises(ValueError, match="one device"):
             quantized_linear(x.cpu(), q, scale)
@@ -407,18 +414,30 @@ for single, (br, bk, warps) in [(False, (8, 512, 4)), (True, (2, 4096, 8))]:
                 SINGLE_TILE=single), ["w_ptr", "q_ptr", "scale_ptr", "K", "stride_w", "stride_q"], num_warps=warps)
     divs = ptx.count("div.rn.f32")  # per row: scale and reciprocal; each thread holds at most br rows
     assert 0 < divs <= 2 * br and "div.full" not in ptx, "quantize divides per element, or not correctly rounded"
-for qty, (bm, bn, bk, split) in [("*i8", (1, 32, 256, 1)), ("*fp8e4nv", (16, 64, 128, 2))]:
+def inner_loop(ptx):
+    # the PTX of the (only) inner loop: from its header label to the branch back to it
+    lines = ptx.split("\n")
+    head = next(i for i, line in enumerate(lines) if "Inner Loop Header" in line)
+    label = lines[head if lines[head].startswith("$L__BB") else head - 1].split(":")[0]
+    end = next(i for i in range(head, len(lines)) if "bra" in lines[i] and label in lines[i])
+    return "\n".join(lines[head:end])
+
+for qty, (bm, bn, bk, split, prefetch) in [("*i8", (1, 8, 512, 1, 1)), ("*fp8e4nv", (1, 16, 256, 2, 2)),
+                                           ("*fp8e4nv", (16, 64, 128, 2, 0))]:
     sig = {"x_ptr": "*bf16", "q_ptr": qty, "scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
            "ws_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_qn": "i32",
            "stride_om": "i32", "HAS_BIAS": "constexpr", "OUT_KIND": "constexpr", "DOT_FP32": "constexpr",
            "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr",
-           "GROUP_M": "constexpr"}
+           "GROUP_M": "constexpr", "PREFETCH": "constexpr"}
     ptx = build(QL._qlinear_kernel, sig, dict(HAS_BIAS=False, OUT_KIND=1, DOT_FP32=False, BLOCK_M=bm, BLOCK_N=bn,
-                BLOCK_K=bk, SPLIT_K=split, GROUP_M=8),
+                BLOCK_K=bk, SPLIT_K=split, GROUP_M=8, PREFETCH=prefetch),
                 ["x_ptr", "q_ptr", "scale_ptr", "bias_ptr", "out_ptr", "ws_ptr", "N", "K", "stride_xm",
                  "stride_qn", "stride_om"], num_warps=4, num_stages=4)
     if bm == 1:
-        assert "ld.global.v4" in ptx, "GEMV weight loads are not 16-byte vectors"
+        loop = inner_loop(ptx)
+        # one register layout for codes and activations: nothing moves through shared memory per tile
+        assert not any(s in loop for s in ("bar.sync", ".shared", "ldmatrix")), "GEMV loop converts layouts"
+        assert "ld.global.v2" in loop and "ld.global.v4" in loop, "GEMV loads are not 8-byte codes / 16-byte x"
         assert "cvt.rn.f32.s8" not in ptx, "int8 upcast fell back to the slow conversion"
     else:
         assert "mma" in ptx, "tl.dot path did not use tensor cores"
