@@ -50,8 +50,10 @@ else
 fi
 
 if [ "${TESTS:-1}" != "0" ] && t=$(limit "${LIMIT_tests:-150}"); then
-  timeout "$t" python3 -m pytest -m gpu ${TESTS_K:+-k "$TESTS_K"} -q -p no:cacheprovider -o addopts="" --timeout 60 -rfE tests \
-    > "$OUT/tests.log" 2>&1
+  # SIGINT first: pytest then still prints its failures and summary (SIGTERM would lose them); -v names
+  # every test as it ends, so a stage cut off by its limit still says how far it got
+  timeout -s INT -k 20 "$t" python3 -m pytest -m gpu ${TESTS_K:+-k "$TESTS_K"} -v -p no:cacheprovider -o addopts="" \
+    --timeout 60 -rfE --durations=10 tests > "$OUT/tests.log" 2>&1
   summary "gpu tests: exit $? — $(tail -n 1 "$OUT/tests.log")"
 fi
 

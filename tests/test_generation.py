@@ -368,12 +368,15 @@ def test_cuda_graph_decode_matches_eager(models):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_greedy_chunks_match_eager(models):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_greedy_chunks_match_eager(models, dtype):
     """GPU only: ``graph_steps=4`` (four greedy steps captured in one graph) gives the eager engine's
-    tokens and log-probs, with stops and compaction to a smaller bucket."""
+    tokens and log-probs, with stops and compaction to a smaller bucket. In bf16 this is the path the
+    H200 benchmark runs: fused Triton RMSNorm / rope_kv / SiLU kernels, packed weights, stacked products."""
     _, cpu_model = models
     model = Llama(cpu_model.config).cuda().eval()
     model.load_state_dict(cpu_model.state_dict())
+    model.to(dtype)
     prompts = PROMPTS * 3
     eager = GenerationEngine(model, max_batch_size=16, max_seq_len=40, cuda_graphs=False)
     chunked = GenerationEngine(model, max_batch_size=16, max_seq_len=40, graph_steps=4)
@@ -385,7 +388,8 @@ def test_cuda_graph_greedy_chunks_match_eager(models):
         x = eager.generate(prompts, params, eos_token_id=())
         y = chunked.generate(prompts, params, eos_token_id=())
         assert [o.token_ids for o in x] == [o.token_ids for o in y]
-        assert max(abs(u - v) for ox, oy in zip(x, y) for u, v in zip(ox.logprobs, oy.logprobs)) < 1e-4
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        assert max(abs(u - v) for ox, oy in zip(x, y) for u, v in zip(ox.logprobs, oy.logprobs)) < tol
     assert any(key[0] == "greedy" for key in chunked.graphs._graphs)
 
 
@@ -406,6 +410,7 @@ def test_cuda_graphs_follow_weights_repointed_to_other_storage(models):
               for n, p in model.named_parameters()}
     load_views(model, slot_b, strict=True, where="test slot b")  # what WeightReceiver does on a slot change
     after = [o.token_ids for o in engine.generate(PROMPTS, greedy, eos_token_id=())]
-    eager = GenerationEngine(model, max_batch_size=4, max_seq_len=40, cuda_graphs=False)
+    # pack_weights=False: packing slot b here would switch the products to stacked ones, other kernels
+    eager = GenerationEngine(model, max_batch_size=4, max_seq_len=40, cuda_graphs=False, pack_weights=False)
     assert after == [o.token_ids for o in eager.generate(PROMPTS, greedy, eos_token_id=())]
     assert after != before  # the new weights really changed the samples

@@ -156,6 +156,15 @@ def test_stacked_quantized_projections():
     assert got is not None
     for g, r in zip(got, ref):
         torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
+    # a deep copy keeps the codes and scales (buffers) as views into one copy of the flat buffer and the
+    # original's weights_key: it is packed anew, with its own key, and stacks on its own storage
+    twin = copy.deepcopy(m)
+    b = twin.model.layers[0].self_attn
+    assert b.q_proj.qweight.untyped_storage().nbytes() > b.q_proj.qweight.nbytes  # still a view after the copy
+    assert pack_parameters_(twin) and twin.weights_key != m.weights_key
+    assert _adjacent(b.q_proj.qweight, b.k_proj.qweight, b.v_proj.qweight)
+    assert b.q_proj.qweight.untyped_storage().data_ptr() != a.q_proj.qweight.untyped_storage().data_ptr()
+    assert torch.equal(b.q_proj.qweight, a.q_proj.qweight) and torch.equal(b.v_proj.scale, a.v_proj.scale)
 
 
 def test_engine_packs_by_default_and_generates_the_same():

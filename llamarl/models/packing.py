@@ -19,8 +19,8 @@ storage moves. What that buys a generator:
 Skipped (returns False, nothing changed) when packing would be wrong or pointless: a parameter that is
 not a plain dense tensor (FSDP's DTensors, meta tensors), tensors that already are views into a larger
 storage (a packed model, or the weight sync's buckets: packing would detach the model from the memory the
-trainer writes into), or nothing to pack. A deep copy of a packed model owns separate tensors again (and
-a stale ``weights_key``), so it is packed anew and gets its own key.
+trainer writes into), or nothing to pack. A deep copy of a packed model (separate parameters, buffers that
+view one copy of the flat buffer, the original's ``weights_key``) is packed anew and gets its own key.
 
 Memory: each tensor's old storage is freed as soon as it is copied (unless something else holds it). On
 the CPU the new buffer's pages are only committed as they are written, so the peak stays about one
@@ -75,6 +75,14 @@ def owns_storage(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
+def _copy_of_packed(model: nn.Module, tensors) -> bool:
+    """Whether ``model`` is a deep copy of a packed model: it carries a packed ``weights_key`` that names
+    another buffer. (``copy.deepcopy`` clones parameters one by one but keeps plain-tensor buffers, such
+    as a quantized model's codes and scales, as views into one copy of the original's flat buffer.)"""
+    key = getattr(model, "weights_key", None)
+    return isinstance(key, tuple) and key[:1] == ("packed",) and key[1] != min(t.data_ptr() for t in tensors)
+
+
 def _layout(group: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int], int]:
     """(tensors in packing order, their byte offsets, total bytes): dtype by dtype, ALIGN-aligned."""
     dtypes = list(dict.fromkeys(t.dtype for t in group))
@@ -93,11 +101,13 @@ def pack_parameters_(model: nn.Module) -> bool:
     for _, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t is None or id(t) in tensors:
             continue
-        if not _plain(t) or not t.is_contiguous() or not owns_storage(t):
-            return False  # not plain, or a view into a larger storage (packed, weight-sync buckets): leave it
+        if not _plain(t) or not t.is_contiguous():
+            return False
         tensors[id(t)] = t
     if not tensors:
         return False
+    if not all(owns_storage(t) for t in tensors.values()) and not _copy_of_packed(model, tensors.values()):
+        return False  # views into a larger storage (this model packed, or weight-sync buckets): leave them
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors.values():
         by_device.setdefault(t.device, []).append(t)
@@ -105,6 +115,8 @@ def pack_parameters_(model: nn.Module) -> bool:
     for device, (_, _, nbytes) in layouts.items():
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
+            # memory torch's caching allocator holds but no tensor uses is free for this buffer too
+            free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
             if free < nbytes + (256 << 20):
                 warnings.warn(f"pack_parameters_: not packing the model's weights: {device} has {free / 2**30:.2f} GiB "
                               f"free and the packed copy needs {nbytes / 2**30:.2f} GiB while the weights are copied "
