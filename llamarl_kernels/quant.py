@@ -42,14 +42,17 @@ bigger buffer is fine); scale[R] fp32 contiguous.
 Kernels:
 - ``_quantize_kernel``: BLOCK_R rows per program. When BLOCK_K >= K (the default for K <= 16384) the
   row block is loaded once and quantized from registers (one HBM read; on an H200 on 2026-11-30, with
-  a division per element, fp8 still ran compute-bound at 1.3-2.2 TB/s, hence the per-row reciprocal);
-  otherwise two passes over K (absmax, then quantize; the second pass re-reads the block, from L2).
+  a division per element, fp8 still ran compute-bound at 1.3-2.2 TB/s, hence the per-row reciprocal,
+  and on the GPU the fp8 rounding is the hardware e4m3 conversion: 555 instead of 1259 PTX instructions
+  for a 2 x 4096 block); otherwise two passes over K (absmax, then quantize; the second pass re-reads
+  the block, from L2).
 
 Numerics shared by the GPU and the interpreter (TRITON_INTERPRET=1 on CPU): the interpreter has no bf16
 arithmetic and its float down-casts do not round to nearest even, so every value is upcast to fp32
 right after its load, and every down-cast first rounds in fp32 onto the target grid (integer bit tricks
-for bf16, a power-of-two ``ulp`` for e4m3 and fp16), after which the cast itself is exact. Both
-backends therefore produce the bytes of torch's ``.to(dtype)``. bf16 weights enter ``quantize`` as
+for bf16, a power-of-two ``ulp`` for e4m3 and fp16), after which the cast itself is exact; compiled for
+a GPU, the fp8 codes skip that step because the GPU's own e4m3 conversion rounds to nearest even (see
+``_quantize_values``). Both backends therefore produce the bytes of torch's ``.to(dtype)``. bf16 weights enter ``quantize`` as
 int16 bits and are widened by a shift (the interpreter's own bf16 cast flushes subnormals); bf16
 activations use the ordinary cast, so under the interpreter only, subnormal activations read as 0.
 """
@@ -144,12 +147,19 @@ def _row_scale(absmax, QMAX_: tl.constexpr):
 
 
 @triton.jit
-def _quantize_values(w, inv, QMAX_: tl.constexpr, IS_FP8: tl.constexpr, Q_TY: tl.constexpr):
+def _quantize_values(w, inv, QMAX_: tl.constexpr, IS_FP8: tl.constexpr, Q_TY: tl.constexpr, HW_ROUND: tl.constexpr):
     """Codes of w [R, K] (fp32, p_r already applied) for the per-row inv [R]: RNE of clamp(w * inv, +-QMAX).
-    Only the clamp consumes w * inv, never an add, so no FMA contraction can change its rounding."""
+    Only the clamp consumes w * inv, never an add, so no FMA contraction can change its rounding.
+    fp8 with HW_ROUND (compiled for a GPU): the cast itself is sm_89+'s cvt.rn.satfinite.e4m3x2.f32,
+    round-to-nearest-even with subnormals and the sign of zero, so it gives the software rounding's bytes
+    (v is clamped to +-448 first, so satfinite never acts) in one instruction per two values instead of
+    a dozen per value; the interpreter's cast does not round to nearest even, so it keeps the software
+    ``_round_to_grid``."""
     v = w * inv[:, None]
     v = tl.minimum(tl.maximum(v, -QMAX_), QMAX_)
-    if IS_FP8:
+    if IS_FP8 and HW_ROUND:
+        q = v.to(Q_TY, fp_downcast_rounding="rtne")
+    elif IS_FP8:
         q = _round_to_grid(v, 3, -6).to(Q_TY)
     else:
         q = _round_to_int(v).to(tl.int8)
@@ -157,22 +167,23 @@ def _quantize_values(w, inv, QMAX_: tl.constexpr, IS_FP8: tl.constexpr, Q_TY: tl
 
 
 @triton.jit
-def _quantize_store(q_ptrs, mask, w, pre, inv, any_pre, QMAX_: tl.constexpr, IS_FP8: tl.constexpr):
+def _quantize_store(q_ptrs, mask, w, pre, inv, any_pre, QMAX_: tl.constexpr, IS_FP8: tl.constexpr,
+                    HW_ROUND: tl.constexpr):
     """Store the codes of w [R, K] (fp32) for the per-row pre, inv [R] of ``_row_scale``: RNE of
     clamp((w * pre) * inv, +-QMAX). The exact w * pre runs only in a block where some row has pre != 1
     (any_pre, a scalar), so real weights pay one multiply per element. Each branch holds its own store,
     which keeps the compiler from flattening the branch into a multiply and a select per element."""
     q_ty = q_ptrs.dtype.element_ty
     if any_pre:
-        tl.store(q_ptrs, _quantize_values(w * pre[:, None], inv, QMAX_, IS_FP8, q_ty), mask=mask)
+        tl.store(q_ptrs, _quantize_values(w * pre[:, None], inv, QMAX_, IS_FP8, q_ty, HW_ROUND), mask=mask)
     else:
-        tl.store(q_ptrs, _quantize_values(w, inv, QMAX_, IS_FP8, q_ty), mask=mask)
+        tl.store(q_ptrs, _quantize_values(w, inv, QMAX_, IS_FP8, q_ty, HW_ROUND), mask=mask)
 
 
 @triton.jit
 def _quantize_kernel(
     w_ptr, q_ptr, scale_ptr, R, K, stride_w, stride_q,
-    QMAX_: tl.constexpr, IS_FP8: tl.constexpr, W_BF16_BITS: tl.constexpr,
+    QMAX_: tl.constexpr, IS_FP8: tl.constexpr, W_BF16_BITS: tl.constexpr, HW_ROUND: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE_TILE: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -186,7 +197,7 @@ def _quantize_kernel(
         scale, pre, inv = _row_scale(tl.max(tl.abs(w), axis=1), QMAX_)
         tl.store(scale_ptr + rows64, scale, mask=row_mask)
         _quantize_store(q_ptr + rows64[:, None] * stride_q + cols[None, :], mask, w, pre, inv,
-                        tl.max(pre, axis=0) > 1.0, QMAX_, IS_FP8)
+                        tl.max(pre, axis=0) > 1.0, QMAX_, IS_FP8, HW_ROUND)
     else:
         amax = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -201,7 +212,7 @@ def _quantize_kernel(
             mask = row_mask[:, None] & (k0 + cols < K)[None, :]
             w = _load_weight_f32(w_ptr + rows64[:, None] * stride_w + (k0 + cols)[None, :], mask, W_BF16_BITS)
             _quantize_store(q_ptr + rows64[:, None] * stride_q + (k0 + cols)[None, :], mask, w, pre, inv,
-                            any_pre, QMAX_, IS_FP8)
+                            any_pre, QMAX_, IS_FP8, HW_ROUND)
 
 
 @triton.jit
@@ -338,7 +349,8 @@ def quantize(
     with guard:
         _quantize_kernel[(triton.cdiv(R, cfg.block_r),)](
             w.view(torch.int16) if bf16_bits else w, q, scale, R, K, w.stride(0), q.stride(0),
-            QMAX_=QMAX[mode], IS_FP8=mode == "fp8", W_BF16_BITS=bf16_bits, BLOCK_R=cfg.block_r,
+            QMAX_=QMAX[mode], IS_FP8=mode == "fp8", W_BF16_BITS=bf16_bits, HW_ROUND=not INTERPRETED,
+            BLOCK_R=cfg.block_r,
             BLOCK_K=cfg.block_k, SINGLE_TILE=cfg.block_k >= K, num_warps=cfg.num_warps,
         )
     return q, scale

@@ -408,12 +408,19 @@ import llamarl_kernels.quant as Q
 
 sig = {"w_ptr": "*i16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "R": "i32", "K": "i32", "stride_w": "i32",
        "stride_q": "i32", "QMAX_": "constexpr", "IS_FP8": "constexpr", "W_BF16_BITS": "constexpr",
-       "BLOCK_R": "constexpr", "BLOCK_K": "constexpr", "SINGLE_TILE": "constexpr"}
+       "HW_ROUND": "constexpr", "BLOCK_R": "constexpr", "BLOCK_K": "constexpr", "SINGLE_TILE": "constexpr"}
 for single, (br, bk, warps) in [(False, (8, 512, 4)), (True, (2, 4096, 8))]:
-    ptx = build(Q._quantize_kernel, sig, dict(QMAX_=448.0, IS_FP8=True, W_BF16_BITS=True, BLOCK_R=br, BLOCK_K=bk,
-                SINGLE_TILE=single), ["w_ptr", "q_ptr", "scale_ptr", "K", "stride_w", "stride_q"], num_warps=warps)
-    divs = ptx.count("div.rn.f32")  # per row: scale and reciprocal; each thread holds at most br rows
-    assert 0 < divs <= 2 * br and "div.full" not in ptx, "quantize divides per element, or not correctly rounded"
+    n_instr = {}
+    for hw in (True, False):
+        ptx = build(Q._quantize_kernel, sig, dict(QMAX_=448.0, IS_FP8=True, W_BF16_BITS=True, HW_ROUND=hw, BLOCK_R=br,
+                    BLOCK_K=bk, SINGLE_TILE=single), ["w_ptr", "q_ptr", "scale_ptr", "K", "stride_w", "stride_q"],
+                    num_warps=warps)
+        divs = ptx.count("div.rn.f32")  # per row: scale and reciprocal; each thread holds at most br rows
+        assert 0 < divs <= 2 * br and "div.full" not in ptx, "quantize divides per element, or not correctly rounded"
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx, "the e4m3 cast is not the round-to-nearest-even conversion"
+        n_instr[hw] = sum(1 for line in ptx.split("\n") if line.startswith("\t") and not line.strip().startswith("//"))
+    # the GPU build rounds with the conversion alone: the software RNE (a dozen instructions a value) is gone
+    assert n_instr[True] < 0.7 * n_instr[False], f"fp8 quantize instructions hw/sw: {n_instr}"
 def inner_loop(ptx):
     # the PTX of the (only) inner loop: from its header label to the branch back to it
     lines = ptx.split("\n")
