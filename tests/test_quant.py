@@ -124,6 +124,31 @@ def test_zero_and_underflowing_rows(mode, device):
     assert (y[:, [1, 3, 5]] == 0).all()
 
 
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fp8_rounds_ties_to_even_with_subnormals_and_signed_zero(dev):
+    """Exact e4m3 ties, independent of torch: a row with absmax 448 has scale 1 and v = w exactly, so each
+    value's code is known by hand. On the GPU this checks the hardware conversion the kernel rounds with
+    (HW_ROUND); on the CPU the interpreter's software rounding."""
+    if dev == "cpu" and torch.cuda.is_available():
+        pytest.skip("the kernels run on CUDA in this process (TRITON_INTERPRET is off)")
+    s = 2.0**-9  # e4m3fn's smallest subnormal
+    cases = [  # (w, expected code value)
+        (448.0, 448.0),  # the row's absmax: scale = 448 / 448 = 1
+        (432.0, 448.0), (400.0, 384.0),  # ties between 416|448 and 384|416: to the even mantissa
+        (1.0625, 1.0), (1.1875, 1.25), (-1.0625, -1.0), (-1.1875, -1.25),  # ties at ulp 1/8
+        (1.0625 + 2.0**-20, 1.125),  # just above a tie
+        (0.5 * s, 0.0), (1.5 * s, 2 * s), (2.5 * s, 2 * s), (3.5 * s, 4 * s), (7.5 * s, 8 * s),  # subnormal ties
+        (0.75 * s, s), (0.25 * s, 0.0),
+        (-0.25 * s, -0.0), (-0.0, -0.0), (-1e-30, -0.0),  # negative values that round to zero keep the sign
+    ]
+    w = torch.tensor([[c[0] for c in cases]], dtype=torch.float32, device=dev)
+    q, scale = quantize(w, "fp8")
+    assert scale.item() == 1.0
+    want = torch.tensor([[c[1] for c in cases]], dtype=torch.float32).to(torch.float8_e4m3fn)
+    _assert_same_bytes(q, want)  # bytes, so -0.0 vs +0.0 counts
+    _assert_same_bytes(q, quantize_ref(w.cpu(), "fp8")[0])
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_extreme_values(mode, dtype, device):
