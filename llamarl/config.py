@@ -161,7 +161,7 @@ class TrainerConfig(_Section):
 class RewardConfig(_Section):
     SECTION = "reward"
     reward: str = "exact"  # a built-in name or "module:function" taking (completion, answer) -> float
-    workers: int = 2  # reward executor processes; 0 scores in the controller
+    workers: int = 2  # reward worker processes of the controller (0 counts as 1: scoring always runs in a worker, under the timeout)
     timeout_s: float = 5.0  # per completion
 
     def check(self) -> None:
@@ -185,7 +185,7 @@ class DataConfig(_Section):
 
     def check(self) -> None:
         self._positive("few_shot", strict=False)
-        self._positive("eval_size", strict=False)
+        self._positive("eval_size")  # held-out accuracy before and after RL is part of every run
         for name in ("prompt_field", "answer_field"):
             if not getattr(self, name):
                 _fail(f"data.{name}", "must name a field of the dataset records", getattr(self, name))
@@ -358,14 +358,24 @@ class TrainConfig:
 
             if not torch.cuda.is_available():
                 _fail("run.device", "cuda requested but torch sees no CUDA device; use --set run.device=cpu")
+        resumed_run = None
         if self.run.resume is not None:
-            from llamarl.checkpoint import latest_checkpoint_dir
+            from llamarl.checkpoint import CheckpointError, latest_checkpoint_dir, load_checkpoint
 
             if not Path(self.run.resume).is_dir():
                 _fail("run.resume", "no such directory", self.run.resume)
-            if latest_checkpoint_dir(self.run.resume) is None:
+            latest = latest_checkpoint_dir(self.run.resume)
+            if latest is None:
                 _fail("run.resume", "holds no complete checkpoint (expected DIR/checkpoints/step_*/ or a "
                       "checkpoint directory); pass the --out directory of an earlier run", self.run.resume)
+            try:
+                step = load_checkpoint(latest).step
+            except CheckpointError as exc:
+                _fail("run.resume", str(exc))
+            if self.run.max_steps <= step:
+                _fail("run.max_steps", f"the run at {self.run.resume} is already at step {step}; pass --max-steps "
+                      f"above it to continue (nothing was changed)", self.run.max_steps)
+            resumed_run = resume_run_dir(self.run.resume).resolve()
         if self.run.out is not None:
             out = Path(self.run.out)
             if out.exists() and not out.is_dir():
@@ -374,6 +384,15 @@ class TrainConfig:
             if earlier and self.run.resume is None:
                 _fail("run.out", "already holds a run; pass --resume with it to continue, or choose a new --out",
                       self.run.out)
+            if earlier and resumed_run is not None and out.resolve() != resumed_run:
+                _fail("run.out", f"already holds another run than the one resumed ({resumed_run}); a resumed run "
+                      "continues in its own directory or in a new one", self.run.out)
+
+
+def resume_run_dir(resume: Any) -> Path:
+    """The run directory a ``--resume`` path belongs to (the path itself, or a checkpoint's run)."""
+    path = Path(str(resume))
+    return path.parent.parent if path.parent.name == "checkpoints" else path
 
 
 SECTIONS: dict[str, type] = {

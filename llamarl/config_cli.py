@@ -27,7 +27,9 @@ both inconsistently is an error.
 Layout shorthand: ``run.layout`` / ``--layout`` ("trainer=2,generator=2x1,reward=2") sets the fields of the
 items it names (``trainer.ranks``/``trainer.parallel``, ``generator.tp``/``generator.replicas``,
 ``reward.workers``, ``run.device``) unless they are given explicitly as well, in which case they must agree.
-``--resume DIR`` without ``--out`` continues in the run directory DIR belongs to.
+``--resume DIR`` continues the run DIR belongs to with that run's saved ``config.yaml`` in place of the
+preset (its model, tokenizer, data, reward, ...: ``--config``, flags and ``--set`` still override it), in
+that run directory unless ``--out`` names another, new one; ``--max-steps`` must exceed the step reached.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Any, Sequence
 import yaml
 
 from llamarl.config import (REWARD_NAMES, TrainConfig, _build, _did_you_mean, _fail, _layout_fields, _merge,
-                            _Text)
+                            _Text, resume_run_dir)
 from llamarl.presets import PRESETS
 
 # Named flags: flag -> (dotted field, help).
@@ -74,20 +76,7 @@ def config_from_args(args: argparse.Namespace, *, check_environment: bool = True
     if args.preset not in PRESETS:
         _fail("--preset", f"unknown preset{_did_you_mean(args.preset, PRESETS)}; presets: {', '.join(PRESETS)}",
               args.preset)
-    data = PRESETS[args.preset].to_dict()
-    explicit: set[str] = set()
-    if args.config:
-        path = Path(args.config)
-        if not path.is_file():
-            _fail("--config", "no such file", args.config)
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            _fail("--config", f"{path} is not valid YAML: {exc}")
-        if not isinstance(loaded, dict):
-            _fail("--config", f"{path} must hold a mapping of sections (policy:, trainer:, ...)")
-        data = _merge(data, _as_text(loaded), str(path))
-        explicit |= {f"{s}.{k}" for s, sec in loaded.items() for k in (sec or {})}
+    loaded = _load_yaml("--config", Path(args.config)) if args.config else {}
     overrides: list[tuple[str, str]] = []
     for flag, (dotted, _) in NAMED_FLAGS.items():
         value = getattr(args, _dest(flag))
@@ -98,16 +87,28 @@ def config_from_args(args: argparse.Namespace, *, check_environment: bool = True
         if not sep or not key.strip():
             _fail("--set", "expects SECTION.KEY=VALUE, e.g. --set trainer.lr=3e-4", item)
         overrides.append((key.strip(), value.strip()))
+    resume = next((v for d, v in reversed(overrides) if d == "run.resume"), None)
+    if resume is None:
+        resume = (loaded.get("run") or {}).get("resume")
+    base = PRESETS[args.preset]
+    if resume is not None and (resume_run_dir(resume) / "config.yaml").is_file():
+        # a resumed run continues with its own settings (model, tokenizer, data, reward, ...), not the preset's
+        saved = resume_run_dir(resume) / "config.yaml"
+        base = _build(_merge(TrainConfig().to_dict(), _as_text(_load_yaml("run.resume", saved)), str(saved)))
+    data = base.to_dict()
+    explicit: set[str] = set()
+    if loaded:
+        data = _merge(data, _as_text(loaded), str(args.config))
+        explicit |= {f"{s}.{k}" for s, sec in loaded.items() for k in (sec or {})}
     for dotted, value in overrides:
         section, _, name = dotted.partition(".")
         data = _merge(data, {section: {name: _Text(value)}}, "command line")
         explicit.add(dotted)
     _apply_layout_shorthand(data, explicit)
-    _apply_mode_rule(data, explicit, PRESETS[args.preset])
+    _apply_mode_rule(data, explicit, base)
     run = data["run"]
-    if run.get("resume") is not None and run.get("out") is None:
-        resume = Path(str(run["resume"]))
-        run["out"] = str(resume.parent.parent if resume.parent.name == "checkpoints" else resume)
+    if run.get("resume") is not None and "run.out" not in explicit:
+        run["out"] = str(resume_run_dir(run["resume"]))
     config = _build(data)
     if check_environment:
         config.check_environment()
@@ -127,6 +128,18 @@ def load_config(argv: Sequence[str] | None = None, *, check_environment: bool = 
 
 
 # -------------------------------------------------------------------- internals
+def _load_yaml(field: str, path: Path) -> dict:
+    if not path.is_file():
+        _fail(field, "no such file", str(path))
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        _fail(field, f"{path} is not valid YAML: {exc}")
+    if not isinstance(loaded, dict):
+        _fail(field, f"{path} must hold a mapping of sections (policy:, trainer:, ...)")
+    return loaded
+
+
 def _as_text(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: _as_text(v) for k, v in obj.items()}

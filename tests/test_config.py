@@ -94,6 +94,27 @@ def test_resume_defaults_out_to_the_run_dir(tmp_path):
     assert load_config(["--resume", str(run), "--out", str(run)]).run.resume == str(run)
 
 
+def test_resume_continues_with_the_runs_own_config(tmp_path):
+    """A resumed run keeps its model/data/reward settings (its config.yaml replaces the preset); the command
+    line still overrides them; the step count must go past the checkpoint; --out may not be another run."""
+    run = tmp_path / "run"
+    load_config(["--preset", "smoke", "--set", "data.eval_size=10", "--set", "trainer.lr=1e-3",
+                 "--reward", "gsm8k", "--max-steps", "4", "--out", str(run)]).save(run)
+    save_checkpoint(run, 4, policy_state=None, policy_version=4)
+    cfg = load_config(["--resume", str(run), "--max-steps", "9", "--set", "trainer.lr=2e-3"])
+    assert (cfg.data.eval_size, cfg.reward.reward, cfg.run.max_steps) == (10, "gsm8k", 9)
+    assert cfg.trainer.lr == 2e-3  # the command line still wins
+    assert cfg.generator == PRESETS["smoke"].generator and cfg.run.out == str(run)
+    with pytest.raises(ConfigError, match=r"^run.max_steps: the run at .* is already at step 4; pass --max-steps"):
+        load_config(["--resume", str(run)])  # its own max_steps (4): nothing left to run
+    other = tmp_path / "other"
+    (other / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"^run.out: already holds another run than the one resumed"):
+        load_config(["--resume", str(run), "--max-steps", "9", "--out", str(other)])
+    assert load_config(["--resume", str(run), "--max-steps", "9", "--out", str(tmp_path / "new")]).run.out == \
+        str(tmp_path / "new")
+
+
 def _messages(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "model").mkdir()
@@ -132,6 +153,7 @@ def _messages(tmp_path):
         (["--set", "reward.timeout_s=0"], r"reward.timeout_s: must be > 0"),
         (["--set", "warm_start.steps=-1"], r"warm_start.steps: must be >= 0"),
         (["--set", "data.few_shot=-2"], r"data.few_shot: must be >= 0"),
+        (["--set", "data.eval_size=0"], r"data.eval_size: must be > 0"),
         (["--set", "data.template=Q:"], r"data.template: must contain \{prompt\}"),
         (["--set", "data.template={question}"], r"data.template: must use only \{prompt\}"),
         (["--dataset", "synthetic:poetry"], r"data.dataset: unknown synthetic dataset"),
