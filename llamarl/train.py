@@ -28,6 +28,7 @@ message names it and carries the remote error; the last checkpoint stays intact)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -38,7 +39,7 @@ from pathlib import Path
 import torch
 
 from llamarl.checkpoint import load_latest
-from llamarl.config import ConfigError, TrainConfig
+from llamarl.config import REWARD_NAMES, ConfigError, TrainConfig
 from llamarl.config_cli import load_config
 from llamarl.controller import Controller, Executors
 from llamarl.eval import evaluate
@@ -54,7 +55,7 @@ def log(msg: str) -> None:
     print(f"[llamarl] {msg}", file=sys.stderr, flush=True)
 
 
-def prepare_policy(cfg: TrainConfig, tokenizer) -> tuple[Path, dict]:
+def prepare_policy(cfg: TrainConfig, tokenizer, max_prompt_tokens: int | None = None) -> tuple[Path, dict]:
     """The HF directory the trainer starts from: a given checkpoint, or the (cached) warm start."""
     if cfg.policy.model not in LLAMA_CONFIGS:
         return Path(cfg.policy.model), {"cached": None, "seconds": 0.0}
@@ -62,7 +63,8 @@ def prepare_policy(cfg: TrainConfig, tokenizer) -> tuple[Path, dict]:
     model_cfg = LLAMA_CONFIGS[cfg.policy.model]
     # everything the warm-started weights depend on (the probe uses the reward and the generation length)
     key = cache_key("warmstart-v1", model_cfg.to_hf_dict(), dataclasses.replace(ws, cache_dir=None), cfg.data,
-                    cfg.run.seed, cfg.reward.reward, cfg.generator.max_new_tokens)
+                    cfg.run.seed, cfg.reward.reward, cfg.generator.max_new_tokens,
+                    *([cfg.policy.tokenizer] if cfg.policy.tokenizer else []))
     path = (Path(ws.cache_dir) if ws.cache_dir else default_cache_dir()) / f"{cfg.policy.model}-{key}"
     if (path / "warmstart.json").is_file():
         info = json.loads((path / "warmstart.json").read_text())
@@ -70,19 +72,25 @@ def prepare_policy(cfg: TrainConfig, tokenizer) -> tuple[Path, dict]:
         return path, {**info, "cached": True, "seconds": 0.0}
     torch.manual_seed(cfg.run.seed)
     model = Llama(model_cfg)
-    stream = TrainData(cfg.data, tokenizer, seed=cfg.run.seed + 1)  # its own stream: RL data stays untouched
+    # its own streams: the RL data stays untouched
+    stream = TrainData(cfg.data, tokenizer, seed=cfg.run.seed + 1, max_prompt_tokens=max_prompt_tokens)
     log(f"warm start: {ws.steps} supervised steps on {cfg.data.dataset} ({model.num_parameters() / 1e6:.2f}M params)")
-    probe_samples = TrainData(cfg.data, tokenizer, seed=cfg.run.seed + 2).next(128)
-    reward_fn = load_reward(cfg.reward.reward)
+    probe_samples = TrainData(cfg.data, tokenizer, seed=cfg.run.seed + 2, max_prompt_tokens=max_prompt_tokens).next(128)
+    with contextlib.ExitStack() as stack:
+        if cfg.reward.reward in REWARD_NAMES:  # built-in verifiers: scored in this process
+            reward_fn = load_reward(cfg.reward.reward)
+        else:  # a user's function: in worker processes, with the run's per-sample timeout
+            reward_fn = stack.enter_context(RewardPool(cfg.reward.reward, num_workers=max(1, cfg.reward.workers),
+                                                       timeout_s=cfg.reward.timeout_s))
 
-    def probe() -> float:  # greedy accuracy on training problems (never the held-out split)
-        return evaluate(model, tokenizer, probe_samples, reward_fn, max_new_tokens=cfg.generator.max_new_tokens,
-                        batch_size=len(probe_samples), fmt=stream.formatter.fmt).accuracy
+        def probe() -> float:  # greedy accuracy on training problems (never the held-out split)
+            return evaluate(model, tokenizer, probe_samples, reward_fn, max_new_tokens=cfg.generator.max_new_tokens,
+                            batch_size=len(probe_samples), fmt=stream.formatter.fmt).accuracy
 
-    info = train_supervised(model, stream.next, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size,
-                            encode_prompt=stream.formatter.encode, encode_answer=tokenizer.encode,
-                            eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, log=log, probe=probe,
-                            target_accuracy=ws.target_accuracy)
+        info = train_supervised(model, stream.next, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size,
+                                encode_prompt=stream.formatter.encode, encode_answer=tokenizer.encode,
+                                eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, log=log, probe=probe,
+                                target_accuracy=ws.target_accuracy)
     save_atomic(model, tokenizer, path, info)
     return path, {**info, "cached": False}
 
@@ -107,6 +115,49 @@ def make_tokenizer(cfg: TrainConfig):
     return load_tokenizer(cfg.policy.model)
 
 
+def model_config_dict(cfg: TrainConfig) -> dict:
+    """The policy's Hugging Face config: the built-in one, or the model directory's config.json."""
+    if cfg.policy.model in LLAMA_CONFIGS:
+        return LLAMA_CONFIGS[cfg.policy.model].to_hf_dict()
+    path = Path(cfg.policy.model) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"policy.model: cannot read {path}: {e}") from None
+    missing = [k for k in ("vocab_size", "num_attention_heads") if k not in raw]
+    if not isinstance(raw, dict) or missing:
+        raise ConfigError(f"policy.model: {path} is not a Llama config (missing {missing or 'a JSON object'})")
+    return raw
+
+
+def load_inputs(cfg: TrainConfig, cursor: int = 0):
+    """(tokenizer, TrainData, max prompt tokens), checked against the policy before anything is written or
+    started: unreadable files, a tokenizer larger than the model's vocabulary, a generation length that
+    fills the context, and dataset errors raise ConfigError. Prompts longer than the context minus
+    ``generator.max_new_tokens`` are dropped from a file dataset (and counted)."""
+    model = model_config_dict(cfg)
+    try:
+        tokenizer = make_tokenizer(cfg)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"policy.tokenizer: {e}") from None
+    if tokenizer.vocab_size > int(model["vocab_size"]):
+        raise ConfigError(f"policy.tokenizer: it has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+                          f"{model['vocab_size']}; use the model's own tokenizer")
+    context = int(model.get("max_position_embeddings") or 2048)
+    max_prompt = context - cfg.generator.max_new_tokens
+    if max_prompt < 1:
+        raise ConfigError(f"generator.max_new_tokens: {cfg.generator.max_new_tokens} leaves no room for a prompt in "
+                          f"the model's context of {context} tokens", )
+    try:
+        data = TrainData(cfg.data, tokenizer, seed=cfg.run.seed, cursor=cursor, max_prompt_tokens=max_prompt)
+    except (OSError, ValueError, ImportError) as e:
+        raise ConfigError(f"data.dataset: {e}") from None
+    if data.dropped:
+        log(f"data: dropped {data.dropped} prompts longer than {max_prompt} tokens (the context {context} minus "
+            f"generator.max_new_tokens)")
+    return tokenizer, data, max_prompt
+
+
 def check_supported(cfg: TrainConfig) -> None:
     """Settings the config accepts but this training loop does not run: refuse them up front."""
     missing = {
@@ -116,6 +167,13 @@ def check_supported(cfg: TrainConfig) -> None:
         "trainer.parallel": (cfg.trainer.ranks > 1 and cfg.trainer.parallel != "fsdp",
                              f"a trainer of {cfg.trainer.ranks} ranks shards with FSDP; "
                              f"{cfg.trainer.parallel!r} is not implemented, use trainer.parallel=fsdp"),
+        "trainer.dtype": (cfg.trainer.dtype != cfg.policy.dtype,
+                          f"{cfg.trainer.dtype} differs from policy.dtype={cfg.policy.dtype}, the generator's; the "
+                          f"weight sync copies the trainer's weights byte for byte, so set both to the same dtype"),
+        "trainer.loss": (cfg.trainer.loss == "fused" and cfg.device == "cpu"
+                         and os.environ.get("TRITON_INTERPRET") != "1",
+                         "fused runs the Triton kernel, which needs a CUDA device (or TRITON_INTERPRET=1 on the "
+                         "CPU, slowly); use trainer.loss=auto (fused where it runs) or reference"),
     }
     for field, (bad, why) in missing.items():
         if bad:
@@ -139,13 +197,9 @@ def check_supported(cfg: TrainConfig) -> None:
 
 def _attention_heads(cfg: TrainConfig) -> tuple[int, int] | None:
     """(attention heads, key/value heads) of the policy model, or None if its config cannot be read here."""
-    if cfg.policy.model in LLAMA_CONFIGS:
-        c = LLAMA_CONFIGS[cfg.policy.model]
-        return c.num_attention_heads, c.num_key_value_heads
-    path = Path(cfg.policy.model) / "config.json"
-    if not path.is_file():
+    if cfg.policy.model not in LLAMA_CONFIGS and not (Path(cfg.policy.model) / "config.json").is_file():
         return None  # check_environment reports a missing model directory
-    raw = json.loads(path.read_text())
+    raw = model_config_dict(cfg)
     heads = int(raw["num_attention_heads"])
     return heads, int(raw.get("num_key_value_heads") or heads)
 
@@ -163,15 +217,14 @@ def train(cfg: TrainConfig) -> dict:
         sys.exit(serve_torchrun(layout, tr))
     t_start = time.perf_counter()
     out = Path(cfg.run.out) if cfg.run.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    cfg.save(out)
     resume = load_latest(cfg.run.resume) if cfg.run.resume else None
-    tokenizer = make_tokenizer(cfg)
-    data = TrainData(cfg.data, tokenizer, seed=cfg.run.seed, cursor=resume.data_cursor if resume else 0)
+    tokenizer, data, max_prompt = load_inputs(cfg, cursor=resume.data_cursor if resume else 0)
+    cfg.save(out)
     if resume:
         policy_dir, warm = resume.policy_dir, {"cached": None, "seconds": 0.0}
         log(f"resuming from {resume.path} (step {resume.step}, policy version {resume.policy_version})")
     else:
-        policy_dir, warm = prepare_policy(cfg, tokenizer)
+        policy_dir, warm = prepare_policy(cfg, tokenizer, max_prompt)
     model_config = json.loads((Path(policy_dir) / "config.json").read_text())
     start_step = resume.step if resume else 0
     start_version = resume.policy_version if resume else 0
@@ -207,8 +260,8 @@ def train(cfg: TrainConfig) -> dict:
                 t_rl = time.perf_counter()
                 await ctrl.run()
                 rl_s = time.perf_counter() - t_rl
-                after = await ctrl.evaluate(cfg.run.max_steps)
-                await checkpoint(cfg.run.max_steps, ctrl.version, data.cursor)
+                after = await ctrl.evaluate(ctrl.step)
+                await checkpoint(ctrl.step, ctrl.version, data.cursor)
             finally:
                 runlog.close()
             reward_stats = pool.stats
@@ -243,9 +296,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         summary = train(cfg)
+    except ConfigError as e:  # train() raises it only before it writes or starts anything
+        print(f"llamarl.train: invalid configuration: {e}", file=sys.stderr)
+        return 2
     except ExecutorError as e:
         print(f"llamarl.train: an executor failed, the run stopped: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("llamarl.train: interrupted; the last checkpoint is intact (continue with --resume)", file=sys.stderr)
+        return 130
     print("\nllamarl run summary\n" + summary_table(summary) + f"\n  outputs in {summary['out']}")
     return 0
 

@@ -24,20 +24,33 @@ from llamarl.eval import SYNTHETIC_PREFIX, parse_synthetic_spec
 
 
 class TrainData:
-    def __init__(self, cfg: DataConfig, tokenizer, *, seed: int = 0, cursor: int = 0):
+    """``max_prompt_tokens``: file samples whose formatted prompt is longer are dropped up front (counted in
+    ``dropped``; an error if none is left), so one over-long prompt cannot stop a run mid-way."""
+
+    def __init__(self, cfg: DataConfig, tokenizer, *, seed: int = 0, cursor: int = 0,
+                 max_prompt_tokens: int | None = None):
         self.cfg = cfg
         self.formatter = PromptFormatter(PromptFormat(template=cfg.template), tokenizer=tokenizer)
+        self.dropped = 0
         if cfg.dataset.startswith(SYNTHETIC_PREFIX):
             task, _ = parse_synthetic_spec(cfg.dataset)
             self.heldout = task.heldout_samples(cfg.eval_size)
             self._stream_fn = lambda: task.iter_split("train")
         else:
             samples = load_dataset(cfg.dataset, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field)
+            if max_prompt_tokens is not None:
+                kept = [s for s in samples if len(self.formatter.encode(s)) <= max_prompt_tokens]
+                self.dropped = len(samples) - len(kept)
+                if not kept:
+                    raise ValueError(f"data.dataset {cfg.dataset}: every one of its {len(samples)} prompts is longer "
+                                     f"than {max_prompt_tokens} tokens, the model context minus "
+                                     "generator.max_new_tokens; lower max_new_tokens or shorten data.template")
+                samples = kept
             order = list(range(len(samples)))
             random.Random(f"{seed}:heldout").shuffle(order)
             if len(samples) <= cfg.eval_size:
                 raise ValueError(
-                    f"data.dataset {cfg.dataset} has {len(samples)} samples, not more than data.eval_size="
+                    f"data.dataset {cfg.dataset} has {len(samples)} usable samples, not more than data.eval_size="
                     f"{cfg.eval_size}: nothing would be left to train on; lower data.eval_size"
                 )
             self.heldout = [samples[i] for i in order[: cfg.eval_size]]

@@ -3,6 +3,7 @@ bound, checkpoints and resume after a kill, executor failure, config rejection."
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -148,9 +149,70 @@ def test_a_killed_executor_ends_the_run_with_its_name(tmp_path):
 @pytest.mark.parametrize("overrides, field", [(["trainer.lr=-1"], "trainer.lr"),
                                               (["generator.quantization=int8", "generator.tp=2"],
                                                "generator.quantization"),
-                                              (["generator.tp=3"], "generator.tp")])
+                                              (["generator.tp=3"], "generator.tp"),
+                                              (["trainer.dtype=bfloat16"], "trainer.dtype"),
+                                              (["generator.max_new_tokens=4096"], "generator.max_new_tokens")])
 def test_bad_config_is_rejected_before_anything_starts(tmp_path, capsys, overrides, field):
     args = [a for o in overrides for a in ("--set", o)]
     assert main(args + ["--out", str(tmp_path / "r")]) == 2
     assert field in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_fused_loss_on_a_cpu_without_the_interpreter_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert main(SMOKE + ["--set", "trainer.loss=fused", "--device", "cpu", "--out", str(tmp_path / "r")]) == 2
+    assert "trainer.loss: fused runs the Triton kernel" in capsys.readouterr().err
+
+
+def _write(path: Path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
+
+
+def test_bad_data_and_model_files_are_rejected_before_anything_starts(tmp_path, capsys):
+    """Dataset, model-config and tokenizer problems are configuration errors (exit 2, the file and line
+    named, no run directory), not tracebacks from inside a started run."""
+    ok = b'{"question": "1+1=", "answer": "2"}\n'
+    from tokenizers import Tokenizer, models
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{not json")
+    small = tmp_path / "small_vocab"  # a 10-token model with a 40-token tokenizer
+    small.mkdir()
+    (small / "config.json").write_text(json.dumps({"vocab_size": 10, "num_attention_heads": 2, "hidden_size": 8}))
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(40)}, unk_token="w0")).save(str(small / "tokenizer.json"))
+    (small / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w1", "bos_token": "w2"}))
+    cases = [
+        (["--dataset", _write(tmp_path / "bad.jsonl", ok * 2 + b'{"question": 1\n')], r"data.dataset: .*bad.jsonl:3: not valid JSON"),
+        (["--dataset", _write(tmp_path / "latin1.jsonl", ok + b'{"question": "caf\xe9", "answer": "1"}\n')],
+         r"data.dataset: .*latin1.jsonl:2: not UTF-8 text"),
+        (["--dataset", _write(tmp_path / "nofield.jsonl", b'{"q": "1+1=", "answer": "2"}\n')],
+         r"data.dataset: .*missing field 'question'.*data.prompt_field="),
+        (["--dataset", _write(tmp_path / "small.jsonl", ok * 3)], r"data.dataset: .* has 3 usable samples"),
+        (["--dataset", _write(tmp_path / "long.jsonl", b'{"question": "%s", "answer": "2"}\n' % (b"1" * 400))],
+         r"data.dataset: .*every one of its 1 prompts is longer than"),
+        (["--model", str(model)], r"policy.model: cannot read .*config.json"),
+        (["--model", str(small)], r"policy.tokenizer: it has 40 tokens but the model's vocab_size is 10"),
+    ]
+    for i, (args, pattern) in enumerate(cases):
+        out = tmp_path / f"r{i}"
+        assert main(SMOKE + args + ["--out", str(out)]) == 2, args
+        err = capsys.readouterr().err
+        assert re.search(pattern, err), (args, err)
+        assert not out.exists()
+
+
+def test_over_long_prompts_are_dropped_from_a_file_dataset(tmp_path):
+    from llamarl.config import DataConfig
+    from llamarl.models import CharTokenizer
+    from llamarl.train_data import TrainData
+
+    rows = [{"question": "1" * n, "answer": "1"} for n in (3, 50, 4, 60, 5, 6)]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8-sig")  # with a BOM
+    data = TrainData(DataConfig(dataset=str(path), eval_size=1), CharTokenizer(), max_prompt_tokens=20)
+    assert data.dropped == 2
+    seen = data.heldout + data.next(3)
+    assert sorted(len(s.prompt) for s in seen) == [3, 4, 5, 6]

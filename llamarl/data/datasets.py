@@ -44,20 +44,25 @@ def reduce_answer(answer: str) -> str:
 
 
 def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")  # -sig: a leading byte-order mark is not data
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}); save the file as UTF-8") from None
     records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must be one "
-                                 "JSON object") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{where}: expected a JSON object per line, got {type(obj).__name__}")
-            records.append((f"line {lineno}", obj))
+    for lineno, line in enumerate(text.split("\n"), start=1):  # not splitlines: JSON strings may hold U+2028
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must be one "
+                             "JSON object") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{where}: expected a JSON object per line, got {type(obj).__name__}")
+        records.append((f"line {lineno}", obj))
     return records
 
 
@@ -119,7 +124,8 @@ def load_dataset(
             if field not in rec:
                 raise ValueError(
                     f"{p} {where}: missing field {field!r}; fields present: {sorted(rec)}. "
-                    "Pick the right ones with prompt_field=/answer_field= (--prompt-field/--answer-field)"
+                    "Pick the right ones with data.prompt_field= / data.answer_field= (llamarl.train --set) or "
+                    "--prompt-field / --answer-field (llamarl.eval)"
                 )
         prompt = _as_text(rec[prompt_field], prompt_field, where, p, numbers_ok=False)
         answer = _as_text(rec[answer_field], answer_field, where, p, numbers_ok=True)
