@@ -85,6 +85,7 @@ class Controller:
         """Rollouts, trainer commands and their results run as three concurrent stages (see below)."""
         queue: asyncio.Queue[RolloutBatch] = asyncio.Queue(maxsize=max(1, self.max_staleness))
         submitted: asyncio.Queue = asyncio.Queue()
+        self._last_step_end = time.perf_counter()  # step 1's time starts here, not at the evaluation before RL
         await _run_stages(self.produce(queue), self.submit_steps(queue, submitted), self.finish_steps(submitted))
 
     async def produce(self, queue: asyncio.Queue) -> None:

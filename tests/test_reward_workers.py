@@ -42,6 +42,8 @@ USER_REWARDS = textwrap.dedent(
             sys.exit(3)
         if completion == "nan":
             return float("nan")
+        if completion == "huge":
+            return 1e300  # finite in Python, inf in the float32 advantages
         if completion == "str":
             return "yes"
         CALLS.append(completion)
@@ -149,6 +151,7 @@ def test_pool_survives_misbehaving_functions(user_file):
         ("exit-4", "exit", "x"),
         ("nan-5", "nan", "x"),
         ("str-6", "str", "x"),
+        ("huge-9", "huge", "x"),
         ("wrong-7", "b", "a"),
         ("ok-8", "a", "a"),
     ]
@@ -160,16 +163,17 @@ def test_pool_survives_misbehaving_functions(user_file):
         by_id = {r.sample_id: r for r in results}
         assert [by_id[k].reward for k in ("ok-0", "wrong-7", "ok-8")] == [1.0, 0.0, 1.0]
         assert all(by_id[k].error is None for k in ("ok-0", "wrong-7", "ok-8"))
-        for sid in ("raise-1", "hang-2", "die-3", "exit-4", "nan-5", "str-6"):
+        for sid in ("raise-1", "hang-2", "die-3", "exit-4", "nan-5", "str-6", "huge-9"):
             assert by_id[sid].reward == 0.0 and sid in by_id[sid].error  # the error names the sample
         assert "ValueError: boom" in by_id["raise-1"].error and "my_rewards.py" in by_id["raise-1"].error
         assert "timeout after 1s" in by_id["hang-2"].error
         assert "exit code 7" in by_id["die-3"].error
         assert "SystemExit" in by_id["exit-4"].error
         assert "nan" in by_id["nan-5"].error and "'yes'" in by_id["str-6"].error
+        assert "float32's range" in by_id["huge-9"].error
         stats = pool.stats
-        assert (stats.submitted, stats.completed, stats.timeouts) == (9, 9, 1)
-        assert stats.errors == 5  # raise, die, exit, nan, str
+        assert (stats.submitted, stats.completed, stats.timeouts) == (10, 10, 1)
+        assert stats.errors == 6  # raise, die, exit, nan, str, huge
         assert stats.worker_deaths == 1
         assert stats.workers_started == 4  # 2 + one replacement for the hang + one for the death
         assert len(current_pids) == 2 and current_pids != initial_pids  # stuck/dead workers were replaced

@@ -91,6 +91,9 @@ def _describe_exception(e: BaseException) -> str:
     return text
 
 
+_FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max; workers do not import torch
+
+
 def _as_reward(value: Any) -> float:
     try:
         reward = float(value)
@@ -98,6 +101,9 @@ def _as_reward(value: Any) -> float:
         raise TypeError(f"reward function returned {value!r} ({type(value).__name__}); expected a number") from None
     if not math.isfinite(reward):
         raise ValueError(f"reward function returned {reward}; expected a finite number")
+    if abs(reward) > _FLOAT32_MAX:
+        raise ValueError(f"reward function returned {reward:g}, beyond float32's range (|r| <= 3.4e38), "
+                         "the precision advantages are computed in")
     return reward
 
 
