@@ -287,18 +287,23 @@ def train(cfg: TrainConfig) -> dict:
     return summary
 
 
+def _config_error(e: ConfigError) -> int:
+    tr = TorchrunEnv.detect()
+    if tr is None or tr.rank == 0:  # under torchrun every rank refuses; one message is enough
+        print(f"llamarl.train: invalid configuration: {e}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
         check_supported(cfg)
     except ConfigError as e:
-        print(f"llamarl.train: invalid configuration: {e}", file=sys.stderr)
-        return 2
+        return _config_error(e)
     try:
         summary = train(cfg)
     except ConfigError as e:  # train() raises it only before it writes or starts anything
-        print(f"llamarl.train: invalid configuration: {e}", file=sys.stderr)
-        return 2
+        return _config_error(e)
     except ExecutorError as e:
         print(f"llamarl.train: an executor failed, the run stopped: {e}", file=sys.stderr)
         return 1
