@@ -45,6 +45,17 @@ aligned = lambda fn, names: {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
 def build(fn, sig, consts, aligned_args, **opts):
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned(fn, aligned_args))
     return triton.compile(src, target=target, options=opts).asm["ptx"]
+
+def loops(ptx):
+    # the PTX of each loop, in order: from its header label to the branch back to it
+    lines = ptx.split("\n")
+    out = []
+    for head, line in enumerate(lines):
+        if "Loop Header" in line:
+            label = lines[head if lines[head].startswith("$L__BB") else head - 1].split(":")[0]
+            end = next(i for i in range(head, len(lines)) if "bra" in lines[i] and label in lines[i])
+            out.append("\n".join(lines[head:end]))
+    return out
 """
 
 

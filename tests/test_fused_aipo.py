@@ -193,3 +193,35 @@ def test_gpu_matches_fp64(dtype):
     assert_within_2x_eager(gw, eager[3], exact[3], f"grad weight {dtype}")
     for key in METRICS + ("kl_ref",):
         assert_within_2x_eager(metrics[key], eager[1][key], exact[1][key], f"{key} {dtype}", ulps=16, dtype=dtype)
+
+
+_SM90_SCRIPT = r"""
+import llamarl_kernels.aipo_loss as A
+
+fn = A._aipo_rows_kernel
+sig = {n: "i32" for n in fn.arg_names}
+sig.update(logits_ptr="*bf16", targets_ptr="*i64", temperature="fp32", rho="fp32", inv_tokens="fp32",
+           kl_coef="fp32", entropy_coef="fp32")
+for n in ("behavior_ptr", "adv_ptr", "mask_ptr", "ref_ptr", "logprobs_ptr", "entropy_ptr"):
+    sig[n] = "*fp32"
+consts = dict(HAS_REF=True, WRITE_GRAD=True, ENTROPY_GRAD=True, BLOCK_V=4096)
+sig.update({k: "constexpr" for k in consts})
+# V = 128256 and its row stride are multiples of 16, which Triton specializes on at launch
+ptx = build(fn, sig, consts, ["logits_ptr", "stride_row", "V", "targets_ptr", "behavior_ptr", "adv_ptr", "mask_ptr",
+                              "ref_ptr", "logprobs_ptr", "entropy_ptr"], num_warps=8)
+stats, grad = loops(ptx)
+# the online-softmax pass: one cross-warp reduction (the block max) per block of the row, 16-byte loads
+assert stats.count("bar.sync") <= 3, f"{stats.count('bar.sync')} barriers per block in the softmax pass"
+assert "ld.global.v4" in stats and "ld.global.v4" in grad, "logit loads are not 16-byte vectors"
+assert "bar.sync" not in grad, "the gradient pass synchronises"
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_row_kernel_compiles_for_sm90_without_a_gpu(tmp_path):
+    """sm_90 code of the per-row kernel: the softmax pass reduces across warps once per block (the sums
+    stay per lane until the end), and the gradient pass never synchronises."""
+    from native_harness import run_sm90_compile
+
+    run_sm90_compile(_SM90_SCRIPT, tmp_path)

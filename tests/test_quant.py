@@ -446,14 +446,6 @@ for single, (br, bk, warps) in [(False, (8, 512, 4)), (True, (2, 4096, 8))]:
         n_instr[hw] = sum(1 for line in ptx.split("\n") if line.startswith("\t") and not line.strip().startswith("//"))
     # the GPU build rounds with the conversion alone: the software RNE (a dozen instructions a value) is gone
     assert n_instr[True] < 0.7 * n_instr[False], f"fp8 quantize instructions hw/sw: {n_instr}"
-def inner_loop(ptx):
-    # the PTX of the (only) inner loop: from its header label to the branch back to it
-    lines = ptx.split("\n")
-    head = next(i for i, line in enumerate(lines) if "Inner Loop Header" in line)
-    label = lines[head if lines[head].startswith("$L__BB") else head - 1].split(":")[0]
-    end = next(i for i in range(head, len(lines)) if "bra" in lines[i] and label in lines[i])
-    return "\n".join(lines[head:end])
-
 for qty, (bm, bn, bk, split, prefetch) in [("*i8", (1, 8, 512, 1, 1)), ("*fp8e4nv", (1, 16, 256, 2, 2)),
                                            ("*fp8e4nv", (16, 64, 128, 2, 0))]:
     sig = {"x_ptr": "*bf16", "q_ptr": qty, "scale_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
@@ -466,7 +458,7 @@ for qty, (bm, bn, bk, split, prefetch) in [("*i8", (1, 8, 512, 1, 1)), ("*fp8e4n
                 ["x_ptr", "q_ptr", "scale_ptr", "bias_ptr", "out_ptr", "ws_ptr", "N", "K", "stride_xm",
                  "stride_qn", "stride_om"], num_warps=4, num_stages=4)
     if bm == 1:
-        loop = inner_loop(ptx)
+        loop, = loops(ptx)
         # one register layout for codes and activations: nothing moves through shared memory per tile
         assert not any(s in loop for s in ("bar.sync", ".shared", "ldmatrix")), "GEMV loop converts layouts"
         assert "ld.global.v2" in loop and "ld.global.v4" in loop, "GEMV loads are not 8-byte codes / 16-byte x"
