@@ -153,6 +153,7 @@ def evaluate(
     from tqdm import tqdm
 
     from llamarl.generation import GenerationEngine, SamplingParams
+    from llamarl.generation.engine import cache_slots
 
     if not samples:
         raise ValueError("evaluate needs at least one sample")
@@ -170,10 +171,17 @@ def evaluate(
     formatter = PromptFormatter(fmt, shots=shots, tokenizer=tokenizer)
     texts = [formatter.render(s) for s in samples]
     token_ids = [formatter.encode_text(t) for t in texts]
+    config = getattr(engine, "config", None) if engine is not None else model.config
+    context = config.max_position_embeddings if config is not None else math.inf
+    too_long = [(s.id, len(ids)) for s, ids in zip(samples, token_ids) if len(ids) >= context]
+    if too_long:  # checked up front, by sample id: not after earlier batches were generated
+        sid, length = too_long[0]
+        raise ValueError(f"{len(too_long)} of {len(samples)} prompts leave no room to generate in the model's "
+                         f"context of {context} tokens (e.g. sample {sid!r}: {length} tokens); shorten the "
+                         "template / few-shot prefix or drop those samples")
     if engine is None:
-        longest = max(len(t) for t in token_ids)
         engine = GenerationEngine(model, max_batch_size=min(batch_size, len(samples)) * n,
-                                  max_seq_len=max(2, longest + max_new_tokens))
+                                  max_seq_len=cache_slots([len(t) for t in token_ids], max_new_tokens, model.config))
     elif engine.max_batch_size < min(batch_size, len(samples)) * n:
         raise ValueError(
             f"the engine holds {engine.max_batch_size} rows but a batch needs {min(batch_size, len(samples)) * n} "
@@ -289,11 +297,20 @@ def run(args: argparse.Namespace) -> EvalResult:
 
     from llamarl.models import Llama, load_tokenizer
 
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1 (samples to evaluate), got {args.limit}")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    out = Path(args.output)
+    if out.is_dir() or out.with_name(out.stem + ".summary.json").is_dir():
+        raise ValueError(f"--output {args.output} is a directory; pass a file name such as {out / 'eval.jsonl'}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: torch sees no CUDA device; use --device cpu")
     synthetic = args.dataset.startswith(SYNTHETIC_PREFIX)
     same_file_shots = False
     if synthetic:
         task, count = parse_synthetic_spec(args.dataset)
-        samples = task.heldout_samples(args.limit or count)
+        samples = task.heldout_samples(count if args.limit is None else args.limit)
         shot_pool = task.train_samples(max(args.few_shot * 10, 1)) if args.few_shot else []
     else:
         samples = load_dataset(args.dataset, args.prompt_field, args.answer_field, id_field=args.id_field)
@@ -315,7 +332,7 @@ def run(args: argparse.Namespace) -> EvalResult:
     n = args.n
     ks = [int(x) for x in args.k.split(",")] if args.k else sorted({1, n})
     temperature = args.temperature if args.temperature is not None else (0.0 if n == 1 else 1.0)
-    max_new = args.max_new_tokens or (16 if synthetic else 256)
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else (16 if synthetic else 256)
 
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     stops = args.stop if args.stop is not None else (["\\n"] if synthetic else [])

@@ -204,6 +204,25 @@ def test_cli_errors_are_one_line_messages(tmp_path, capsys):
     assert rc == 2 and "nope_mod" in capsys.readouterr().err
 
 
+def test_cli_checks_lengths_counts_and_output_up_front(checkpoint, tmp_path, capsys):
+    """An over-long prompt is named by its sample id before anything is generated; 0 for --limit or
+    --max-new-tokens is an error, not the default; an --output that is a directory is refused first."""
+    _, path = checkpoint  # max_position_embeddings = 64
+    data = tmp_path / "d.jsonl"
+    rows = [{"question": "1+1=", "answer": "2"}] * 3 + [{"question": "9" * 80, "answer": "1"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["--model", str(path), "--reward", "exact", "--reward-workers", "1", "--no-progress",
+            "--output", str(tmp_path / "o.jsonl")]
+    assert main(base + ["--dataset", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert "1 of 4 prompts leave no room to generate" in err and "sample 'd-3': 81 tokens" in err
+    for flag in ("--limit", "--max-new-tokens"):
+        assert main(base + ["--dataset", "synthetic:arithmetic:n=3", flag, "0"]) == 2
+        assert f"{flag} must be >= 1" in capsys.readouterr().err
+    assert main(base[:-1] + [str(tmp_path), "--dataset", "synthetic:arithmetic:n=3"]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
 def test_python_dash_m_llamarl_eval(checkpoint, tmp_path):
     _, path = checkpoint
     out = tmp_path / "cli.jsonl"

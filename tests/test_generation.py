@@ -3,6 +3,8 @@ sampler draws from the right distribution, stops/lengths/n/seed/policy versions 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -261,6 +263,11 @@ def test_bad_prompts_raise(models):
         engine.generate([list(range(3, 20))], p)
     with pytest.raises(ValueError, match="quantization"):
         GenerationEngine(model, quantization="int4")
+    with pytest.raises(ValueError, match="quantization backend must be one of"):
+        GenerationEngine(copy.deepcopy(model), quantization="int8", quantization_backend="cuda")
+    # a huge budget is capped by the context: the one-shot engine does not size its cache by it
+    out, = generate(model, [[3, 4]], SamplingParams(max_new_tokens=10**9, temperature=0.0), eos_token_id=())
+    assert len(out.token_ids) == model.config.max_position_embeddings - 2 and out.finish_reason == "length"
     with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device"):
         GenerationEngine(model, cuda_graphs=True)  # the model is on the CPU
     with pytest.raises(ValueError, match="graph_steps=8 replays several decode steps as one CUDA graph"):

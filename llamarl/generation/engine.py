@@ -29,7 +29,8 @@ generate without an EOS stop. Prompts must be non-empty and shorter than the con
 ``GenerationEngine(model, max_batch_size, max_seq_len, quantization)`` allocates the KV cache
 (max_batch_size rows x max_seq_len slots; default min(max_position_embeddings, 4096)) once and reuses it
 for every call; ``quantization="int8"|"fp8"`` converts the decoder linears in place at construction
-(llamarl.models.quantize.quantize_model), and then, unless ``pack_weights=False``, moves the weights into one
+(llamarl.models.quantize.quantize_model; ``quantization_backend="eager"`` runs them as torch ops instead
+of the Triton kernels, which on a CPU run only interpreted), and then, unless ``pack_weights=False``, moves the weights into one
 flat buffer (llamarl.models.packing: q|k|v and gate|up then run as one product each, and CPU weights sit
 on huge pages; skipped for weights that already live in the weight sync's buckets).
 ``generate(model, ...)`` is a one-shot engine sized to the call.
@@ -98,6 +99,7 @@ class GenerationEngine:
         sync_every: int | None = None,
         pack_weights: bool = True,
         graph_steps: int = 1,
+        quantization_backend: str = "triton",
     ) -> None:
         if quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
@@ -126,7 +128,7 @@ class GenerationEngine:
         if quantization != "none":
             from llamarl.models.quantize import quantize_model
 
-            quantize_model(model, quantization)
+            quantize_model(model, quantization, backend=quantization_backend)
         self.packed = pack_parameters_(model) if pack_weights else False
         self.model, self.config = model, config
         self.quantization = quantization
@@ -322,6 +324,17 @@ class GenerationEngine:
         return results
 
 
+
+def cache_slots(prompt_lens: Sequence[int], max_new_tokens: int, config) -> int:
+    """KV-cache slots a batch of prompts needs: the longest prompt plus the most tokens any row can add.
+    Slots, not positions: with left padding a short row may run past the longest prompt's context limit
+    in slot terms while its own positions stay below max_position_embeddings. A row stops at the
+    context, so a huge ``max_new_tokens`` costs no more than the context allows."""
+    longest, shortest = max(prompt_lens, default=1), min(prompt_lens, default=1)
+    room = max(1, config.max_position_embeddings - shortest)
+    return max(2, longest + min(max_new_tokens, room))
+
+
 def generate(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -338,10 +351,7 @@ def generate(
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
     token_lists = [_as_token_list(p, i) for i, p in enumerate(prompts)]
-    longest = max((len(p) for p in token_lists), default=1)
-    # cache slots, not positions: with left padding a short row may run past the longest prompt's
-    # context limit in slot terms while its own positions stay below max_position_embeddings
-    max_seq_len = max(2, longest + params.max_new_tokens)
+    max_seq_len = cache_slots([len(p) for p in token_lists], params.max_new_tokens, model.config)
     rows = max(1, len(token_lists)) * params.n
     engine = GenerationEngine(model, max_batch_size=rows, max_seq_len=max_seq_len, cuda_graphs=False,
                               pack_weights=False)
