@@ -121,10 +121,20 @@ def llama_param_specs(source: Any, dtype: torch.dtype | None = None) -> list[Par
 
     ``source`` may be a state dict (shapes and dtypes are read from the tensors; ``dtype`` overrides the
     dtype), a ``LlamaConfig``-like object or an HF ``config.json`` dict (``dtype`` defaults to float32).
-    Order: embeddings, then per layer the HF module order, then final norm and lm_head.
+    Order: embeddings, then per layer the HF module order, then final norm and lm_head. A tensor that is
+    the same memory as an earlier one (a tied lm_head in ``model.state_dict()``) is one parameter, listed
+    once under its first name, as ``named_parameters()`` and the config path list it.
     """
     if isinstance(source, Mapping) and source and all(isinstance(v, torch.Tensor) for v in source.values()):
-        return [ParamSpec(n, tuple(t.shape), dtype or t.dtype, llama_tp_split(n)) for n, t in source.items()]
+        seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+        specs = []
+        for n, t in source.items():
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+            if key[0] and key in seen:  # (meta tensors, without memory, all have address 0)
+                continue  # tied to an earlier tensor
+            seen.add(key)
+            specs.append(ParamSpec(n, tuple(t.shape), dtype or t.dtype, llama_tp_split(n)))
+        return specs
     need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     missing = [k for k in need if _cfg(source, k) is None]
     if missing:

@@ -192,6 +192,8 @@ class WeightSender:
         """Write this rank's part of policy ``version`` into every generator replica."""
         if self._closed:
             raise RuntimeError("this WeightSender was closed")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise TypeError(f"version must be a non-negative int (the policy version), got {version!r}")
         t0 = time.perf_counter()
         src = self._source_table(shards)
         t1 = time.perf_counter()
