@@ -27,8 +27,9 @@ The zero-row rule: a row whose scale would be 0 gets scale 1.0, hence p_r = inv_
 is then below the smallest positive fp32 times QMAX, so v = W rounds to 0 and dequantization gives exact
 zeros, with no division by zero and no inf anywhere. fp8 saturates: v is clamped to +-448 before
 rounding, so finite input never produces NaN (e4m3fn has no infinity; its only NaN is 0x7F/0xFF).
-Input must be finite: an inf gives scale inf and NaN codes for that row (garbage in, garbage out;
-nothing checks, to stay sync-free).
+Input must be finite: an inf gives scale inf and NaN codes for that row, and a row holding a NaN gets
+a NaN scale (its codes are meaningless), so a diverged weight shows up as NaN outputs rather than as
+finite garbage; nothing raises, to stay sync-free.
 
 Quantization is row-local, so quantizing a row-slice W[a:b] (a trainer shard) gives exactly the bytes
 of quantize(W)[a:b]: this is what lets the weight sync quantize each shard where it lives.
@@ -136,11 +137,13 @@ def _load_weight_f32(ptrs, mask, BF16_BITS: tl.constexpr):
 
 
 @triton.jit
-def _row_scale(absmax, QMAX_: tl.constexpr):
-    """Per-row (scale, pre, inv) from absmax [R]: scale = absmax / QMAX, 1.0 where that is 0;
+def _row_scale(absmax, has_nan, QMAX_: tl.constexpr):
+    """Per-row (scale, pre, inv) from absmax [R]: scale = absmax / QMAX, 1.0 where that is 0, NaN where
+    the row holds a NaN (has_nan [R]: max drops NaN, so the row's NaN is put back explicitly);
     pre = 2**64 where scale < 2**-64, else 1; inv = 1 / (scale * pre). IEEE divisions (div_rn)."""
     scale = tl.math.div_rn(absmax, QMAX_)
     scale = tl.where(scale == 0.0, 1.0, scale)
+    scale = tl.where(has_nan, float("nan"), scale)
     pre = tl.where(scale < _TINY_SCALE, _PRESCALE, 1.0)
     inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale * pre)
     return scale, pre, inv
@@ -194,17 +197,19 @@ def _quantize_kernel(
     if SINGLE_TILE:  # BLOCK_K >= K: the row block is read from memory once and stays in registers
         mask = row_mask[:, None] & (cols < K)[None, :]
         w = _load_weight_f32(w_ptr + rows64[:, None] * stride_w + cols[None, :], mask, W_BF16_BITS)
-        scale, pre, inv = _row_scale(tl.max(tl.abs(w), axis=1), QMAX_)
+        scale, pre, inv = _row_scale(tl.max(tl.abs(w), axis=1), tl.max((w != w).to(tl.int32), axis=1) > 0, QMAX_)
         tl.store(scale_ptr + rows64, scale, mask=row_mask)
         _quantize_store(q_ptr + rows64[:, None] * stride_q + cols[None, :], mask, w, pre, inv,
                         tl.max(pre, axis=0) > 1.0, QMAX_, IS_FP8, HW_ROUND)
     else:
         amax = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+        nans = tl.zeros([BLOCK_R, BLOCK_K], tl.int32)
         for k0 in range(0, K, BLOCK_K):
             mask = row_mask[:, None] & (k0 + cols < K)[None, :]
             w = _load_weight_f32(w_ptr + rows64[:, None] * stride_w + (k0 + cols)[None, :], mask, W_BF16_BITS)
             amax = tl.maximum(amax, tl.abs(w))
-        scale, pre, inv = _row_scale(tl.max(amax, axis=1), QMAX_)
+            nans = tl.maximum(nans, (w != w).to(tl.int32))
+        scale, pre, inv = _row_scale(tl.max(amax, axis=1), tl.max(nans, axis=1) > 0, QMAX_)
         tl.store(scale_ptr + rows64, scale, mask=row_mask)
         any_pre = tl.max(pre, axis=0) > 1.0
 
@@ -279,7 +284,8 @@ def _launch_guard(*tensors: torch.Tensor, op: str) -> contextlib.AbstractContext
         raise RuntimeError(
             f"{op}: got CPU tensors, but Triton runs kernels on the CPU only in interpreter mode. Set "
             "TRITON_INTERPRET=1 before llamarl_kernels.quant is first imported, move the tensors to CUDA, "
-            "or use the eager reference path (llamarl.models.quantize backend='eager')."
+            "or use the eager reference path (GenerationEngine(..., quantization_backend='eager'), "
+            "llamarl.models.quantize.quantize_model(..., backend='eager'))."
         )
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"{op}: tensors must be on cuda (or cpu under TRITON_INTERPRET=1), got {dev}")

@@ -174,6 +174,24 @@ def test_extreme_values(mode, dtype, device):
     assert ((w64 - q.double().cpu() * s64[:, None]).abs() <= _roundtrip_bound(w64, s64, mode)).all()
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("config", [SMALL_TILES, None], ids=["two_pass", "single_tile"])
+def test_a_nan_weight_makes_its_row_scale_nan(mode, config, device):
+    """A diverged (NaN) weight must not become finite codes: its row's scale is NaN, as in the reference,
+    so the generator's outputs turn NaN; the other rows are untouched."""
+    torch.manual_seed(4)
+    w = torch.randn(5, 100, device=device)
+    w[1, 77] = float("nan")
+    w[3, 0] = float("nan")
+    q, scale = quantize(w, mode, config=config)
+    q_ref, scale_ref = quantize_ref(w, mode)
+    assert torch.isnan(scale[[1, 3]]).all() and torch.isnan(scale_ref[[1, 3]]).all()
+    ok = [0, 2, 4]
+    _assert_same_bytes(scale[ok], scale_ref[ok])
+    _assert_same_bytes(q[ok], q_ref[ok])
+    assert torch.isnan(dequantize(q, scale)[[1, 3]]).all()
+
+
 def _reciprocal_spec_codes(w: torch.Tensor, scale: torch.Tensor, mode: str) -> torch.Tensor:
     """The codes of clamp(fl32(W * rho_r)), rho_r = 1 / scale_r rounded to 24 bits with an unbounded
     exponent, from exact rationals: no fp32 reciprocal and no p_r, so it checks the range guard."""
