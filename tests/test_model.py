@@ -231,6 +231,13 @@ def test_from_hf_dict_rejects_other_architectures():
         LlamaConfig.from_hf_dict({**d, "hidden_act": "gelu"})
     with pytest.raises(ValueError, match="missing required"):
         LlamaConfig.from_hf_dict({"model_type": "llama", "vocab_size": 10})
+    for field, value, match in [("vocab_size", None, "'vocab_size' must be an integer, got None"),
+                                ("hidden_size", 64.5, "'hidden_size' must be an integer, got 64.5"),
+                                ("tie_word_embeddings", "false", "'tie_word_embeddings' must be true or false"),
+                                ("rope_scaling", "linear", "'rope_scaling' must be a mapping")]:
+        with pytest.raises(ValueError, match=match):
+            LlamaConfig.from_hf_dict({**d, field: value})
+    assert LlamaConfig.from_hf_dict({**d, "vocab_size": float(d["vocab_size"])}).vocab_size == d["vocab_size"]
 
 
 def test_bad_inputs_raise():

@@ -28,6 +28,7 @@ dialect, which both major versions of transformers load.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -173,7 +174,11 @@ class LlamaConfig:
             scaling: dict | None = rope_params
         else:
             rope_theta = float(d.get("rope_theta", 10000.0))
-            scaling = dict(d["rope_scaling"]) if d.get("rope_scaling") else None
+            raw = d.get("rope_scaling")
+            if raw and not isinstance(raw, Mapping):
+                raise ValueError(f"config field 'rope_scaling' must be a mapping such as {{'rope_type': 'llama3', "
+                                 f"'factor': 8.0, ...}}, got {raw!r}")
+            scaling = dict(raw) if raw else None
         if scaling is not None:
             scaling.pop("rope_theta", None)
             rtype = scaling.get("rope_type", scaling.get("type", "default"))
@@ -184,18 +189,18 @@ class LlamaConfig:
                 scaling["original_max_position_embeddings"] = int(d.get("max_position_embeddings", 2048))
 
         return cls(
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
-            num_hidden_layers=int(d["num_hidden_layers"]),
-            num_attention_heads=int(d["num_attention_heads"]),
+            vocab_size=_int_field(d, "vocab_size"),
+            hidden_size=_int_field(d, "hidden_size"),
+            intermediate_size=_int_field(d, "intermediate_size"),
+            num_hidden_layers=_int_field(d, "num_hidden_layers"),
+            num_attention_heads=_int_field(d, "num_attention_heads"),
             num_key_value_heads=d.get("num_key_value_heads"),
             head_dim=d.get("head_dim"),
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            max_position_embeddings=_int_field(d, "max_position_embeddings", 2048),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=scaling,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=_bool_field(d, "tie_word_embeddings", False),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
             pad_token_id=d.get("pad_token_id"),
@@ -379,3 +384,19 @@ LLAMA_CONFIGS: dict[str, LlamaConfig] = {
         **_LLAMA3_COMMON,
     ),
 }
+
+
+def _int_field(d: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    """An integer config.json field (an integral float such as 4096.0 is accepted, 100.7 or null is not)."""
+    v = d.get(key, default)
+    if not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v == int(v):
+        return int(v)
+    raise ValueError(f"config field {key!r} must be an integer, got {v!r}")
+
+
+def _bool_field(d: Mapping[str, Any], key: str, default: bool) -> bool:
+    """A boolean config.json field: JSON true/false only (the string "false" would read as True)."""
+    v = d.get(key, default)
+    if not isinstance(v, bool):
+        raise ValueError(f"config field {key!r} must be true or false, got {v!r}")
+    return v
