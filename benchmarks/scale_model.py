@@ -319,7 +319,7 @@ def parse_args() -> argparse.Namespace:
                          "3.35/4.8 (the paper's GPU class); explicit flags still win")
     for f in dataclasses.fields(Rates):
         ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None,
-                        help=f"default {f.default}: {SOURCES.get(f.name, '')}")
+                        help=f"default {f.default}: {SOURCES.get(f.name, '')}".replace("%", "%%"))  # argparse formats %
     for f in dataclasses.fields(Workload):
         ap.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default,
                         help="workload per RL step (assumption; the paper's table does not state it)")

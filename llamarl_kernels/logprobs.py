@@ -141,8 +141,10 @@ def softmax_row_stats(row_ptr, target, V, temperature, BLOCK_V: tl.constexpr):
         scale = tl.exp(m - m_new)  # 0 on the first block, where m = -inf
         e = tl.exp(z - m_new)  # 0 on the padding lanes
         d = e * tl.where(e > 0, z - m_new, 0.0)  # the where keeps 0·(−inf) out
-        # moving the reference point of t from m to m_new adds s·(m − m_new); the where keeps 0·(−inf) out
-        t = scale * (t + tl.where(s > 0, s * (m - m_new), 0.0)) + d
+        # moving the reference point of t from m to m_new adds s·(m − m_new); on the first block m = −inf
+        # and s = 0, so the shift is taken as 0 rather than computing 0·(−inf)
+        shift = tl.where(m > float("-inf"), m - m_new, 0.0)
+        t = scale * (t + s * shift) + d
         s = s * scale + e
         m = m_new
     s_sum = tl.sum(s, axis=0)
