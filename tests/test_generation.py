@@ -228,6 +228,7 @@ def test_tiny_preset_bf16_generation():
         (dict(max_new_tokens=0), "max_new_tokens"),
         (dict(temperature=-0.5), "temperature"),
         (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=True), "temperature"),
         (dict(top_k=-1), "top_k"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
@@ -254,6 +255,10 @@ def test_bad_prompts_raise(models):
         generate(model, [[3, VOCAB]], p)
     with pytest.raises(ValueError, match="string"):
         generate(model, ["hello"], p)
+    with pytest.raises(ValueError, match="prompt 0 must be a sequence of int token ids"):
+        generate(model, [[3, 1.5]], p)  # not silently token 1
+    with pytest.raises(ValueError, match="prompt 0 must hold integer token ids"):
+        generate(model, [torch.tensor([3.0, 4.0])], p)
     with pytest.raises(ValueError, match="stop/eos"):
         generate(model, [[3]], SamplingParams(stop_token_ids=(VOCAB,)))
     engine = GenerationEngine(model, max_batch_size=2, max_seq_len=16)

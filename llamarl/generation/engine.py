@@ -48,6 +48,7 @@ host round trip per k tokens. It is opt-in until the H200 shows it pays (benchma
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -76,13 +77,15 @@ def _as_token_list(prompt: Any, i: int) -> list[int]:
     if isinstance(prompt, torch.Tensor):
         if prompt.dim() != 1:
             raise ValueError(f"prompt {i} must be a 1-D sequence of token ids, got shape {tuple(prompt.shape)}")
+        if prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
+            raise ValueError(f"prompt {i} must hold integer token ids, got a {prompt.dtype} tensor")
         return [int(t) for t in prompt.tolist()]
     if isinstance(prompt, (str, bytes)):
         raise ValueError(f"prompt {i} is a string; encode it with the tokenizer first (generate takes token ids)")
-    try:
-        return [int(t) for t in prompt]
-    except (TypeError, ValueError):
-        raise ValueError(f"prompt {i} must be a sequence of int token ids, got {prompt!r}") from None
+    try:  # operator.index: ints (and numpy ints) only, so 1.5 is an error rather than token 1
+        return [operator.index(t) for t in prompt]
+    except TypeError:
+        raise ValueError(f"prompt {i} must be a sequence of int token ids, got {prompt!r:.200}") from None
 
 
 class GenerationEngine:
