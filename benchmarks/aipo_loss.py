@@ -15,7 +15,7 @@ and 20/80 % quantiles in ms, extra peak memory, speed-up vs eager, % of the 3-GE
 
     python -m benchmarks.aipo_loss            # full: N = 2048, 4096, 16384, D = 4096, V = 128256, bf16 (GPU)
     python -m benchmarks.aipo_loss --quick    # tiny fp32 shapes; on CPU the kernel runs interpreted (< 1 min)
-    options: --sizes N [N ...], --iters K, --no-compile, --compile (also compile on CPU: minutes)
+    options: --sizes N [N ...], --iters K, --no-compile, --no-liger, --compile (also compile on CPU: minutes)
 
 On CPU the Triton kernel runs in the interpreter, so --quick timings only show that everything runs;
 speed figures come from GPU runs.
@@ -114,6 +114,8 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="*", help="token counts N (default: full 2048 4096 16384)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     parser.add_argument("--compile", action="store_true", help="run torch.compile on CPU too (slow to compile)")
+    parser.add_argument("--no-liger", action="store_true",
+                        help="skip the Liger-Kernel baseline (about a second per call at N=16384 on an H200)")
     parser.add_argument("--iters", type=int, default=None)
     args = parser.parse_args()
 
@@ -134,7 +136,7 @@ def main() -> None:
     report = Report("aipo_loss", "AIPO loss from hidden states, fwd+bwd: fused Triton vs eager / compile / Liger")
     report.note(f"D={d}, V={v}, dtype={str(dtype).removeprefix('torch.')}, rho={RHO}, T={TEMPERATURE}, "
                 f"seq_len={seq_len}, device={device.type}{' (Triton interpreted, 1 thread)' if not cuda else ''}")
-    liger_fn, liger_status = liger_loss_fn(seq_len)
+    liger_fn, liger_status = (None, "skipped (--no-liger)") if args.no_liger else liger_loss_fn(seq_len)
     report.note(f"liger_kernel: {liger_status}")
     if not use_compile:
         report.note("torch.compile: skipped (--no-compile, or CPU without --compile)")

@@ -20,8 +20,25 @@
 # 4. writes at most eight files under $OUT, appended as each stage ends: summary.txt, build.log,
 #    tests.log, benchmarks.md (every benchmark's table), benchmarks.json, logs.txt (benchmark/train
 #    output), plus train_summary.json and scaleout_summary.json.
+#
+# PLAN=kernels / PLAN=loops: the two device calls that together fit one session's 15 minutes of device
+# time (start-up included); each only sets defaults, so any variable above still overrides it.
+#   kernels: build, gpu tests, quant_matmul with the launch-config sweep, generation        (~8 min)
+#   loops:   weight_sync, quant_quality, aipo_loss at N=16384 and 4096 (ours, floor, eager),
+#            the training loop and the scale-out run on CUDA                                 (~5.5 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+case "${PLAN:-}" in
+  kernels)
+    : "${BUDGET:=470}" "${LIMIT_tests:=130}" "${BENCHES:=quant_matmul generation}" "${TRAIN:=0}" "${SCALEOUT:=0}"
+    : "${BENCH_ARGS_quant_matmul:=--sweep}" "${LIMIT_quant_matmul:=150}" "${LIMIT_generation:=110}" ;;
+  loops)
+    : "${BUDGET:=330}" "${TESTS:=0}" "${BENCHES:=weight_sync quant_quality aipo_loss}" "${LIMIT_weight_sync:=70}"
+    : "${LIMIT_quant_quality:=60}" "${BENCH_ARGS_aipo_loss:=--sizes 16384 4096 --no-compile --no-liger}"
+    : "${LIMIT_aipo_loss:=60}" "${TRAIN_STEPS:=30}" "${LIMIT_train:=60}" "${LIMIT_scaleout:=60}" ;;
+  "") ;;
+  *) echo "gpu_check.sh: unknown PLAN=$PLAN (kernels or loops)" >&2; exit 2 ;;
+esac
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 LLAMARL_CUDA_ARCHS=${LLAMARL_CUDA_ARCHS:-90}
