@@ -161,7 +161,8 @@ class TrainerConfig(_Section):
 class RewardConfig(_Section):
     SECTION = "reward"
     reward: str = "exact"  # a built-in name or "module:function" taking (completion, answer) -> float
-    workers: int = 2  # reward worker processes of the controller (0 counts as 1: scoring always runs in a worker, under the timeout)
+    # reward worker processes of the controller (0 counts as 1: scoring always runs in a worker, under the timeout)
+    workers: int = 2
     timeout_s: float = 5.0  # per completion
 
     def check(self) -> None:

@@ -75,7 +75,8 @@ def prepare_policy(cfg: TrainConfig, tokenizer, max_prompt_tokens: int | None = 
     # its own streams: the RL data stays untouched
     stream = TrainData(cfg.data, tokenizer, seed=cfg.run.seed + 1, max_prompt_tokens=max_prompt_tokens)
     log(f"warm start: {ws.steps} supervised steps on {cfg.data.dataset} ({model.num_parameters() / 1e6:.2f}M params)")
-    probe_samples = TrainData(cfg.data, tokenizer, seed=cfg.run.seed + 2, max_prompt_tokens=max_prompt_tokens).next(128)
+    probe_data = TrainData(cfg.data, tokenizer, seed=cfg.run.seed + 2, max_prompt_tokens=max_prompt_tokens)
+    probe_samples = probe_data.next(128)
     with contextlib.ExitStack() as stack:
         if cfg.reward.reward in REWARD_NAMES:  # built-in verifiers: scored in this process
             reward_fn = load_reward(cfg.reward.reward)
@@ -124,9 +125,11 @@ def model_config_dict(cfg: TrainConfig) -> dict:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"policy.model: cannot read {path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"policy.model: {path} must hold a JSON object, got {type(raw).__name__}")
     missing = [k for k in ("vocab_size", "num_attention_heads") if k not in raw]
-    if not isinstance(raw, dict) or missing:
-        raise ConfigError(f"policy.model: {path} is not a Llama config (missing {missing or 'a JSON object'})")
+    if missing:
+        raise ConfigError(f"policy.model: {path} is not a Llama config (missing {missing})")
     return raw
 
 
@@ -147,7 +150,7 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
     max_prompt = context - cfg.generator.max_new_tokens
     if max_prompt < 1:
         raise ConfigError(f"generator.max_new_tokens: {cfg.generator.max_new_tokens} leaves no room for a prompt in "
-                          f"the model's context of {context} tokens", )
+                          f"the model's context of {context} tokens")
     try:
         data = TrainData(cfg.data, tokenizer, seed=cfg.run.seed, cursor=cursor, max_prompt_tokens=max_prompt)
     except (OSError, ValueError, ImportError) as e:

@@ -187,7 +187,8 @@ def test_bad_data_and_model_files_are_rejected_before_anything_starts(tmp_path, 
     Tokenizer(models.WordLevel({f"w{i}": i for i in range(40)}, unk_token="w0")).save(str(small / "tokenizer.json"))
     (small / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w1", "bos_token": "w2"}))
     cases = [
-        (["--dataset", _write(tmp_path / "bad.jsonl", ok * 2 + b'{"question": 1\n')], r"data.dataset: .*bad.jsonl:3: not valid JSON"),
+        (["--dataset", _write(tmp_path / "bad.jsonl", ok * 2 + b'{"question": 1\n')],
+         r"data.dataset: .*bad.jsonl:3: not valid JSON"),
         (["--dataset", _write(tmp_path / "latin1.jsonl", ok + b'{"question": "caf\xe9", "answer": "1"}\n')],
          r"data.dataset: .*latin1.jsonl:2: not UTF-8 text"),
         (["--dataset", _write(tmp_path / "nofield.jsonl", b'{"q": "1+1=", "answer": "2"}\n')],

@@ -116,7 +116,8 @@ def test_specs_from_config_match_transformers_llama():
     tied = llama_param_specs({**cfg.to_dict(), "tie_word_embeddings": True})
     assert "lm_head.weight" not in {s.name for s in tied}
     # a tied model's state_dict lists the shared embedding twice: one parameter, as from its config
-    tied_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**cfg.to_dict(), "tie_word_embeddings": True}))
+    tied_cfg = transformers.LlamaConfig(**{**cfg.to_dict(), "tie_word_embeddings": True})
+    tied_model = transformers.LlamaForCausalLM(tied_cfg)
     tied_sd = tied_model.state_dict()
     assert "lm_head.weight" in tied_sd
     assert [(s.name, s.shape) for s in llama_param_specs(tied_sd)] == [(s.name, s.shape) for s in tied]

@@ -49,7 +49,8 @@ def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
         text = raw.decode("utf-8-sig")  # -sig: a leading byte-order mark is not data
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}); save the file as UTF-8") from None
+        raise ValueError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}); save the file as "
+                         "UTF-8") from None
     records = []
     for lineno, line in enumerate(text.split("\n"), start=1):  # not splitlines: JSON strings may hold U+2028
         if not line.strip():

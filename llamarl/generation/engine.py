@@ -30,9 +30,10 @@ generate without an EOS stop. Prompts must be non-empty and shorter than the con
 (max_batch_size rows x max_seq_len slots; default min(max_position_embeddings, 4096)) once and reuses it
 for every call; ``quantization="int8"|"fp8"`` converts the decoder linears in place at construction
 (llamarl.models.quantize.quantize_model; ``quantization_backend="eager"`` runs them as torch ops instead
-of the Triton kernels, which on a CPU run only interpreted), and then, unless ``pack_weights=False``, moves the weights into one
-flat buffer (llamarl.models.packing: q|k|v and gate|up then run as one product each, and CPU weights sit
-on huge pages; skipped for weights that already live in the weight sync's buckets).
+of the Triton kernels, which on a CPU run only interpreted), and then, unless ``pack_weights=False``,
+moves the weights into one flat buffer (llamarl.models.packing: q|k|v and gate|up then run as one product
+each, and CPU weights sit on huge pages; skipped for weights that already live in the weight sync's
+buckets).
 ``generate(model, ...)`` is a one-shot engine sized to the call.
 Weights may be updated between calls or between steps (weight sync copies into the parameters in
 place; the version read at each step tags the tokens), never during a forward pass.
