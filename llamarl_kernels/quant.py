@@ -53,9 +53,10 @@ arithmetic and its float down-casts do not round to nearest even, so every value
 right after its load, and every down-cast first rounds in fp32 onto the target grid (integer bit tricks
 for bf16, a power-of-two ``ulp`` for e4m3 and fp16), after which the cast itself is exact; compiled for
 a GPU, the fp8 codes skip that step because the GPU's own e4m3 conversion rounds to nearest even (see
-``_quantize_values``). Both backends therefore produce the bytes of torch's ``.to(dtype)``. bf16 weights enter ``quantize`` as
-int16 bits and are widened by a shift (the interpreter's own bf16 cast flushes subnormals); bf16
-activations use the ordinary cast, so under the interpreter only, subnormal activations read as 0.
+``_quantize_values``). Both backends therefore produce the bytes of torch's ``.to(dtype)``. bf16
+weights enter ``quantize`` as int16 bits and are widened by a shift (the interpreter's own bf16 cast
+flushes subnormals); bf16 activations use the ordinary cast, so under the interpreter only, subnormal
+activations read as 0.
 """
 
 from __future__ import annotations
