@@ -31,7 +31,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel import
 
-from benchmarks.harness import Report, measure  # noqa: E402
+from benchmarks.harness import Report, measure, positive_int  # noqa: E402
 from llamarl.algorithms import aipo_loss, token_logprobs  # noqa: E402
 from llamarl_kernels import fused_aipo_loss, fused_logprobs  # noqa: E402
 
@@ -111,12 +111,12 @@ def step_fn(loss_fn, inputs, losses: list):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny fp32 shapes (the default without CUDA)")
-    parser.add_argument("--sizes", type=int, nargs="*", help="token counts N (default: full 2048 4096 16384)")
+    parser.add_argument("--sizes", type=positive_int, nargs="*", help="token counts N (default: full 2048 4096 16384)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     parser.add_argument("--compile", action="store_true", help="run torch.compile on CPU too (slow to compile)")
     parser.add_argument("--no-liger", action="store_true",
                         help="skip the Liger-Kernel baseline (about a second per call at N=16384 on an H200)")
-    parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--iters", type=positive_int, default=None)
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()

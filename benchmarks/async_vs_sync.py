@@ -20,7 +20,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from benchmarks.harness import Report
+from benchmarks.harness import Report, positive_int
 from llamarl.config_cli import load_config
 from llamarl.train import train
 
@@ -45,9 +45,9 @@ def _rows(out: Path) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="default")
-    p.add_argument("--steps", type=int, default=None, help="training steps per run (default: the preset's)")
+    p.add_argument("--steps", type=positive_int, default=None, help="training steps per run (default: the preset's)")
     p.add_argument("--staleness", type=int, default=1, help="max_staleness of the async run")
-    p.add_argument("--seeds", type=int, default=1,
+    p.add_argument("--seeds", type=positive_int, default=1,
                    help="repeat every run with run.seed = 0..N-1 (each seed has its own warm start): "
                         "accuracy differences between runs are only meaningful against this spread")
     p.add_argument("--ablation", action="store_true", help="also run the AIPO vs no-correction ablation")

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from benchmarks.harness import Measurement, Report, measure
+from benchmarks.harness import Measurement, Report, measure, positive_int
 from llamarl.generation import GenerationEngine, SamplingParams
 from llamarl.models import LLAMA_CONFIGS, Llama
 from llamarl.models.packing import cpu_buffer
@@ -44,10 +44,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--config", default=None, help="preset name from LLAMA_CONFIGS")
     ap.add_argument("--dtype", default=None, choices=sorted(DTYPES))
     ap.add_argument("--batch", default=None, help="comma-separated batch sizes")
-    ap.add_argument("--prompt-len", type=int, default=None)
-    ap.add_argument("--new-tokens", type=int, default=None)
-    ap.add_argument("--iters", type=int, default=None)
-    ap.add_argument("--threads", type=int, default=None,
+    ap.add_argument("--prompt-len", type=positive_int, default=None)
+    ap.add_argument("--new-tokens", type=positive_int, default=None)
+    ap.add_argument("--iters", type=positive_int, default=None)
+    ap.add_argument("--threads", type=positive_int, default=None,
                     help="torch intra-op threads on CPU (default 1 with --quick: stable numbers on a shared CPU)")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--profile", action="store_true", help="CUDA: note the top kernels of batch-1 decode steps")

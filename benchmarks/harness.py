@@ -44,6 +44,19 @@ class Measurement:
         return dataclasses.asdict(self)
 
 
+def positive_int(text: str) -> int:
+    """argparse type for counts (--iters, --sizes, ...): an int >= 1, or a one-line usage error."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def _quantile(xs: Sequence[float], q: float) -> float:
     xs = sorted(xs)
     if len(xs) == 1:

@@ -33,7 +33,7 @@ if not torch.cuda.is_available():  # must precede the first kernel import
 
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.harness import Measurement, Report, measure, measure_graph  # noqa: E402
+from benchmarks.harness import Measurement, Report, measure, measure_graph, positive_int  # noqa: E402
 from llamarl_kernels.qlinear import QLinearConfig, default_qlinear_config, quantized_linear  # noqa: E402
 from llamarl_kernels.quant import quantize  # noqa: E402
 from llamarl_kernels.reference import dequantize_ref, quantize_ref  # noqa: E402
@@ -118,8 +118,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small shapes (default on CPU)")
     ap.add_argument("--sweep", action="store_true", help="GPU: time a grid of launch configs for ours")
-    ap.add_argument("--sweep-m", type=int, nargs="+", default=[1], help="the M values --sweep tunes")
-    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--sweep-m", type=positive_int, nargs="+", default=[1], help="the M values --sweep tunes")
+    ap.add_argument("--iters", type=positive_int, default=None)
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()

@@ -30,7 +30,7 @@ import torch
 if not torch.cuda.is_available():  # must precede the first kernel import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from benchmarks.harness import Report, measure  # noqa: E402
+from benchmarks.harness import Report, measure, positive_int  # noqa: E402
 from llamarl.generation import GenerationEngine, SamplingParams  # noqa: E402
 from llamarl.models import LLAMA_CONFIGS, Llama  # noqa: E402
 from llamarl.models.quantize import quantize_model  # noqa: E402
@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="local Hugging Face Llama directory (default: random init)")
     ap.add_argument("--config", default=None, help="LLAMA_CONFIGS preset for random init")
     ap.add_argument("--init-std", type=float, default=0.02, help="std of the random init (HF default 0.02)")
-    ap.add_argument("--layers", type=int, default=None, help="override the preset's layer count (quick: 2)")
+    ap.add_argument("--layers", type=positive_int, default=None, help="override the preset's layer count (quick: 2)")
     ap.add_argument("--skip-speed", action="store_true")
     args = ap.parse_args()
 

@@ -34,7 +34,7 @@ import traceback
 
 import torch
 
-from benchmarks.harness import Report, measure, synchronize
+from benchmarks.harness import Report, measure, positive_int, synchronize
 
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8)
@@ -185,13 +185,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="~120 MB Llama-shaped set (CPU, < 1 minute)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    ap.add_argument("--threads", type=int, default=None, help="CPU copy threads (default: all cores, max 8)")
-    ap.add_argument("--streams", type=int, default=4, help="CUDA copy streams")
-    ap.add_argument("--more-streams", type=int, nargs="*", default=[1, 8],
+    ap.add_argument("--threads", type=positive_int, default=None, help="CPU copy threads (default: all cores, max 8)")
+    ap.add_argument("--streams", type=positive_int, default=4, help="CUDA copy streams")
+    ap.add_argument("--more-streams", type=positive_int, nargs="*", default=[1, 8],
                     help="CUDA: also time the DDMA sync with these stream counts")
     ap.add_argument("--engine", default="memcpy", choices=("memcpy", "kernel"),
                     help="CUDA copy engine of the main DDMA rows (the other one is timed too)")
-    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--iters", type=positive_int, default=None)
     ap.add_argument("--no-baselines", action="store_true", help="skip the two baselines")
     args = ap.parse_args()
 
