@@ -96,6 +96,23 @@ def test_sync_changes_a_bound_transformers_model_in_place(tiny_plan):
         b.close()
 
 
+def test_bind_refuses_a_module_that_does_not_fit_the_buckets(tiny_plan):
+    """A wrong model is refused at bind (before any sync), and left untouched."""
+    transformers = pytest.importorskip("transformers")
+    wider = {**TINY, "intermediate_size": TINY["intermediate_size"] * 2}
+    wrong = transformers.LlamaForCausalLM(transformers.LlamaConfig(**wider, tie_word_embeddings=False))
+    before = {n: p.data_ptr() for n, p in wrong.named_parameters()}
+    b = GeneratorBuckets.create(tiny_plan, 0, storage="shm", slots=1)
+    try:
+        r = WeightReceiver(b)
+        with pytest.raises(ValueError, match=r"module tensor 'model.layers.0.mlp.gate_proj.weight' is .* but the"):
+            r.bind(wrong)
+        assert {n: p.data_ptr() for n, p in wrong.named_parameters()} == before
+        r.close()
+    finally:
+        b.close()
+
+
 def test_bound_module_weights_key_names_the_slot_it_points_at(tiny_plan):
     """Double buffering re-points the parameters; ``weights_key`` (what CUDA-graph decoders key their graphs
     by) must change with the slot and be the same whenever the same slot comes back."""

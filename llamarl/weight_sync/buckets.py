@@ -227,8 +227,9 @@ class GeneratorBuckets:
 
 
 def load_views(module: torch.nn.Module, views: dict[str, torch.Tensor], *, strict: bool, where: str,
-               names: Mapping[str, str] | None = None) -> None:
-    """Rebind module tensors to ``views`` by name (shapes, dtypes and devices must match).
+               names: Mapping[str, str] | None = None, check_only: bool = False) -> None:
+    """Rebind module tensors to ``views`` by name (shapes, dtypes and devices must match); with
+    ``check_only``, only raise if they would not match.
 
     The module's parameters then live in other storage, so ``module.weights_key`` is set to an identity of
     it (the lowest view address): CUDA-graph decoders keep one graph per key, since a captured graph reads
@@ -255,7 +256,11 @@ def load_views(module: torch.nn.Module, views: dict[str, torch.Tensor], *, stric
         if tuple(t.shape) != tuple(v.shape) or t.dtype != v.dtype or t.device != v.device:
             raise ValueError(f"cannot load {where}: module tensor {n!r} is {t.dtype} {list(t.shape)} on {t.device} but "
                              f"the bucket holds {v.dtype} {list(v.shape)} on {v.device}")
-        t.data = v
+    if check_only:
+        return
+    for n, v in views.items():
+        if n in named:
+            named[n].data = v
     if views:
         module.weights_key = ("views", min(v.data_ptr() for v in views.values()))
 

@@ -102,7 +102,10 @@ class WeightReceiver:
 
     def bind(self, module: torch.nn.Module, *, strict: bool = True, names: dict[str, str] | None = None) -> None:
         """Make ``module``'s parameters views of the held slot, now and on every later acquire
-        (``names``: bucket tensor name -> module tensor name where they differ, see ``load_views``)."""
+        (``names``: bucket tensor name -> module tensor name where they differ, see ``load_views``).
+        A module that does not fit the buckets is refused here, not at the next acquire."""
+        load_views(module, self.buckets.tensors(0), strict=strict, names=names, check_only=True,
+                   where=f"generator rank {self.buckets.rank}'s buckets")  # views only: reads no slot
         self._module, self._strict, self._bound_slot, self._names = module, strict, None, names
         if self._slot is not None:
             self._bind_slot(self._slot)
