@@ -284,7 +284,10 @@ def _build_parser() -> argparse.ArgumentParser:
 def _stop_ids(tokenizer: Any, stops: Sequence[str]) -> list[int]:
     ids = []
     for raw in stops:
-        text = codecs.decode(raw, "unicode_escape")
+        try:
+            text = codecs.decode(raw, "unicode_escape")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--stop {raw!r}: not a valid escape sequence ({e.reason}); write e.g. '\\n'") from None
         enc = tokenizer.encode(text, add_bos=False)
         if len(enc) != 1:
             raise ValueError(f"--stop {raw!r} encodes to {len(enc)} tokens {enc}; a stop must be exactly one token")
@@ -332,6 +335,9 @@ def run(args: argparse.Namespace) -> EvalResult:
     n = args.n
     ks = [int(x) for x in args.k.split(",")] if args.k else sorted({1, n})
     temperature = args.temperature if args.temperature is not None else (0.0 if n == 1 else 1.0)
+    if n > 1 and temperature == 0.0:
+        print(f"llamarl.eval: warning: -n {n} with --temperature 0 samples the same greedy completion {n} times; "
+              "pass@k then equals pass@1", file=sys.stderr)
     max_new = args.max_new_tokens if args.max_new_tokens is not None else (16 if synthetic else 256)
 
     tokenizer = load_tokenizer(args.tokenizer or args.model)
