@@ -55,14 +55,15 @@ def log(msg: str) -> None:
     print(f"[llamarl] {msg}", file=sys.stderr, flush=True)
 
 
-def prepare_policy(cfg: TrainConfig, tokenizer, max_prompt_tokens: int | None = None) -> tuple[Path, dict]:
-    """The HF directory the trainer starts from: a given checkpoint, or the (cached) warm start."""
+def prepare_policy(cfg: TrainConfig, tokenizer, data: TrainData) -> tuple[Path, dict]:
+    """The HF directory the trainer starts from: a given checkpoint, or the (cached) warm start, trained
+    on streams forked from the run's ``data`` (never its held-out split)."""
     if cfg.policy.model not in LLAMA_CONFIGS:
         return Path(cfg.policy.model), {"cached": None, "seconds": 0.0}
     ws = cfg.warm_start
     model_cfg = LLAMA_CONFIGS[cfg.policy.model]
     # everything the warm-started weights depend on (the probe uses the reward and the generation length)
-    key = cache_key("warmstart-v1", model_cfg.to_hf_dict(), dataclasses.replace(ws, cache_dir=None), cfg.data,
+    key = cache_key("warmstart-v2", model_cfg.to_hf_dict(), dataclasses.replace(ws, cache_dir=None), cfg.data,
                     cfg.run.seed, cfg.reward.reward, cfg.generator.max_new_tokens,
                     *([cfg.policy.tokenizer] if cfg.policy.tokenizer else []))
     path = (Path(ws.cache_dir) if ws.cache_dir else default_cache_dir()) / f"{cfg.policy.model}-{key}"
@@ -72,11 +73,9 @@ def prepare_policy(cfg: TrainConfig, tokenizer, max_prompt_tokens: int | None = 
         return path, {**info, "cached": True, "seconds": 0.0}
     torch.manual_seed(cfg.run.seed)
     model = Llama(model_cfg)
-    # its own streams: the RL data stays untouched
-    stream = TrainData(cfg.data, tokenizer, seed=cfg.run.seed + 1, max_prompt_tokens=max_prompt_tokens)
+    stream = data.fork(cfg.run.seed + 1)  # its own streams: the RL stream's position stays untouched
     log(f"warm start: {ws.steps} supervised steps on {cfg.data.dataset} ({model.num_parameters() / 1e6:.2f}M params)")
-    probe_data = TrainData(cfg.data, tokenizer, seed=cfg.run.seed + 2, max_prompt_tokens=max_prompt_tokens)
-    probe_samples = probe_data.next(128)
+    probe_samples = data.fork(cfg.run.seed + 2).next(128)
     with contextlib.ExitStack() as stack:
         if cfg.reward.reward in REWARD_NAMES:  # built-in verifiers: scored in this process
             reward_fn = load_reward(cfg.reward.reward)
@@ -134,7 +133,7 @@ def model_config_dict(cfg: TrainConfig) -> dict:
 
 
 def load_inputs(cfg: TrainConfig, cursor: int = 0):
-    """(tokenizer, TrainData, max prompt tokens), checked against the policy before anything is written or
+    """(tokenizer, TrainData), checked against the policy before anything is written or
     started: unreadable files, a tokenizer larger than the model's vocabulary, a generation length that
     fills the context, and dataset errors raise ConfigError. Prompts longer than the context minus
     ``generator.max_new_tokens`` are dropped from a file dataset (and counted)."""
@@ -158,7 +157,7 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
     if data.dropped:
         log(f"data: dropped {data.dropped} prompts longer than {max_prompt} tokens (the context {context} minus "
             f"generator.max_new_tokens)")
-    return tokenizer, data, max_prompt
+    return tokenizer, data
 
 
 def check_supported(cfg: TrainConfig) -> None:
@@ -221,13 +220,13 @@ def train(cfg: TrainConfig) -> dict:
     t_start = time.perf_counter()
     out = Path(cfg.run.out) if cfg.run.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     resume = load_latest(cfg.run.resume) if cfg.run.resume else None
-    tokenizer, data, max_prompt = load_inputs(cfg, cursor=resume.data_cursor if resume else 0)
+    tokenizer, data = load_inputs(cfg, cursor=resume.data_cursor if resume else 0)
     cfg.save(out)
     if resume:
         policy_dir, warm = resume.policy_dir, {"cached": None, "seconds": 0.0}
         log(f"resuming from {resume.path} (step {resume.step}, policy version {resume.policy_version})")
     else:
-        policy_dir, warm = prepare_policy(cfg, tokenizer, max_prompt)
+        policy_dir, warm = prepare_policy(cfg, tokenizer, data)
     model_config = json.loads((Path(policy_dir) / "config.json").read_text())
     start_step = resume.step if resume else 0
     start_version = resume.policy_version if resume else 0

@@ -14,6 +14,7 @@ The stream position is one integer, ``cursor`` (samples handed out so far), whic
 
 from __future__ import annotations
 
+import copy
 import itertools
 import random
 from typing import Iterator, Sequence
@@ -25,17 +26,20 @@ from llamarl.eval import SYNTHETIC_PREFIX, parse_synthetic_spec
 
 class TrainData:
     """``max_prompt_tokens``: file samples whose formatted prompt is longer are dropped up front (counted in
-    ``dropped``; an error if none is left), so one over-long prompt cannot stop a run mid-way."""
+    ``dropped``; an error if none is left), so one over-long prompt cannot stop a run mid-way. ``fork``
+    gives another stream over the same training pool (the warm start's, the probe's) without loading,
+    encoding or splitting the file again."""
 
     def __init__(self, cfg: DataConfig, tokenizer, *, seed: int = 0, cursor: int = 0,
                  max_prompt_tokens: int | None = None):
         self.cfg = cfg
         self.formatter = PromptFormatter(PromptFormat(template=cfg.template), tokenizer=tokenizer)
         self.dropped = 0
+        self._seed = seed
+        self._task, self._pool = None, None  # the training stream's source: the synthetic task or the file's pool
         if cfg.dataset.startswith(SYNTHETIC_PREFIX):
-            task, _ = parse_synthetic_spec(cfg.dataset)
-            self.heldout = task.heldout_samples(cfg.eval_size)
-            self._stream_fn = lambda: task.iter_split("train")
+            self._task, _ = parse_synthetic_spec(cfg.dataset)
+            self.heldout = self._task.heldout_samples(cfg.eval_size)
         else:
             samples = load_dataset(cfg.dataset, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field)
             if max_prompt_tokens is not None:
@@ -54,18 +58,29 @@ class TrainData:
                     f"{cfg.eval_size}: nothing would be left to train on; lower data.eval_size"
                 )
             self.heldout = [samples[i] for i in order[: cfg.eval_size]]
-            train = [samples[i] for i in order[cfg.eval_size :]]
-            self._stream_fn = lambda: _epochs(train, seed)
+            self._pool = [samples[i] for i in order[cfg.eval_size :]]
         if cfg.few_shot:
             raise ValueError("data.few_shot > 0 is supported by `python -m llamarl.eval`, not yet by training; "
                              "set data.few_shot=0 or put the examples into data.template")
         self.cursor = 0
-        self._stream = self._stream_fn()
+        self._stream = self._new_stream()
         self.seek(cursor)
+
+    def _new_stream(self) -> Iterator[Sample]:
+        return self._task.iter_split("train") if self._task is not None else _epochs(self._pool, self._seed)
+
+    def fork(self, seed: int) -> "TrainData":
+        """A stream over this one's training pool (the same held-out split and dropped prompts), in the order
+        of ``seed`` (a file's epochs; the synthetic task's train stream has one order), from its start. This
+        stream's position is left alone."""
+        other = copy.copy(self)
+        other._seed, other.cursor = seed, 0
+        other._stream = other._new_stream()
+        return other
 
     def seek(self, cursor: int) -> None:
         if cursor < self.cursor:
-            self._stream, self.cursor = self._stream_fn(), 0
+            self._stream, self.cursor = self._new_stream(), 0
         for _ in itertools.islice(self._stream, cursor - self.cursor):
             pass
         self.cursor = cursor

@@ -219,3 +219,23 @@ def test_over_long_prompts_are_dropped_from_a_file_dataset(tmp_path):
     assert data.dropped == 2
     seen = data.heldout + data.next(3)
     assert sorted(len(s.prompt) for s in seen) == [3, 4, 5, 6]
+
+
+def test_forked_streams_keep_the_held_out_split_out(tmp_path):
+    """The warm start's and the probe's streams (``fork``) draw from the run's training pool only: never a
+    held-out sample, whatever their seed, and the run's own stream position is untouched."""
+    from llamarl.config import DataConfig
+    from llamarl.models import CharTokenizer
+    from llamarl.train_data import TrainData
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"question": f"{i}+{i}=", "answer": str(2 * i)}) + "\n" for i in range(40)))
+    data = TrainData(DataConfig(dataset=str(path), eval_size=10), CharTokenizer(), seed=3)
+    first = data.next(5)
+    held = {s.id for s in data.heldout}
+    for seed in (4, 5, 99):
+        fork = data.fork(seed)
+        drawn = fork.next(60)  # two epochs of the 30-sample pool
+        assert not held & {s.id for s in drawn} and len({s.id for s in drawn}) == 30
+        assert fork.heldout is data.heldout
+    assert data.cursor == 5 and data.next(0) == [] and data.fork(3).next(5) == first  # same seed, same order
