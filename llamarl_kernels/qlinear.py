@@ -62,8 +62,9 @@ def _weight_to_f32(w):
 
 
 @triton.jit
-def _gemv_tile(x_rows, q_rows, mask_m, mask_n, k0, k_end, cols):
-    """The x and code tiles at column k0, masked past k_end (a tile wholly past the end reads nothing)."""
+def _load_tiles(x_rows, q_rows, mask_m, mask_n, k0, k_end, cols):
+    """The x and code tiles at column k0, masked past k_end (a tile wholly past the end reads nothing); both
+    the GEMV and the tl.dot path read their tiles with it."""
     mask_k = (k0 + cols < k_end)[None, :]
     x = tl.load(x_rows + (k0 + cols)[None, :], mask=mask_m[:, None] & mask_k, other=0.0)
     w = tl.load(q_rows + (k0 + cols)[None, :], mask=mask_n[:, None] & mask_k, other=0.0)
@@ -109,19 +110,19 @@ def _gemv_partial(x_rows, q_rows, mask_m, mask_n, k_start, k_end, BLOCK_M: tl.co
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     if PREFETCH == 0:
         for k0 in range(k_start, k_end, BLOCK_K):
-            x, w = _gemv_tile(x_rows, q_rows, mask_m, mask_n, k0, k_end, cols)
+            x, w = _load_tiles(x_rows, q_rows, mask_m, mask_n, k0, k_end, cols)
             acc = _gemv_fma(acc, x, w, BLOCK_M)
     elif PREFETCH == 1:
-        x, w = _gemv_tile(x_rows, q_rows, mask_m, mask_n, k_start, k_end, cols)
+        x, w = _load_tiles(x_rows, q_rows, mask_m, mask_n, k_start, k_end, cols)
         for k0 in range(k_start, k_end, BLOCK_K):
-            x1, w1 = _gemv_tile(x_rows, q_rows, mask_m, mask_n, k0 + BLOCK_K, k_end, cols)
+            x1, w1 = _load_tiles(x_rows, q_rows, mask_m, mask_n, k0 + BLOCK_K, k_end, cols)
             acc = _gemv_fma(acc, x, w, BLOCK_M)
             x, w = x1, w1
     else:
-        x, w = _gemv_tile(x_rows, q_rows, mask_m, mask_n, k_start, k_end, cols)
-        x1, w1 = _gemv_tile(x_rows, q_rows, mask_m, mask_n, k_start + BLOCK_K, k_end, cols)
+        x, w = _load_tiles(x_rows, q_rows, mask_m, mask_n, k_start, k_end, cols)
+        x1, w1 = _load_tiles(x_rows, q_rows, mask_m, mask_n, k_start + BLOCK_K, k_end, cols)
         for k0 in range(k_start, k_end, BLOCK_K):
-            x2, w2 = _gemv_tile(x_rows, q_rows, mask_m, mask_n, k0 + 2 * BLOCK_K, k_end, cols)
+            x2, w2 = _load_tiles(x_rows, q_rows, mask_m, mask_n, k0 + 2 * BLOCK_K, k_end, cols)
             acc = _gemv_fma(acc, x, w, BLOCK_M)
             x, w = x1, w1
             x1, w1 = x2, w2
@@ -139,9 +140,7 @@ def _dot_partial(x_rows, q_rows, mask_m, mask_n, k_start, k_end, DOT_FP32: tl.co
     cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        mask_k = k0 + cols < k_end
-        x = tl.load(x_rows + (k0 + cols)[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(q_rows + (k0 + cols)[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        x, w = _load_tiles(x_rows, q_rows, mask_m, mask_n, k0, k_end, cols)
         if DOT_FP32:
             acc = tl.dot(x.to(tl.float32), tl.trans(_weight_to_f32(w)), acc, input_precision="ieee")
         elif w.dtype == tl.int8:  # bf16/fp16 activations on the GPU: int8 and e4m3 are exact in both

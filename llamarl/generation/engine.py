@@ -328,7 +328,6 @@ class GenerationEngine:
         return results
 
 
-
 def cache_slots(prompt_lens: Sequence[int], max_new_tokens: int, config) -> int:
     """KV-cache slots a batch of prompts needs: the longest prompt plus the most tokens any row can add.
     Slots, not positions: with left padding a short row may run past the longest prompt's context limit
