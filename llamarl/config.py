@@ -135,8 +135,8 @@ class TrainerConfig(_Section):
     # samples as on-policy (w = 1) — only for the ablation that shows why the correction matters
     correction: Literal["aipo", "none"] = "aipo"
     # skip samples whose advantage is 0 (a group with equal rewards): they add nothing to the gradient,
-    # so the update is the same with less work; applies only where that is exact (token-mean loss,
-    # kl_coef = entropy_coef = 0), see llamarl.rollouts. AIPO metrics then cover the trained tokens.
+    # so the update is the same with less work; applies only where that is exact (kl_coef = entropy_coef = 0,
+    # either norm), see llamarl.rollouts. AIPO metrics then cover the trained tokens.
     skip_zero_advantage: bool = True
     # run each prompt once for its samples_per_prompt completions instead of once per sample (exact up to
     # float reassociation; llamarl.models.shared_prefix); False: one flat right-padded row per sample

@@ -159,7 +159,7 @@ class Controller:
         # advantages and the trainer's tensors are prepared here, off the trainer's critical path
         advantages = group_advantages(batch.rewards(), n, method=self.cfg.trainer.advantage)
         t = self.cfg.trainer
-        exact = t.norm == "token" and t.kl_coef == 0 and t.entropy_coef == 0  # see llamarl.rollouts
+        exact = t.kl_coef == 0 and t.entropy_coef == 0  # A = 0 rows add nothing; see llamarl.rollouts
         batch.meta["tensors"] = collate(rollouts, advantages, self.tok.pad_id,
                                         drop_zero_advantage=t.skip_zero_advantage and exact, row_multiple=t.ranks,
                                         share_prompts=t.share_prompts)

@@ -31,8 +31,10 @@ Zero-advantage rows (``drop_zero_advantage=True``): a sample with A = 0 adds exa
 policy-gradient term  −Σ_t m_t·w_t·A·log π_t / Σ_t m_t  (every factor of its gradient is multiplied by
 A = 0), so the trainer need not run it; with the group-mean baseline that is every sample of a group
 whose rewards are all equal, often a large share of a batch. The kept rows carry the whole batch's token
-count as ``total_tokens`` (the loss's denominator), so the gradient equals the full batch's. It is exact
-only for the token-mean loss without KL and entropy terms; the caller decides when it applies. At least
+count as ``total_tokens`` and its number of non-empty completions as ``total_sequences`` (the loss's
+denominator under token and sequence normalisation), so the gradient equals the full batch's. It is
+exact for the policy-gradient loss without KL and entropy terms (those do not vanish at A = 0); the
+caller decides when it applies. At least
 ``row_multiple`` rows are kept (zero-advantage ones first in batch order), and the number kept is a
 multiple of it, so a sharded trainer can split them evenly.
 """
@@ -104,7 +106,8 @@ def collate(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_id: int, 
         raise ValueError(f"advantages must have shape [{len(rollouts)}], got {tuple(advantages.shape)}")
     if row_multiple < 1:
         raise ValueError(f"row_multiple must be >= 1, got {row_multiple}")
-    total_tokens = float(sum(len(r.completion_ids) for r in rollouts))
+    totals = {"total_tokens": torch.tensor(float(sum(len(r.completion_ids) for r in rollouts))),
+              "total_sequences": torch.tensor(float(sum(1 for r in rollouts if r.completion_ids)))}
     if drop_zero_advantage:
         keep = [i for i in range(len(rollouts)) if advantages[i] != 0]
         zeros = [i for i in range(len(rollouts)) if advantages[i] == 0]
@@ -112,7 +115,7 @@ def collate(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_id: int, 
         keep = sorted(keep + zeros[: want - len(keep)])
         rollouts, advantages = [rollouts[i] for i in keep], advantages[keep]
     if share_prompts:
-        return _collate_shared(rollouts, advantages, pad_id, total_tokens)
+        return {**_collate_shared(rollouts, advantages, pad_id), **totals}
     length = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
     if length < 2:
         raise ValueError("every rollout is shorter than two tokens: nothing to predict")
@@ -130,12 +133,11 @@ def collate(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_id: int, 
         "mask": mask,
         "behavior_logprobs": behavior,
         "advantages": advantages.to(torch.float32).clone(),
-        "total_tokens": torch.tensor(total_tokens),  # of the whole batch, dropped rows included
+        **totals,  # of the whole batch, dropped rows included
     }
 
 
-def _collate_shared(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_id: int,
-                    total_tokens: float) -> dict[str, torch.Tensor]:
+def _collate_shared(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
     """The shared-prompt layout (module docstring); rows keep their order, prompts their first-seen order."""
     index: dict[int, int] = {}
     prompts: list[list[int]] = []
@@ -168,7 +170,6 @@ def _collate_shared(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_i
         "mask": mask,
         "behavior_logprobs": behavior,
         "advantages": advantages.to(torch.float32).clone(),
-        "total_tokens": torch.tensor(total_tokens),
     }
 
 
@@ -185,14 +186,15 @@ def _completion_rows(rollouts: Sequence[Rollout], width: int, first: list[int]) 
 
 
 PROMPT_KEYS = ("prompt_ids", "prompt_start")
+TOTAL_KEYS = ("total_tokens", "total_sequences")  # whole-batch counts, not rows
 
 
 def slice_rows(batch: dict[str, torch.Tensor], lo: int, hi: int) -> dict[str, torch.Tensor]:
-    """Rows [lo, hi) of a collated batch (either layout; ``total_tokens`` is dropped if present).
+    """Rows [lo, hi) of a collated batch (either layout; the ``TOTAL_KEYS`` counts are dropped).
 
     A shared-prompt slice keeps only the prompts its rows use (renumbered in order) and drops prompt
     columns that are padding in all of them."""
-    part = {k: v[lo:hi] for k, v in batch.items() if k not in PROMPT_KEYS and k != "total_tokens"}
+    part = {k: v[lo:hi] for k, v in batch.items() if k not in PROMPT_KEYS and k not in TOTAL_KEYS}
     if "prompt_ids" not in batch:
         return part
     used, part["group"] = torch.unique(part["group"], return_inverse=True)

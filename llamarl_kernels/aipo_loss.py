@@ -1,18 +1,24 @@
 """Fused AIPO loss from the last hidden states and the lm_head weight, never holding the [N, V] logits.
 
-Math (token-mean normalisation; the same objective as ``llamarl.algorithms.aipo_loss``). Row i has
-hidden h_i [D], sampled token y_i, behaviour log-prob logμ_i, advantage A_i, mask m_i ∈ {0, 1}; with
-z_i = h_i · Wᵀ, T the temperature, p_i = softmax(z_i / T), lse_i its log-normaliser, M = Σ_i m_i:
+Math (the same objective as ``llamarl.algorithms.aipo_loss``). Row i has hidden h_i [D], sampled token
+y_i, behaviour log-prob logμ_i, advantage A_i, mask m_i ∈ {0, 1}; with z_i = h_i · Wᵀ, T the temperature,
+p_i = softmax(z_i / T), lse_i its log-normaliser:
 
     logπ_i = z_{i,y_i} / T − lse_i,       H_i = −Σ_j p_ij log p_ij
     w_i    = min(exp(logπ_i − logμ_i), ρ)                                    (detached)
-    loss   = (1/M) Σ_i m_i [ −w_i A_i logπ_i + β·k3_i − γ·H_i ],
+    loss   = Σ_i s_i [ −w_i A_i logπ_i + β·k3_i − γ·H_i ],
              k3_i = exp(logπ_ref,i − logπ_i) − (logπ_ref,i − logπ_i) − 1       (β, ref optional)
+
+with the row weights s_i of the normalisation (all 0 when no row is masked in):
+
+    norm="token":     s_i = m_i / M,              M = Σ_i m_i                      (token mean)
+    norm="sequence":  s_i = m_i / (L_b · S),      b = sequence_ids[i], L_b = Σ_{i∈b} m_i,
+                                                  S = #{b : L_b > 0}            (mean of sequence means)
 
 Because w is detached, dloss/dlogπ_i is a per-row scalar known in the forward pass:
 
-    c_i = (m_i / M) · ( −w_i A_i + β (1 − exp(logπ_ref,i − logπ_i)) )
-    e_i = (m_i / M) · γ
+    c_i = s_i · ( −w_i A_i + β (1 − exp(logπ_ref,i − logπ_i)) )
+    e_i = s_i · γ
     ∂loss/∂z_ij = ( c_i (1[j = y_i] − p_ij) + e_i p_ij (log p_ij + H_i) ) / T      =: g_ij
 
 (the second term is the gradient of −γ H through dH/dz'_j = −p_j (log p_j + H)). So, like Liger's fused
@@ -62,9 +68,9 @@ from llamarl_kernels.logprobs import (
 
 @triton.jit
 def _aipo_rows_kernel(
-    logits_ptr, stride_row, targets_ptr, behavior_ptr, adv_ptr, mask_ptr, ref_ptr,
+    logits_ptr, stride_row, targets_ptr, behavior_ptr, adv_ptr, scale_ptr, ref_ptr,
     logprobs_ptr, entropy_ptr,
-    V, temperature, rho, inv_tokens, kl_coef, entropy_coef,
+    V, temperature, rho, kl_coef, entropy_coef,
     HAS_REF: tl.constexpr, WRITE_GRAD: tl.constexpr, ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Per row: logπ and H into the [N] outputs; with WRITE_GRAD, overwrite the logits row by g."""
@@ -75,13 +81,13 @@ def _aipo_rows_kernel(
     tl.store(logprobs_ptr + row, logprob)
     tl.store(entropy_ptr + row, entropy)
     if WRITE_GRAD:
-        m = tl.load(mask_ptr + row)
+        s = tl.load(scale_ptr + row)  # the row's weight s_i in the loss; 0 for masked rows
         w = tl.minimum(tl.exp(logprob - tl.load(behavior_ptr + row)), rho)
         c = -w * tl.load(adv_ptr + row)
         if HAS_REF:
             c += kl_coef * (1.0 - tl.exp(tl.load(ref_ptr + row) - logprob))
-        c = tl.where(m > 0, c * m * inv_tokens, 0.0)  # dloss/dlogπ; masked rows get exactly 0
-        e = m * inv_tokens * entropy_coef
+        c = tl.where(s > 0, c * s, 0.0)  # dloss/dlogπ; masked rows get exactly 0
+        e = s * entropy_coef
         offs = tl.arange(0, BLOCK_V)
         for start in range(0, V, BLOCK_V):
             cols = start + offs
@@ -115,7 +121,31 @@ def _row_vector(where: str, name: str, t: torch.Tensor, n_rows: int, device: tor
     return t.detach().to(torch.float32).contiguous()
 
 
-def _run_chunks(hidden, weight, targets, behavior, adv, mask, ref, rho, temperature, kl_coef, entropy_coef,
+def _sequence_ids(where: str, ids, n_rows: int, device: torch.device) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor):
+        raise ValueError(f"{where}: norm='sequence' needs sequence_ids, an integer tensor [N] naming the "
+                         f"sequence of each row (e.g. the batch row the token came from); got {type(ids).__name__}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"{where}: sequence_ids must be an integer tensor, got {ids.dtype}")
+    if tuple(ids.shape) != (n_rows,):
+        raise ValueError(f"{where}: sequence_ids has shape {tuple(ids.shape)}, expected [N] = ({n_rows},) "
+                         "like hidden rows")
+    if ids.device != device:
+        raise ValueError(f"{where}: sequence_ids is on {ids.device} but hidden is on {device}")
+    return ids
+
+
+def _row_weights(mask: torch.Tensor, norm: str = "token", sequence_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The weights s_i of the module docstring (fp32 [N]): loss = Σ_i s_i ℓ_i; all 0 if no row is masked in."""
+    if norm == "token":
+        return mask / mask.sum().clamp(min=1.0)
+    _, seq = torch.unique(sequence_ids, return_inverse=True)
+    lengths = torch.zeros(int(seq.max()) + 1, dtype=mask.dtype, device=mask.device).index_add_(0, seq, mask)
+    sequences = (lengths > 0).sum().clamp(min=1).to(mask.dtype)
+    return mask / (lengths[seq].clamp(min=1.0) * sequences)
+
+
+def _run_chunks(hidden, weight, targets, behavior, adv, scale, ref, rho, temperature, kl_coef, entropy_coef,
                 chunk_size, need_grad_hidden, need_grad_weight):
     """The chunk loop: returns logπ [N], H [N] (fp32) and grad_hidden / grad_weight (or None)."""
     n_rows, vocab = hidden.shape[0], weight.shape[0]
@@ -123,8 +153,6 @@ def _run_chunks(hidden, weight, targets, behavior, adv, mask, ref, rho, temperat
     rows = chunk_rows(n_rows, vocab, hidden.dtype, chunk_size)
     launch = row_launch(vocab)
     write_grad = need_grad_hidden or need_grad_weight
-    tokens = float(mask.sum().item())
-    inv_tokens = 1.0 / tokens if tokens > 0 else 0.0
 
     logprobs = torch.empty(n_rows, dtype=torch.float32, device=device)
     entropy = torch.empty(n_rows, dtype=torch.float32, device=device)
@@ -140,8 +168,8 @@ def _run_chunks(hidden, weight, targets, behavior, adv, mask, ref, rho, temperat
         torch.matmul(h_chunk, weight.t(), out=logits)
         _aipo_rows_kernel[(stop - start,)](
             logits, logits.stride(0), targets[start:stop], behavior[start:stop], adv[start:stop],
-            mask[start:stop], ref_arg[start:stop], logprobs[start:stop], entropy[start:stop],
-            vocab, float(temperature), float(rho), inv_tokens, float(kl_coef), float(entropy_coef),
+            scale[start:stop], ref_arg[start:stop], logprobs[start:stop], entropy[start:stop],
+            vocab, float(temperature), float(rho), float(kl_coef), float(entropy_coef),
             HAS_REF=ref is not None, WRITE_GRAD=write_grad, ENTROPY_GRAD=entropy_coef != 0.0,
             BLOCK_V=launch.block_v, num_warps=launch.num_warps,
         )
@@ -155,8 +183,8 @@ def _run_chunks(hidden, weight, targets, behavior, adv, mask, ref, rho, temperat
     return logprobs, entropy, grad_hidden, grad_weight
 
 
-def _loss_and_metrics(logprobs, entropy, behavior, adv, mask, ref, rho, kl_coef, entropy_coef):
-    """Loss value and metrics from the per-row fp32 vectors (cheap [N] arithmetic)."""
+def _loss_and_metrics(logprobs, entropy, behavior, adv, mask, scale, ref, rho, kl_coef, entropy_coef):
+    """Loss value (Σ s_i ℓ_i) and metrics (token means) from the per-row fp32 vectors (cheap [N] arithmetic)."""
     tokens = mask.sum()
     denom = tokens.clamp(min=1.0)
     on = mask > 0
@@ -174,7 +202,7 @@ def _loss_and_metrics(logprobs, entropy, behavior, adv, mask, ref, rho, kl_coef,
         k3 = ref_diff.exp() - ref_diff - 1.0
         per_row = per_row + kl_coef * k3
         metrics["kl_ref"] = mean(k3)
-    loss = mean(per_row)
+    loss = torch.where(on, per_row * scale, zero).sum()
     metrics.update(
         ratio_mean=mean(ratio),
         ratio_max=torch.where(on, ratio, zero).amax(),
@@ -190,14 +218,15 @@ class _FusedAIPOLoss(torch.autograd.Function):
     """Forward computes loss, per-row logπ/H and both gradients; backward only scales the gradients."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, behavior, adv, mask, ref, rho, temperature, kl_coef,
+    def forward(ctx, hidden, weight, targets, behavior, adv, mask, scale, ref, rho, temperature, kl_coef,
                 entropy_coef, chunk_size):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         logprobs, entropy, grad_h, grad_w = _run_chunks(
-            hidden, weight, targets, behavior, adv, mask, ref, rho, temperature, kl_coef, entropy_coef,
+            hidden, weight, targets, behavior, adv, scale, ref, rho, temperature, kl_coef, entropy_coef,
             chunk_size, need_h, need_w,
         )
-        loss, metrics = _loss_and_metrics(logprobs, entropy, behavior, adv, mask, ref, rho, kl_coef, entropy_coef)
+        loss, metrics = _loss_and_metrics(logprobs, entropy, behavior, adv, mask, scale, ref, rho, kl_coef,
+                                          entropy_coef)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.backward_done = False
         packed = torch.stack([metrics[k] for k in _METRIC_KEYS] + ([metrics["kl_ref"]] if ref is not None else []))
@@ -218,7 +247,7 @@ class _FusedAIPOLoss(torch.autograd.Function):
             grad_h.mul_(grad_loss)
         if grad_w is not None:
             grad_w.mul_(grad_loss)
-        return (grad_h, grad_w) + (None,) * 10
+        return (grad_h, grad_w) + (None,) * 11
 
 
 _METRIC_KEYS = ("ratio_mean", "ratio_max", "truncated_frac", "mismatch_kl", "entropy", "tokens")
@@ -237,13 +266,18 @@ def fused_aipo_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     entropy_coef: float = 0.0,
+    norm: str = "token",
+    sequence_ids: torch.Tensor | None = None,
     chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """AIPO loss (token mean) from ``hidden [N, D]`` and lm_head ``weight [V, D]``; see the module docstring.
+    """AIPO loss from ``hidden [N, D]`` and lm_head ``weight [V, D]``; see the module docstring.
 
     ``targets [N]`` are the sampled ids, ``behavior_logprobs``/``advantages``/``mask``/``ref_logprobs``
-    are per row ``[N]``. Differentiable in ``hidden`` and ``weight``. Returns ``(loss, metrics)`` with a
-    0-d fp32 loss. ``chunk_size`` overrides the rows per chunk (default: ``LOGITS_CHUNK_BYTES`` of logits).
+    are per row ``[N]``. ``norm="token"`` (default) averages over the masked-in rows; ``norm="sequence"``
+    averages per sequence first and needs ``sequence_ids [N]`` (any integers; rows with equal ids form one
+    sequence, in any order), as ``llamarl.algorithms.aipo_loss(norm="sequence")`` does on [B, T] inputs.
+    Differentiable in ``hidden`` and ``weight``. Returns ``(loss, metrics)`` with a 0-d fp32 loss.
+    ``chunk_size`` overrides the rows per chunk (default: ``LOGITS_CHUNK_BYTES`` of logits).
     """
     where = "fused_aipo_loss"
     check_hidden_weight_targets(where, hidden, weight, targets, temperature)
@@ -255,23 +289,32 @@ def fused_aipo_loss(
         raise ValueError(f"{where}: kl_coef={kl_coef} needs ref_logprobs (see fused_logprobs)")
     if not (isinstance(entropy_coef, (int, float)) and math.isfinite(entropy_coef)):
         raise ValueError(f"{where}: entropy_coef must be a finite number, got {entropy_coef!r}")
+    if norm not in ("token", "sequence"):
+        raise ValueError(f"{where}: norm must be 'token' or 'sequence', got {norm!r}")
     n_rows, device = hidden.shape[0], hidden.device
+    if norm == "sequence":
+        sequence_ids = _sequence_ids(where, sequence_ids, n_rows, device)
+    elif sequence_ids is not None:
+        raise ValueError(f"{where}: sequence_ids is only read with norm='sequence' (norm is {norm!r}); "
+                         "drop it or pass norm='sequence'")
     chunk_rows(n_rows, weight.shape[0], hidden.dtype, chunk_size)  # validates chunk_size early
     behavior = _row_vector(where, "behavior_logprobs", behavior_logprobs, n_rows, device)
     adv = _row_vector(where, "advantages", advantages, n_rows, device)
     mask_f = _row_vector(where, "mask", mask, n_rows, device)
     ref = None if ref_logprobs is None else _row_vector(where, "ref_logprobs", ref_logprobs, n_rows, device)
     targets = targets.contiguous()
+    scale = _row_weights(mask_f, norm, sequence_ids)
 
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         loss, packed = _FusedAIPOLoss.apply(
-            hidden, weight, targets, behavior, adv, mask_f, ref, rho, temperature, kl_coef, entropy_coef, chunk_size
+            hidden, weight, targets, behavior, adv, mask_f, scale, ref, rho, temperature, kl_coef, entropy_coef,
+            chunk_size,
         )
         keys = _METRIC_KEYS + (("kl_ref",) if ref is not None else ())
         return loss, dict(zip(keys, packed.unbind()))
     with torch.no_grad():
         logprobs, entropy, _, _ = _run_chunks(
-            hidden, weight, targets, behavior, adv, mask_f, ref, rho, temperature, kl_coef, entropy_coef,
+            hidden, weight, targets, behavior, adv, scale, ref, rho, temperature, kl_coef, entropy_coef,
             chunk_size, False, False,
         )
-        return _loss_and_metrics(logprobs, entropy, behavior, adv, mask_f, ref, rho, kl_coef, entropy_coef)
+        return _loss_and_metrics(logprobs, entropy, behavior, adv, mask_f, scale, ref, rho, kl_coef, entropy_coef)

@@ -55,7 +55,8 @@ def quantized_linear_ref(
 # AIPO loss and token log-probs from hidden states (kernels: llamarl_kernels/aipo_loss.py, logprobs.py)
 #   z = hidden @ weightᵀ (input dtype), logπ = log_softmax(z.float() / T)[y], H = −Σ p log p
 #   w = min(exp(logπ − logμ), ρ) detached; k3 = exp(ref − logπ) − (ref − logπ) − 1
-#   loss = Σ m·(−w·A·logπ + β·k3 − γ·H) / max(Σ m, 1)
+#   ℓ = −w·A·logπ + β·k3 − γ·H;  loss = Σ m·ℓ / max(Σ m, 1)                        norm="token"
+#   loss = mean over sequences b with Σ_b m > 0 of Σ_b m·ℓ / Σ_b m                 norm="sequence"
 #   metrics: means over m of r, r > ρ, r − 1 − log r (k3 of KL(μ‖π)), H, k3; max of r; Σ m.
 # ----------------------------------------------------------------------------------------------------
 def logprobs_from_hidden_ref(
@@ -82,8 +83,11 @@ def aipo_loss_from_hidden_ref(
     ref_logprobs: "torch.Tensor | None" = None,
     kl_coef: float = 0.0,
     entropy_coef: float = 0.0,
+    norm: str = "token",
+    sequence_ids: "torch.Tensor | None" = None,
 ) -> "tuple[torch.Tensor, dict[str, torch.Tensor]]":
-    """Token-mean AIPO loss (differentiable in hidden and weight) and its metrics, as in the header."""
+    """AIPO loss (differentiable in hidden and weight) and its metrics, as in the header; with
+    norm="sequence", rows with equal ``sequence_ids`` form one sequence."""
     logprobs, entropy = logprobs_from_hidden_ref(hidden, weight, targets, temperature)
     dtype = logprobs.dtype
     m = mask.to(dtype)
@@ -102,7 +106,12 @@ def aipo_loss_from_hidden_ref(
         k3 = ref_diff.exp() - ref_diff - 1.0
         per_token = per_token + kl_coef * k3
         metrics["kl_ref"] = mean(k3.detach())
-    loss = (per_token * m).sum() / tokens.clamp(min=1.0)
+    if norm == "token":
+        loss = (per_token * m).sum() / tokens.clamp(min=1.0)
+    else:
+        means = [(per_token[rows] * m[rows]).sum() / m[rows].sum()
+                 for rows in (sequence_ids == b for b in sequence_ids.unique()) if m[rows].sum() > 0]
+        loss = torch.stack(means).mean() if means else (per_token * m).sum()
     metrics.update(
         ratio_mean=mean(ratio),
         ratio_max=torch.where(on, ratio, torch.zeros_like(ratio)).amax(),

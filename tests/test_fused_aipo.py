@@ -114,6 +114,47 @@ def test_loss_metrics_and_grads_match_fp64(n, d, v, chunk, temperature, with_ref
         assert spec_metrics[key].item() == pytest.approx(exact[1][key].item(), rel=1e-10, abs=1e-12)
 
 
+@pytest.mark.parametrize("temperature, entropy_coef, with_ref", [(1.0, 0.0, False), (0.8, 0.03, True)])
+def test_sequence_norm_matches_the_2d_specification_in_fp64(temperature, entropy_coef, with_ref):
+    """norm="sequence" on flat rows, sequences interleaved and one fully masked, against
+    llamarl.algorithms.aipo_loss(norm="sequence") on the [B, T] layout in fp64."""
+    b, t = 5, 9
+    case = make_case(b * t, 24, 700, temperature, seed=17, with_ref=with_ref)
+    case["mask"][t : 2 * t] = False  # sequence 1 has no trained token: it must not count in the mean
+    rows = torch.arange(b * t)
+    seq = rows // t  # the batch row of each flat row ...
+    perm = torch.randperm(b * t, generator=torch.Generator().manual_seed(3))  # ... in a shuffled order
+    shuffled = {k: (v[perm] if isinstance(v, torch.Tensor) and v.shape[:1] == (b * t,) and k != "weight" else v)
+                for k, v in case.items()}
+    seq_ids = (seq[perm] * 7 + 100).to(torch.int32)  # any integers name the sequences
+    opts = dict(rho=RHO, temperature=temperature, kl_coef=0.1 if with_ref else 0.0, entropy_coef=entropy_coef)
+    loss, metrics, gh, gw = run(fused_aipo_loss, shuffled, chunk_size=16, norm="sequence", sequence_ids=seq_ids,
+                                **opts)
+    eager = run(aipo_loss_from_hidden_ref, shuffled, norm="sequence", sequence_ids=seq_ids, **opts)
+    exact = run(aipo_loss_from_hidden_ref, shuffled, dtype=torch.float64, norm="sequence", sequence_ids=seq_ids,
+                **opts)
+    assert_within_2x_eager(loss, eager[0], exact[0], "loss", scale=loss_term_scale(shuffled, **opts))
+    assert_within_2x_eager(gh, eager[2], exact[2], "grad hidden")
+    assert_within_2x_eager(gw, eager[3], exact[3], "grad weight")
+
+    # the specification on [B, T]: un-shuffle and reshape
+    h64 = case["hidden"].double().requires_grad_()
+    lp, ent = token_logprobs(h64 @ case["weight"].double().t(), case["targets"], temperature)
+    ref = None if case["ref_logprobs"] is None else case["ref_logprobs"].double().view(b, t)
+    spec, spec_metrics = aipo_loss(lp.view(b, t), case["behavior_logprobs"].double().view(b, t),
+                                   case["advantages"].double().view(b, t), case["mask"].view(b, t), RHO,
+                                   norm="sequence", ref_logprobs=ref, kl_coef=opts["kl_coef"],
+                                   entropy=ent.view(b, t), entropy_coef=entropy_coef)
+    spec.backward()
+    assert spec.item() == pytest.approx(exact[0].item(), rel=1e-10, abs=1e-12)
+    inverse = torch.argsort(perm)
+    torch.testing.assert_close(exact[2][inverse], h64.grad, rtol=1e-9, atol=1e-12)
+    token_loss, _, _, _ = run(fused_aipo_loss, shuffled, chunk_size=16, **opts)
+    assert abs(token_loss.item() - loss.item()) > 1e-4  # the two normalisations really differ here
+    for key in METRICS:  # metrics are token means whatever the normalisation
+        assert metrics[key].item() == pytest.approx(spec_metrics[key].item(), rel=1e-5, abs=1e-6)
+
+
 def test_all_masked_gives_zero_loss_zero_grads_and_zero_metrics():
     case = make_case(20, 16, 300, 1.0, seed=5)
     case["mask"] = torch.zeros(20, dtype=torch.bool)
@@ -173,6 +214,11 @@ def _bad_args(**overrides):
         (_bad_args(weight=torch.zeros(10, 8, dtype=torch.float16)), "dtype"),
         (_bad_args(targets=torch.tensor([0, 1, 2, 99])), r"\[0, V=10\)"),
         (_bad_args(mask=torch.ones(4, device="meta")), "meta"),
+        (_bad_args(norm="row"), "norm must be"),
+        (_bad_args(norm="sequence"), "needs sequence_ids"),
+        (_bad_args(norm="sequence", sequence_ids=torch.zeros(4)), "integer tensor"),
+        (_bad_args(norm="sequence", sequence_ids=torch.zeros(3, dtype=torch.long)), r"sequence_ids has shape"),
+        (_bad_args(sequence_ids=torch.zeros(4, dtype=torch.long)), "only read with norm='sequence'"),
     ],
 )
 def test_bad_input(args, match):
@@ -181,10 +227,13 @@ def test_bad_input(args, match):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_matches_fp64(dtype):
+@pytest.mark.parametrize("dtype, norm", [(torch.bfloat16, "token"), (torch.float32, "token"),
+                                         (torch.bfloat16, "sequence")])
+def test_gpu_matches_fp64(dtype, norm):
     case = make_case(1500, 512, 32011, 0.9, seed=3, device="cuda", with_ref=True)
     opts = dict(rho=RHO, temperature=0.9, kl_coef=0.05, entropy_coef=0.01)
+    if norm == "sequence":  # 15 sequences of 100 rows
+        opts.update(norm=norm, sequence_ids=torch.arange(1500, device="cuda") // 100)
     loss, metrics, gh, gw = run(fused_aipo_loss, case, dtype=dtype, chunk_size=512, **opts)
     eager = run(aipo_loss_from_hidden_ref, case, dtype=dtype, **opts)
     exact = run(aipo_loss_from_hidden_ref, case, dtype=torch.float64, **opts)
@@ -200,14 +249,14 @@ import llamarl_kernels.aipo_loss as A
 
 fn = A._aipo_rows_kernel
 sig = {n: "i32" for n in fn.arg_names}
-sig.update(logits_ptr="*bf16", targets_ptr="*i64", temperature="fp32", rho="fp32", inv_tokens="fp32",
-           kl_coef="fp32", entropy_coef="fp32")
-for n in ("behavior_ptr", "adv_ptr", "mask_ptr", "ref_ptr", "logprobs_ptr", "entropy_ptr"):
+sig.update(logits_ptr="*bf16", targets_ptr="*i64", temperature="fp32", rho="fp32", kl_coef="fp32",
+           entropy_coef="fp32")
+for n in ("behavior_ptr", "adv_ptr", "scale_ptr", "ref_ptr", "logprobs_ptr", "entropy_ptr"):
     sig[n] = "*fp32"
 consts = dict(HAS_REF=True, WRITE_GRAD=True, ENTROPY_GRAD=True, BLOCK_V=4096)
 sig.update({k: "constexpr" for k in consts})
 # V = 128256 and its row stride are multiples of 16, which Triton specializes on at launch
-ptx = build(fn, sig, consts, ["logits_ptr", "stride_row", "V", "targets_ptr", "behavior_ptr", "adv_ptr", "mask_ptr",
+ptx = build(fn, sig, consts, ["logits_ptr", "stride_row", "V", "targets_ptr", "behavior_ptr", "adv_ptr", "scale_ptr",
                               "ref_ptr", "logprobs_ptr", "entropy_ptr"], num_warps=8)
 stats, grad = loops(ptx)
 # the online-softmax pass: one cross-warp reduction (the block max) per block of the row, 16-byte loads

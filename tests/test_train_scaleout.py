@@ -46,7 +46,8 @@ CFG = LlamaConfig(vocab_size=67, hidden_size=48, intermediate_size=80, num_hidde
                   num_key_value_heads=6, head_dim=8, max_position_embeddings=64)
 TRAINER = dataclasses.asdict(TrainerConfig(lr=1e-3, weight_decay=0.1, grad_clip=0.5, micro_batch_size=3,
                                            loss="reference", kl_coef=0.05, entropy_coef=0.01))
-FUSED = {**TRAINER, "loss": "fused"}  # the Triton loss (interpreted on CPU) on the FSDP root's lm_head
+FUSED = {**TRAINER, "loss": "fused", "norm": "sequence"}  # the Triton loss (interpreted on CPU) on the FSDP
+# root's lm_head, with the sequence-mean normalisation (micro-batches weighted by their share of sequences)
 ROWS = 8  # sequences per step: 4 per rank on 2 ranks, micro-batches of 3 + 1 (one process: 3 + 3 + 2)
 FP32_ATOL = 4e-6  # updated weights vs the single-process trainer (an AdamW step moves each by ~lr; where a
 # gradient is tiny its fp32 rounding moves the step visibly: measured 1.5e-6 flat, 2.3e-6 and 2.8e-6 shared)

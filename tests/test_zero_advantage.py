@@ -1,8 +1,8 @@
 """Skipping zero-advantage samples: collate's row dropping and the trainer's unchanged update.
 
-A sample with A = 0 adds exactly nothing to the token-mean AIPO gradient, so a trainer step on the rows
-that remain (with the whole batch's token count as the denominator) must give the same loss, gradient
-norm and updated weights as the step on the full batch - up to fp32 summation order.
+A sample with A = 0 adds exactly nothing to the AIPO policy-gradient term, so a trainer step on the rows
+that remain (with the whole batch's token or sequence count as the denominator) must give the same loss,
+gradient norm and updated weights as the step on the full batch - up to fp32 summation order.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def test_collate_keeps_nonzero_rows_and_the_whole_token_count():
     nonzero = [i for i in range(len(ADV)) if ADV[i] != 0]
     assert kept["advantages"].tolist() == ADV[nonzero].tolist()
     assert float(kept["total_tokens"]) == float(full["total_tokens"]) == float(full["mask"].sum())
+    assert float(kept["total_sequences"]) == float(full["total_sequences"]) == len(ADV)
     for i, j in enumerate(nonzero):  # the kept rows are the full batch's rows (up to the shorter padding)
         n = kept["input_ids"].shape[1]
         assert torch.equal(kept["input_ids"][i], full["input_ids"][j, :n]) and full["input_ids"][j, n:].eq(0).all()
@@ -57,12 +58,14 @@ def test_collate_keeps_nonzero_rows_and_the_whole_token_count():
         collate(rollouts, ADV, pad_id=0, drop_zero_advantage=True, row_multiple=0)
 
 
-def test_trainer_update_is_the_same_without_zero_advantage_rows(tmp_path):
+@pytest.mark.parametrize("norm", ["token", "sequence"])
+def test_trainer_update_is_the_same_without_zero_advantage_rows(tmp_path, norm):
     random_model(CFG).save_pretrained(tmp_path / "model")
     rollouts = _rollouts(len(ADV))
-    full_stats, full_w = single_process_train_step(tmp_path / "model", CFG, collate(rollouts, ADV, 0), TRAINER)
+    cfg = dict(TRAINER, norm=norm)
+    full_stats, full_w = single_process_train_step(tmp_path / "model", CFG, collate(rollouts, ADV, 0), cfg)
     kept = collate(rollouts, ADV, 0, drop_zero_advantage=True)
-    kept_stats, kept_w = single_process_train_step(tmp_path / "model", CFG, kept, TRAINER)
+    kept_stats, kept_w = single_process_train_step(tmp_path / "model", CFG, kept, cfg)
     assert kept_stats["applied"] and full_stats["applied"]
     assert kept_stats["loss"] == pytest.approx(full_stats["loss"], rel=1e-5, abs=1e-7)
     assert kept_stats["grad_norm"] == pytest.approx(full_stats["grad_norm"], rel=1e-5)

@@ -5,7 +5,8 @@
     L = − Σ_t m_t · min(π(y_t)/μ(y_t), ρ) · A · log π(y_t) / Σ_t m_t          (token mean over the batch)
 
 in micro-batches of ``micro_batch_size`` sequences whose gradients add up to exactly the full-batch
-gradient (each micro-batch loss is weighted by its share of the batch's tokens), then clips the global
+gradient (each micro-batch loss is weighted by its share of the batch's loss denominator: its tokens
+for ``norm="token"``, its non-empty sequences for ``norm="sequence"``), then clips the global
 gradient norm and steps AdamW. log π uses the generator's convention: log_softmax(logits / T) in fp32.
 The loss runs as the fused Triton kernel (``trainer.loss="fused"``, the default on CUDA) or as the eager
 reference (``"reference"``, the default on CPU, where Triton only runs interpreted). A non-finite loss or
@@ -21,11 +22,11 @@ shards. Protocol of one command (the controller calls every rank with the same a
 
     train_step    every rank gets the same collated batch of B sequences (B % R_t == 0, checked by the
                   config) and trains on its B/R_t contiguous rows, in micro-batches of micro_batch_size,
-                  each loss weighted by its share of the *global* token count. Gradients are summed over
-                  ranks (FSDP "sum" reduction, one reduce-scatter after the last micro-batch), so the
-                  sharded gradient is, up to fp rounding, the single-process gradient of the whole batch
-                  Σ_r Σ_m (tokens_rm / tokens) ∇L_rm (exactly the token-mean AIPO loss for norm="token";
-                  for norm="sequence" it is the same per-micro-batch weighting one process uses).
+                  each loss weighted by its share of the *global* denominator (tokens, or non-empty
+                  sequences for norm="sequence"). Gradients are summed over ranks (FSDP "sum" reduction,
+                  one reduce-scatter after the last micro-batch), so the sharded gradient is, up to fp
+                  rounding, the single-process gradient of the whole batch Σ_r Σ_m (units_rm / units) ∇L_rm,
+                  exactly the gradient of the batch's AIPO loss under either normalisation.
                   Every rank runs the same number of forward/backward passes (FSDP's all-gathers are
                   collectives); a micro-batch without tokens still runs, with weight 0. The gradient norm
                   is global (``clip_grad_norm_``: identical on every rank); per-rank loss and metrics are
@@ -58,7 +59,7 @@ from llamarl.models.shared_prefix import shared_prefix_hidden_states
 from llamarl.parallel import (FSDPConfig, accumulate_gradients, apply_fsdp, clip_grad_norm_, full_optimizer_state,
                               full_state_dict, load_full_optimizer_state, sync_sources)
 from llamarl.executors.generator import generator_layout
-from llamarl.rollouts import slice_rows
+from llamarl.rollouts import TOTAL_KEYS, slice_rows
 from llamarl.runtime import RankInfo
 from llamarl.weight_sync import TrainerLayout, WeightSender, llama_param_specs, plan_sync
 
@@ -132,14 +133,14 @@ class TrainerExecutor:
 
     def _train_step(self, batch: dict[str, torch.Tensor]) -> dict:
         t0 = time.perf_counter()
-        batch, total_tokens, kept_tokens = self._on_device(batch)
+        batch, total, kept_tokens = self._on_device(batch)
         rows = batch["targets"].shape[0]
         mb = self.cfg["micro_batch_size"]
         self.opt.zero_grad(set_to_none=True)
         loss_sum, metrics = 0.0, []
         for lo in range(0, rows, mb):
             part = slice_rows(batch, lo, lo + mb)
-            share = part["mask"].sum() / total_tokens
+            share = self._units(part) / total
             if share == 0:
                 continue
             loss, m = self._loss(part)
@@ -189,7 +190,7 @@ class TrainerExecutor:
     def _sharded_train_step(self, batch: dict[str, torch.Tensor]) -> dict:
         """``train_step`` on R_t ranks: this rank's rows of the batch; see the module docstring."""
         t0 = time.perf_counter()
-        batch, total_tokens, kept_tokens = self._on_device(batch)
+        batch, total, kept_tokens = self._on_device(batch)
         rows = batch["targets"].shape[0]
         if rows % self.world:
             raise ValueError(f"train_step got {rows} sequences, which do not split evenly over trainer.ranks="
@@ -201,7 +202,7 @@ class TrainerExecutor:
         metrics: list[tuple[float, dict]] = []
 
         def weighted_loss(part: dict[str, torch.Tensor]) -> torch.Tensor:
-            share = part["mask"].sum() / total_tokens
+            share = self._units(part) / total
             if share == 0:  # no tokens: still a forward/backward, FSDP's collectives need every rank
                 return _logits(self.model, part).float().sum() * 0.0
             loss, m = self._loss(part)
@@ -251,15 +252,21 @@ class TrainerExecutor:
     def _on_device(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
         """(row tensors on this device, the loss denominator, the tokens present).
 
-        The denominator is the whole batch's token count: ``total_tokens`` when collate dropped
-        zero-advantage rows (they add nothing to the gradient, llamarl.rollouts), else the mask's sum.
-        Metrics are means over the tokens present."""
+        The denominator counts the ``_units`` of the whole batch: ``total_tokens``/``total_sequences``
+        when collate dropped zero-advantage rows (they add nothing to the gradient, llamarl.rollouts),
+        else those of the rows present. Metrics are means over the tokens present."""
         batch = dict(batch)
-        total = batch.pop("total_tokens", None)
+        key = "total_tokens" if self.cfg["norm"] == "token" else "total_sequences"
+        totals = {k: batch.pop(k) for k in TOTAL_KEYS if k in batch}
         batch = {k: v.to(self.device) for k, v in batch.items()}
         kept = batch["mask"].sum().clamp(min=1.0)
-        total_tokens = kept if total is None else total.to(self.device, torch.float32).clamp(min=1.0)
-        return batch, total_tokens, kept
+        total = totals[key].to(self.device, torch.float32) if key in totals else self._units(batch)
+        return batch, total.clamp(min=1.0), kept
+
+    def _units(self, part: dict[str, torch.Tensor]) -> torch.Tensor:
+        """What the loss averages over: the tokens (norm="token") or the non-empty sequences of ``part``."""
+        mask = part["mask"]
+        return mask.sum() if self.cfg["norm"] == "token" else (mask.sum(dim=-1) > 0).sum().to(torch.float32)
 
     # ------------------------------------------------------------------ the loss
     def _loss(self, part: dict[str, torch.Tensor]):
@@ -276,11 +283,13 @@ class TrainerExecutor:
 
             hidden = _hidden(self.model, part)
             keep = part["mask"] > 0
+            rows = torch.arange(keep.shape[0], device=keep.device)[:, None].expand_as(keep)
             return fused_aipo_loss(hidden[keep], self.model.lm_head_weight, part["targets"][keep],
                                    part["behavior_logprobs"][keep], adv[keep], part["mask"][keep],
                                    rho=c["rho"], temperature=self.temperature,
                                    ref_logprobs=None if ref is None else ref[keep], kl_coef=c["kl_coef"],
-                                   entropy_coef=c["entropy_coef"])
+                                   entropy_coef=c["entropy_coef"], norm=c["norm"],
+                                   sequence_ids=rows[keep] if c["norm"] == "sequence" else None)
         logprobs, entropy = token_logprobs(_logits(self.model, part), part["targets"], self.temperature)
         return aipo_loss(logprobs, part["behavior_logprobs"], adv, part["mask"], rho=c["rho"], norm=c["norm"],
                          ref_logprobs=ref, kl_coef=c["kl_coef"], entropy=entropy, entropy_coef=c["entropy_coef"])
