@@ -25,7 +25,7 @@ from llamarl.parallel import (
     tp_local_config,
     tp_shard,
 )
-from llamarl.weight_sync import GeneratorLayout, llama_param_specs
+from llamarl.weight_sync import GeneratorLayout, TrainerLayout, llama_param_specs, plan_sync
 
 CFG = LlamaConfig(vocab_size=67, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=12,
                   num_key_value_heads=6, head_dim=8, max_position_embeddings=64)
@@ -98,6 +98,27 @@ def test_bad_tp_sizes_raise_clear_errors():
         parallelize_llama(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="TPGroup: rank 3"):
         TPGroup(None, 3, 3)
+
+
+@pytest.mark.parametrize("cfg", [CFG, CFG.replace(num_attention_heads=6, num_key_value_heads=2),
+                                 CFG.replace(num_key_value_heads=12)], ids=["12q6kv", "6q2kv", "12q12kv"])
+def test_weight_sync_plan_refuses_exactly_the_tp_sizes_the_model_refuses(cfg):
+    """The planner (specs with tp_unit = head_dim) and check_tp_size agree on every TP size."""
+    specs = llama_param_specs(cfg)
+    for size in range(1, 14):
+        try:
+            check_tp_size(cfg, size)
+        except ValueError as exc:
+            valid = exc.args[0].rsplit("valid TP sizes for this model: ", 1)[1]  # "[1, 2, 3, 6]"
+            with pytest.raises(ValueError, match=rf"tp_size={size} does not divide .*use tp_size in "
+                                                 rf"\{{{valid[1:-1]}\}}$"):
+                plan_sync(specs, TrainerLayout(2), GeneratorLayout(tp_size=size))
+        else:
+            plan = plan_sync(specs, TrainerLayout(2), GeneratorLayout(tp_size=size))
+            local = tp_local_config(cfg, size)
+            q = plan.buckets[size - 1].placements[[t.name for t in plan.tensors].index(
+                "model.layers.0.self_attn.q_proj.weight")]
+            assert q.shape == (local.num_attention_heads * cfg.head_dim, cfg.hidden_size)
 
 
 def test_meta_model_gets_local_uninitialised_tensors():

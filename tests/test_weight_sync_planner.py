@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llamarl import _native
-from llamarl.weight_sync import GeneratorLayout, ParamSpec, TrainerLayout, llama_param_specs, plan_sync
+from llamarl.weight_sync import GeneratorLayout, ParamSpec, SyncPlan, TrainerLayout, llama_param_specs, plan_sync
 from llamarl.weight_sync.layout import balanced_bounds, chunk_bounds, llama_tp_split
 from llamarl.weight_sync.quantize_on_sync import TrainerSources
 from llamarl_kernels.reference import quantize_ref
@@ -107,6 +107,14 @@ def test_specs_from_config_match_transformers_llama():
     from_sd = llama_param_specs(sd)
     assert [(s.name, s.shape, s.dtype, s.tp_split) for s in from_sd] == [(s.name, s.shape, s.dtype, s.tp_split)
                                                                          for s in ours]
+    # a state dict has no head counts: with head_dim it gives the config's specs exactly, split units too
+    assert llama_param_specs(sd, head_dim=8) == ours
+    assert all(s.tp_unit == 1 for s in from_sd)
+    units = {s.name: s.tp_unit for s in ours}
+    assert units["model.layers.0.self_attn.q_proj.weight"] == units["model.layers.1.self_attn.o_proj.weight"] == 8
+    assert units["model.layers.0.self_attn.k_proj.weight"] == units["model.layers.0.self_attn.v_proj.weight"] == 8
+    assert units["model.layers.0.mlp.gate_proj.weight"] == units["model.layers.0.mlp.down_proj.weight"] == 1
+    assert units["lm_head.weight"] == units["model.embed_tokens.weight"] == units["model.norm.weight"] == 1
     splits = {s.name: s.tp_split for s in ours}
     assert splits["model.layers.1.self_attn.o_proj.weight"] == 1
     assert splits["model.layers.1.mlp.down_proj.weight"] == 1
@@ -138,6 +146,88 @@ def test_unknown_names_and_bad_specs_raise_clearly():
         plan_sync([ParamSpec("model.norm.weight", (3,), torch.float32)] * 2, TrainerLayout(), GeneratorLayout())
     with pytest.raises(ValueError, match="quant"):
         GeneratorLayout(quant="int4")
+
+
+# 8 attention heads, 4 key/value heads of 8; vocab 67 and intermediate 84 split unevenly over 3 or 8 ranks
+GQA = dict(vocab_size=67, hidden_size=64, intermediate_size=84, num_hidden_layers=2, num_attention_heads=8,
+           num_key_value_heads=4)
+
+
+@pytest.mark.parametrize("tp, counts", [(3, "8 attention heads .* or the model's 4 key/value heads"),
+                                        (8, "4 key/value heads"), (5, "8 attention heads")])
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_tp_that_splits_inside_a_head_is_refused_with_the_valid_sizes(tp, counts, quant):
+    specs = llama_param_specs(GQA)
+    with pytest.raises(ValueError, match=rf"GeneratorLayout\.tp_size={tp} does not divide the model's {counts}"
+                                         r".*split a head.*use tp_size in \{1, 2, 4\}$"):
+        plan_sync(specs, TrainerLayout(2), GeneratorLayout(tp_size=tp, replicas=2, quant=quant))
+    with pytest.raises(ValueError, match="k_proj.weight and 3 more"):  # one line per head count, not per layer
+        plan_sync(specs, TrainerLayout(1), GeneratorLayout(tp_size=8))
+    with pytest.raises(ValueError, match="does not divide"):  # the plan class itself refuses too
+        SyncPlan(specs, TrainerLayout(1), GeneratorLayout(tp_size=tp))
+    sd = {s.name: torch.zeros(s.shape) for s in specs}  # a state dict, told its head_dim
+    with pytest.raises(ValueError, match=f"tp_size={tp} does not divide"):
+        plan_sync(llama_param_specs(sd, head_dim=8), TrainerLayout(1), GeneratorLayout(tp_size=tp))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_tp_that_divides_the_heads_plans_on_head_boundaries_with_uneven_vocab_and_mlp(tp):
+    specs = llama_param_specs(GQA)
+    plan = plan_sync(specs, TrainerLayout(3), GeneratorLayout(tp_size=tp, quant="fp8"))
+    for s in specs:
+        for g in range(tp):
+            r0, r1, c0, c1 = plan.generator.region(s, g)
+            lo, hi = (r0, r1) if s.tp_split == 0 else (c0, c1)
+            assert lo % s.tp_unit == 0 and hi % s.tp_unit == 0, (s.name, g)
+            if s.tp_unit > 1:
+                assert hi - lo == s.shape[s.tp_split] // tp, (s.name, g)  # whole heads, the same count per rank
+    # the uneven splits stay allowed: 67 vocab rows and 84 intermediate rows over 8 or 3 ranks
+    for tp_uneven in (3, 8):
+        plain = [s for s in specs if s.tp_unit == 1]
+        plan = plan_sync(plain, TrainerLayout(2), GeneratorLayout(tp_size=tp_uneven))
+        full = random_full(plain, tp_uneven)
+        buckets = run_plan_in_process(plan, full)
+        for g in range(tp_uneven):
+            got = views(plan, buckets, g)
+            for tensor in plan.tensors:
+                assert got[tensor.name].equal(plan.generator.shard(full[tensor.name], tensor, g)), (tensor.name, g)
+
+
+@settings(max_examples=60, deadline=None)
+@given(kv=st.integers(1, 6), group=st.integers(1, 4), head_dim=st.sampled_from([2, 4, 6]), tp=st.integers(1, 12))
+def test_head_split_refusal_is_exactly_tp_not_dividing_both_head_counts(kv, group, head_dim, tp):
+    heads = kv * group
+    cfg = dict(vocab_size=11, hidden_size=heads * head_dim, intermediate_size=7, num_hidden_layers=1,
+               num_attention_heads=heads, num_key_value_heads=kv)
+    specs = llama_param_specs(cfg)
+    layout = GeneratorLayout(tp_size=tp)
+    if heads % tp == 0 and kv % tp == 0:
+        plan_sync(specs, TrainerLayout(1), layout)
+    else:
+        with pytest.raises(ValueError, match=f"tp_size={tp} does not divide") as err:
+            plan_sync(specs, TrainerLayout(1), layout)
+        valid = [r for r in range(1, kv + 1) if kv % r == 0 and heads % r == 0]
+        assert str(err.value).endswith("{" + ", ".join(map(str, valid)) + "}")
+
+
+def test_bad_split_units_raise_clearly():
+    with pytest.raises(ValueError, match=r"tp_unit=3 does not divide dim 0 .*\(8\).*check head_dim"):
+        ParamSpec("model.layers.0.self_attn.q_proj.weight", (8, 4), torch.float32, 0, 3)
+    with pytest.raises(ValueError, match=r"tp_unit=4 does not divide dim 1"):
+        ParamSpec("model.layers.0.self_attn.o_proj.weight", (8, 6), torch.float32, 1, 4)
+    with pytest.raises(ValueError, match="replicated .* takes tp_unit=1"):
+        ParamSpec("model.norm.weight", (8,), torch.float32, None, 2)
+    with pytest.raises(ValueError, match="tp_unit must be an int >= 1"):
+        ParamSpec("model.layers.0.self_attn.q_proj.weight", (8, 4), torch.float32, 0, 0)
+    with pytest.raises(ValueError, match=r"head_dim=4 contradicts the config's head_dim 8"):
+        llama_param_specs(GQA, head_dim=4)
+    with pytest.raises(ValueError, match="tp_unit=3 does not divide"):  # a state dict with the wrong head_dim
+        llama_param_specs({"model.layers.0.self_attn.k_proj.weight": torch.zeros(8, 4)}, head_dim=3)
+    # a generic (non-Llama) unit is named by its size
+    spec = ParamSpec("experts.w", (12, 4), torch.float32, 0, 4)
+    with pytest.raises(ValueError, match=r"3 units of 4 \(experts\.w\).*use tp_size in \{1, 3\}"):
+        plan_sync([spec], TrainerLayout(1), GeneratorLayout(tp_size=2))
+    assert plan_sync([spec], TrainerLayout(1), GeneratorLayout(tp_size=3)).generator.local_shape(spec, 2) == (4, 4)
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 7, 13, 64])

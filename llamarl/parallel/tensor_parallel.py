@@ -16,8 +16,9 @@ Layers (X replicated [.., in], W [out, in] row-major as in ``nn.Linear``):
                           log pi(y) = Z[y] - m - log s,  Z[y] taken from the shard that owns y (SUM).
 
 Attention: rank p holds query heads [p H/R, (p+1) H/R) and kv heads [p Hkv/R, (p+1) Hkv/R); this needs
-R | H and R | Hkv (checked, with a clear error). Since H/R = G * Hkv/R (G = H/Hkv), the GQA map
-h -> h // G stays inside the rank, and the q/k/v row splits fall on head boundaries. The attention
+R | H and R | Hkv (checked, with a clear error, by ``check_tp_size`` here and by the weight sync's
+``plan_sync``, whose Llama specs carry ``tp_unit = head_dim``). Since H/R = G * Hkv/R (G = H/Hkv), the GQA
+map h -> h // G stays inside the rank, and the q/k/v row splits fall on head boundaries. The attention
 module itself is llamarl's, run with local head counts; its KV cache must be sized with
 ``tp_local_config(config, R)``. MLP: gate/up rows and down columns use the same bounds of the
 intermediate size, which may be uneven. Norm weights are replicated; the residual stream [B, T, D] is
@@ -320,7 +321,10 @@ def vocab_parallel_logprobs(local_logits: torch.Tensor, targets: torch.Tensor, v
 
 # ------------------------------------------------------------------------------------ the model
 def check_tp_size(config: LlamaConfig, tp_size: int) -> None:
-    """Raise unless attention heads split evenly over ``tp_size`` ranks."""
+    """Raise unless attention heads split evenly over ``tp_size`` ranks (R | H and R | Hkv).
+
+    The weight sync refuses exactly the same sizes: ``plan_sync(llama_param_specs(config), ..,
+    GeneratorLayout(tp_size))`` raises iff this does. Vocabulary and intermediate size may split unevenly."""
     h, hkv = config.num_attention_heads, config.num_key_value_heads
     if tp_size < 1 or h % tp_size or hkv % tp_size:
         ok = [r for r in range(1, hkv + 1) if hkv % r == 0 and h % r == 0]

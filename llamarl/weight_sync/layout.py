@@ -20,6 +20,14 @@ Generator layout (``GeneratorLayout``): ``replicas`` independent copies, each te
 with balanced bounds: R_p = [p*q + min(p, r), ...) for rows = q*tp_size + r, i.e. the first r ranks get
 one extra row; this equals the usual even split whenever tp_size divides the dimension.
 
+Split units (``ParamSpec.tp_unit``): a split dimension may be made of indivisible blocks of ``tp_unit``
+rows (tp_split 0) or columns (tp_split 1) - one attention head (``head_dim``) for q/k/v rows and o
+columns. Such a dimension is only split between whole units, so ``tp_size`` must divide its number of
+units (``GeneratorLayout.check_specs``, run by every plan); then the balanced bounds are the even split
+and every shard boundary is a unit boundary. ``tp_unit = 1`` (the default) allows any split, even an
+uneven one: that is how the vocabulary (embeddings, lm_head) and the intermediate size (gate/up rows,
+down columns) are split, which llamarl.parallel.tensor_parallel supports.
+
 Quantized generators (``GeneratorLayout.quant = "int8" | "fp8"``): every linear weight inside the
 decoder layers (and ``lm_head`` if ``quantize_lm_head``) is stored as ``q`` (int8 / float8_e4m3fn, same
 shape and split as the weight) plus ``<name>_scale`` (float32 ``[rows]``, one scale per row). The scale
@@ -74,12 +82,23 @@ class _Shaped:
 
 @dataclass(frozen=True)
 class ParamSpec(_Shaped):
-    """One parameter: its full (unsharded) shape and dtype, and how tensor parallelism splits it."""
+    """One parameter: its full (unsharded) shape and dtype, and how tensor parallelism splits it.
+
+    ``tp_unit``: the split dimension (dim 0 for tp_split=0, dim 1 for tp_split=1) consists of blocks of
+    ``tp_unit`` rows / columns that must stay on one generator rank (``head_dim`` for the q/k/v rows and
+    o columns of attention); it divides that dimension, and is 1 (splittable anywhere) when not split.
+    """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     tp_split: int | None = None
+    tp_unit: int = 1
+
+    @property
+    def tp_units(self) -> int:
+        """How many indivisible units the split dimension has (its size when ``tp_unit`` is 1)."""
+        return self.shape[self.tp_split] // self.tp_unit if self.tp_split is not None else 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
@@ -92,6 +111,17 @@ class ParamSpec(_Shaped):
         if self.tp_split == 1 and len(self.shape) != 2:
             raise ValueError(f"ParamSpec {self.name!r}: a row-parallel (tp_split=1) split needs a 2-D weight, "
                              f"got shape {self.shape}")
+        if isinstance(self.tp_unit, bool) or not isinstance(self.tp_unit, int) or self.tp_unit < 1:
+            raise ValueError(f"ParamSpec {self.name!r}: tp_unit must be an int >= 1, got {self.tp_unit!r}")
+        if self.tp_unit > 1:
+            if self.tp_split is None:
+                raise ValueError(f"ParamSpec {self.name!r}: tp_unit={self.tp_unit} needs a split dimension; a "
+                                 "replicated (tp_split=None) parameter takes tp_unit=1")
+            n = self.shape[self.tp_split]
+            if n % self.tp_unit:
+                raise ValueError(f"ParamSpec {self.name!r}: tp_unit={self.tp_unit} does not divide dim "
+                                 f"{self.tp_split} of shape {self.shape} ({n}); a head-split weight has "
+                                 "heads * head_dim there - check head_dim")
 
 
 def llama_tp_split(name: str) -> int | None:
@@ -110,13 +140,31 @@ def llama_tp_split(name: str) -> int | None:
     )
 
 
+_HEAD_SPLIT = re.compile(r"^model\.layers\.\d+\.self_attn\.([qkv]_proj\.(weight|bias)|o_proj\.weight)$")
+
+
+def llama_tp_unit(name: str, head_dim: int | None) -> int:
+    """The split unit of a Llama parameter: ``head_dim`` for q/k/v rows and o columns, else 1."""
+    return int(head_dim) if head_dim is not None and _HEAD_SPLIT.match(name) else 1
+
+
+def _unit_noun(spec: ParamSpec) -> str:
+    """What one ``tp_unit`` of ``spec`` is, for error messages."""
+    if ".self_attn.k_proj." in spec.name or ".self_attn.v_proj." in spec.name:
+        return "key/value heads"
+    if ".self_attn.q_proj." in spec.name or ".self_attn.o_proj." in spec.name:
+        return "attention heads"
+    return f"units of {spec.tp_unit}"
+
+
 def _cfg(source: Any, key: str, default: Any = None) -> Any:
     if isinstance(source, Mapping):
         return source.get(key, default)
     return getattr(source, key, default)
 
 
-def llama_param_specs(source: Any, dtype: torch.dtype | None = None) -> list[ParamSpec]:
+def llama_param_specs(source: Any, dtype: torch.dtype | None = None, *,
+                      head_dim: int | None = None) -> list[ParamSpec]:
     """``ParamSpec``s of a Llama model, from a state dict (name -> tensor) or a config.
 
     ``source`` may be a state dict (shapes and dtypes are read from the tensors; ``dtype`` overrides the
@@ -124,6 +172,10 @@ def llama_param_specs(source: Any, dtype: torch.dtype | None = None) -> list[Par
     Order: embeddings, then per layer the HF module order, then final norm and lm_head. A tensor that is
     the same memory as an earlier one (a tied lm_head in ``model.state_dict()``) is one parameter, listed
     once under its first name, as ``named_parameters()`` and the config path list it.
+
+    Attention weights get ``tp_unit = head_dim`` (q/k/v rows, o columns), so a plan refuses a generator
+    ``tp_size`` that would split inside a head. A config gives head_dim; a state dict has no head counts,
+    so pass ``head_dim`` with it to get that check (without it, its specs have ``tp_unit = 1``).
     """
     if isinstance(source, Mapping) and source and all(isinstance(v, torch.Tensor) for v in source.values()):
         seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
@@ -133,7 +185,8 @@ def llama_param_specs(source: Any, dtype: torch.dtype | None = None) -> list[Par
             if key[0] and key in seen:  # (meta tensors, without memory, all have address 0)
                 continue  # tied to an earlier tensor
             seen.add(key)
-            specs.append(ParamSpec(n, tuple(t.shape), dtype or t.dtype, llama_tp_split(n)))
+            spec = ParamSpec(n, tuple(t.shape), dtype or t.dtype, llama_tp_split(n), llama_tp_unit(n, head_dim))
+            specs.append(spec)
         return specs
     need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     missing = [k for k in need if _cfg(source, k) is None]
@@ -145,7 +198,11 @@ def llama_param_specs(source: Any, dtype: torch.dtype | None = None) -> list[Par
     inter = int(_cfg(source, "intermediate_size"))
     heads = int(_cfg(source, "num_attention_heads"))
     kv_heads = int(_cfg(source, "num_key_value_heads") or heads)
-    head_dim = int(_cfg(source, "head_dim") or d // heads)
+    cfg_head_dim = int(_cfg(source, "head_dim") or d // heads)
+    if head_dim is not None and int(head_dim) != cfg_head_dim:
+        raise ValueError(f"llama_param_specs: head_dim={head_dim} contradicts the config's head_dim {cfg_head_dim}; "
+                         "leave head_dim out for a config (it is read from it)")
+    head_dim = cfg_head_dim
     q, kv = heads * head_dim, kv_heads * head_dim
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (v, d))]
     for i in range(int(_cfg(source, "num_hidden_layers"))):
@@ -164,7 +221,7 @@ def llama_param_specs(source: Any, dtype: torch.dtype | None = None) -> list[Par
     shapes.append(("model.norm.weight", (d,)))
     if not _cfg(source, "tie_word_embeddings", False):
         shapes.append(("lm_head.weight", (v, d)))
-    return [ParamSpec(n, s, dt, llama_tp_split(n)) for n, s in shapes]
+    return [ParamSpec(n, s, dt, llama_tp_split(n), llama_tp_unit(n, head_dim)) for n, s in shapes]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -267,6 +324,27 @@ class GeneratorLayout:
             return full[r0:r1, c0:c1].contiguous()
         return full[r0:r1].contiguous()
 
+    def check_specs(self, specs: Sequence[ParamSpec]) -> None:
+        """Raise ValueError unless ``tp_size`` splits every parameter between whole ``tp_unit``s.
+
+        The invariant a plan relies on: for every spec with ``tp_unit > 1``, ``tp_size`` divides its
+        ``tp_units`` (e.g. the attention and key/value head counts), so each rank's rows / columns are
+        whole heads. Dimensions with ``tp_unit = 1`` (vocabulary, intermediate size) may split unevenly.
+        """
+        bad = [s for s in specs if s.tp_unit > 1 and s.tp_units % self.tp_size]
+        if not bad:
+            return
+        groups: dict[tuple[int, str], list[str]] = {}  # (units, noun) -> names, one entry per head count
+        for s in bad:
+            groups.setdefault((s.tp_units, _unit_noun(s)), []).append(s.name)
+        what = " or ".join(f"the model's {n} {noun} ({names[0]}{f' and {len(names) - 1} more' if names[1:] else ''})"
+                            for (n, noun), names in groups.items())
+        g = math.gcd(*(s.tp_units for s in specs if s.tp_unit > 1))
+        ok = [r for r in range(1, g + 1) if g % r == 0]
+        raise ValueError(f"GeneratorLayout.tp_size={self.tp_size} does not divide {what}: its shards would split "
+                         f"a head between ranks and the generator's attention would be wrong; use tp_size in "
+                         f"{{{', '.join(map(str, ok))}}}")
+
     def quantizes(self, spec: ParamSpec) -> bool:
         """Whether this layout stores ``spec`` as (q, scale)."""
         if self.quant is None or len(spec.shape) != 2:
@@ -292,11 +370,15 @@ class SyncTensor(_Shaped):
 
 
 def sync_tensors(specs: Sequence[ParamSpec], generator: GeneratorLayout) -> tuple[SyncTensor, ...]:
-    """The tensors moved for ``specs`` into ``generator``, in order (q then scale for quantized ones)."""
+    """The tensors moved for ``specs`` into ``generator``, in order (q then scale for quantized ones).
+
+    Raises ValueError for repeated names or a ``tp_size`` that splits inside a ``tp_unit``
+    (``GeneratorLayout.check_specs``)."""
     names = [s.name for s in specs]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"parameter names must be unique, these repeat: {dup}")
+    generator.check_specs(specs)
     out: list[SyncTensor] = []
     for s in specs:
         if generator.quantizes(s):

@@ -22,6 +22,10 @@ Ops whose rows are contiguous on both sides (c0 = 0, c1 = cols) are folded into 
 ever needs a gather: every byte goes straight from the trainer rank that holds it to the generator rank
 that needs it, and a generator replica receives each byte exactly once.
 
+Refusal (before any geometry): a generator ``tp_size`` that does not divide the number of ``tp_unit``s of
+a parameter (the attention or key/value heads of a Llama; ``GeneratorLayout.check_specs``) would put part
+of a head on each of two ranks; ``plan_sync`` raises ValueError naming the head counts and the valid sizes.
+
 Validation (run once per plan, independent of how the ops were derived): for every generator rank, the
 destination byte intervals of all ops from all trainer ranks are sorted and must be pairwise disjoint,
 lie inside the tensors' regions, and add up to the tensors' total size - so every destination byte is
@@ -253,10 +257,14 @@ def _plan_cached(specs: tuple[ParamSpec, ...], trainer: TrainerLayout, generator
 
 
 def plan_sync(specs: Sequence[ParamSpec], trainer: TrainerLayout, generator: GeneratorLayout) -> SyncPlan:
-    """The validated copy schedule for these specs and layouts (computed once per distinct input)."""
+    """The validated copy schedule for these specs and layouts (computed once per distinct input).
+
+    ValueError, before any planning, if ``generator.tp_size`` would split a parameter inside one of its
+    ``tp_unit``s (an attention head; see ``GeneratorLayout.check_specs``)."""
     if not specs:
         raise ValueError("plan_sync needs at least one ParamSpec")
     for s in specs:
         if not isinstance(s, ParamSpec):
             raise TypeError(f"plan_sync expects ParamSpec items, got {type(s).__name__}")
+    generator.check_specs(specs)
     return _plan_cached(tuple(specs), trainer, generator)
