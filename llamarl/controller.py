@@ -46,6 +46,8 @@ from llamarl.runlog import RunLog
 from llamarl.runtime import ExecutorGroup
 from llamarl.train_data import TrainData
 
+REPLICA_SEED_STRIDE = 1_000_000_007  # > any step count: replica seeds never meet another step's seed
+
 
 class Sampled(NamedTuple):
     """One step's generator outputs, on their way to the reward workers."""
@@ -195,10 +197,15 @@ class Controller:
             self._progress.notify_all()
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[dict]:
-        """Split the prompts over the generator replicas; each replica's TP ranks run together."""
+        """Split the prompts over the generator replicas; each replica's TP ranks run together. Replica g
+        samples with seed + g * REPLICA_SEED_STRIDE: one seed would give every replica the same random
+        numbers, and the stride keeps replica seeds apart from the next steps' (seed + step)."""
         gens = self.ex.generators
         busy = [g for g in range(len(gens)) if g < len(prompts)]  # replica g takes prompts g, g+R, g+2R, ...
-        results = await asyncio.gather(*(gens[g].acall("generate", prompts[g::len(gens)], params) for g in busy))
+        per_replica = [params if params.seed is None else
+                       dataclasses.replace(params, seed=params.seed + g * REPLICA_SEED_STRIDE) for g in busy]
+        results = await asyncio.gather(*(gens[g].acall("generate", prompts[g::len(gens)], p)
+                                         for g, p in zip(busy, per_replica)))
         n = params.n
         out: list[dict] = [None] * (len(prompts) * n)  # type: ignore[list-item]
         for g, per_rank in zip(busy, results):

@@ -218,6 +218,10 @@ def train(cfg: TrainConfig) -> dict:
     if tr is not None and tr.rank != 0:  # a torchrun executor rank: serve the controller, then exit
         sys.exit(serve_torchrun(layout, tr))
     t_start = time.perf_counter()
+    if cfg.generator.top_p < 1.0:
+        log(f"warning: generator.top_p={cfg.generator.top_p} samples from the truncated distribution, but the "
+            "log-probs (mu) and the trainer's pi are the full softmax's (llamarl.generation.sampling), so the AIPO "
+            "importance weights do not correct for the truncation; top_p=1 keeps mu exactly the sampler's")
     out = Path(cfg.run.out) if cfg.run.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     resume = load_latest(cfg.run.resume) if cfg.run.resume else None
     tokenizer, data = load_inputs(cfg, cursor=resume.data_cursor if resume else 0)
@@ -232,13 +236,17 @@ def train(cfg: TrainConfig) -> dict:
     start_version = resume.policy_version if resume else 0
     g = cfg.generator
     threads = max(1, (os.cpu_count() or 2) // (layout.world_size - 1))  # CPU threads per executor process
+    # KV-cache slots for every prompt of the run plus its full generation (load_inputs dropped prompts that
+    # leave less than max_new_tokens of the context), so the cache never cuts a completion short
+    kv_slots = max(2, min(int(model_config.get("max_position_embeddings") or 2048),
+                          data.longest_prompt + g.max_new_tokens))
 
     async def main(rt) -> dict:
         _dump_tasks_on_sigusr1()
         gens = rt.spawn_role("generator", "llamarl.executors.generator:GeneratorExecutor", init_kwargs=dict(
             model_config=model_config, dtype=cfg.policy.dtype, trainer_ranks=cfg.trainer.ranks,
             replicas=g.replicas, max_batch_size=max(g.prompts_per_step * g.samples_per_prompt, cfg.data.eval_size),
-            pad_id=tokenizer.pad_id, threads=threads, quantization=g.quantization),
+            max_seq_len=kv_slots, pad_id=tokenizer.pad_id, threads=threads, quantization=g.quantization),
             env={"LLAMARL_EXECUTOR": "generator"})
         handles = [h for grp in gens for h in await grp.acall("handle")]  # every TP rank of every replica
         trainer, = rt.spawn_role("trainer", "llamarl.executors.trainer:TrainerExecutor", init_kwargs=dict(

@@ -10,6 +10,11 @@
 
 The stream position is one integer, ``cursor`` (samples handed out so far), which checkpoints record:
 ``TrainData(..., cursor=c)`` continues exactly where a run with that cursor stopped.
+
+``longest_prompt`` bounds the token length of every prompt the run can see (held-out ones included), so
+the generator's KV cache can be sized once: exact for a file, and for the synthetic task the bound
+tokens(template text + prompt) <= its UTF-8 bytes, plus the tokens the tokenizer adds to any text (each
+token of a byte-level or character tokenizer covers at least one byte).
 """
 
 from __future__ import annotations
@@ -40,16 +45,23 @@ class TrainData:
         if cfg.dataset.startswith(SYNTHETIC_PREFIX):
             self._task, _ = parse_synthetic_spec(cfg.dataset)
             self.heldout = self._task.heldout_samples(cfg.eval_size)
+            empty = Sample(id="", prompt="", answer="")
+            text = self.formatter.render(empty)
+            self.longest_prompt = (len(text.encode("utf-8")) + self._task.max_prompt_chars
+                                   + len(self.formatter.encode(empty)))
         else:
             samples = load_dataset(cfg.dataset, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field)
+            lengths = [len(self.formatter.encode(s)) for s in samples]
             if max_prompt_tokens is not None:
-                kept = [s for s in samples if len(self.formatter.encode(s)) <= max_prompt_tokens]
+                kept = [s for s, n in zip(samples, lengths) if n <= max_prompt_tokens]
+                lengths = [n for n in lengths if n <= max_prompt_tokens]
                 self.dropped = len(samples) - len(kept)
                 if not kept:
                     raise ValueError(f"data.dataset {cfg.dataset}: every one of its {len(samples)} prompts is longer "
                                      f"than {max_prompt_tokens} tokens, the model context minus "
                                      "generator.max_new_tokens; lower max_new_tokens or shorten data.template")
                 samples = kept
+            self.longest_prompt = max(lengths)
             order = list(range(len(samples)))
             random.Random(f"{seed}:heldout").shuffle(order)
             if len(samples) <= cfg.eval_size:

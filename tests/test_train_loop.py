@@ -239,3 +239,51 @@ def test_forked_streams_keep_the_held_out_split_out(tmp_path):
         assert not held & {s.id for s in drawn} and len({s.id for s in drawn}) == 30
         assert fork.heldout is data.heldout
     assert data.cursor == 5 and data.next(0) == [] and data.fork(3).next(5) == first  # same seed, same order
+
+
+def test_longest_prompt_bounds_every_prompt_of_the_run(tmp_path):
+    """The generator's KV cache is sized from ``TrainData.longest_prompt``: exact for a file (after the
+    over-long prompts are dropped), an upper bound for the synthetic task's prompts."""
+    from llamarl.config import DataConfig
+    from llamarl.models import CharTokenizer
+    from llamarl.train_data import TrainData
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"question": "1" * n, "answer": "1"}) + "\n" for n in (3, 50, 9, 60, 5, 6)))
+    data = TrainData(DataConfig(dataset=str(path), eval_size=1, template="Q: {prompt}\nA:"), CharTokenizer(),
+                     max_prompt_tokens=30)
+    longest = max(len(p) for p in data.encode(data.heldout + data.next(3)))
+    assert data.longest_prompt == longest == 1 + len("Q: \nA:") + 9  # BOS, the template, the 9-char prompt
+    for spec in ("synthetic:arithmetic", "synthetic:arithmetic:digits=4,n_terms=3,ops=+-*"):
+        data = TrainData(DataConfig(dataset=spec, eval_size=64, template="Q: {prompt}\nA:"), CharTokenizer())
+        lengths = [len(p) for p in data.encode(data.heldout + data.next(2000))]
+        assert max(lengths) <= data.longest_prompt <= max(lengths) + 16
+
+
+def test_generator_replicas_sample_with_different_seeds():
+    """Each replica gets its own seed (one seed gave every replica the same random numbers), distinct from
+    the seeds of the next steps; outputs come back in prompt-major order."""
+    import asyncio
+    import dataclasses
+
+    from llamarl.config import TrainConfig
+    from llamarl.controller import Controller, Executors
+    from llamarl.generation import SamplingParams
+
+    class Replica:
+        def __init__(self):
+            self.seeds = []
+
+        async def acall(self, name, prompts, params):
+            self.seeds.append(params.seed)
+            return [[{"prompt": p, "sample": j} for p in prompts for j in range(params.n)]]  # one TP rank
+
+    replicas = [Replica() for _ in range(3)]
+    ctrl = Controller(TrainConfig(), None, Executors(replicas, None, None), None, tokenizer=None)
+    prompts = [[i] for i in range(7)]
+    outs = asyncio.run(ctrl.generate(prompts, SamplingParams(n=2, seed=5)))
+    assert [(o["prompt"], o["sample"]) for o in outs] == [([i], j) for i in range(7) for j in range(2)]
+    seeds = [r.seeds[0] for r in replicas]
+    assert seeds[0] == 5 and all(s > 5 + 10**6 for s in seeds[1:]) and len(set(seeds)) == 3  # steps use seed + step
+    asyncio.run(ctrl.generate(prompts, dataclasses.replace(SamplingParams(n=2), seed=None)))
+    assert [r.seeds[1] for r in replicas] == [None] * 3  # greedy evaluation: no seed to vary

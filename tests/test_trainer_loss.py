@@ -82,3 +82,38 @@ def test_fused_loss_step_equals_the_reference_step(tmp_path, norm, share_prompts
     # visibly (measured: 2 of 1696 embedding entries by 8e-6 of a 1e-3 step, all else <= 7e-7)
     for name, w in ref_w.items():
         torch.testing.assert_close(fused_w[name], w, rtol=0, atol=2e-5, msg=name)
+
+
+def test_the_uncorrected_ablation_keeps_the_kl_term(tmp_path):
+    """correction="none" is AIPO with μ := π. On samples of the current policy (μ = π: every ratio is 1)
+    it is the corrected loss exactly, including the KL to a reference policy that differs from π."""
+    from llamarl.executors.trainer import TrainerExecutor
+    from llamarl.runtime import RankInfo
+    from llamarl.weight_sync import GeneratorBuckets, GeneratorLayout, TrainerLayout, llama_param_specs, plan_sync
+
+    random_model(CFG).save_pretrained(tmp_path / "model")
+    buckets = GeneratorBuckets.create(plan_sync(llama_param_specs(CFG), TrainerLayout(world_size=1),
+                                                GeneratorLayout()), 0, storage="shm")
+    ex = TrainerExecutor(model_path=str(tmp_path / "model"), trainer=dict(TRAINER, kl_coef=0.5),
+                         temperature=1.0, generator_handles=[buckets.handle()],
+                         rank_info=RankInfo("trainer", "trainer", 0, 1, 1, 0, "cpu", "gloo"))
+    try:
+        with torch.no_grad():
+            for p in ex.ref.parameters():  # a reference policy away from π
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+        batch = collate(_batch_rollouts(), ADV, 0)
+        with torch.no_grad():
+            pi, _ = token_logprobs(ex.model(batch["input_ids"])[:, :-1], batch["targets"], 1.0)
+        batch["behavior_logprobs"] = torch.where(batch["mask"] > 0, pi, 0.0)  # μ = π
+        part = {k: v for k, v in batch.items() if not k.startswith("total_")}
+        results = {}
+        for correction in ("aipo", "none"):
+            ex.cfg = dict(ex.cfg, correction=correction)
+            loss, metrics = ex._loss(part)
+            results[correction] = (float(loss.detach()), {k: float(v) for k, v in metrics.items()})
+        assert results["aipo"][1]["kl_ref"] > 1e-3  # the KL term is really there
+        assert results["none"][0] == pytest.approx(results["aipo"][0], rel=1e-6)
+        assert results["none"][1] == pytest.approx(results["aipo"][1], rel=1e-6)
+    finally:
+        ex.close()
+        buckets.close()

@@ -272,12 +272,12 @@ class TrainerExecutor:
     def _loss(self, part: dict[str, torch.Tensor]):
         c = self.cfg
         adv = part["advantages"][:, None].expand_as(part["mask"])
-        if c["correction"] == "none":
-            return self._uncorrected_loss(part, adv)
         ref = None
         if self.ref is not None:
             with torch.no_grad():
                 ref, _ = token_logprobs(_logits(self.ref, part), part["targets"], self.temperature)
+        if c["correction"] == "none":
+            return self._uncorrected_loss(part, adv, ref)
         if self.fused:
             from llamarl_kernels import fused_aipo_loss
 
@@ -294,16 +294,17 @@ class TrainerExecutor:
         return aipo_loss(logprobs, part["behavior_logprobs"], adv, part["mask"], rho=c["rho"], norm=c["norm"],
                          ref_logprobs=ref, kl_coef=c["kl_coef"], entropy=entropy, entropy_coef=c["entropy_coef"])
 
-
-    def _uncorrected_loss(self, part, adv):
-        """The ablation: AIPO with μ := π (ratio 1), i.e. vanilla policy gradient on stale samples.
+    def _uncorrected_loss(self, part, adv, ref):
+        """The ablation: AIPO with μ := π (ratio 1), i.e. vanilla policy gradient on stale samples; the KL
+        and entropy terms as in the corrected loss.
 
         Mismatch metrics are still measured against the real μ, so the two runs are comparable."""
+        c = self.cfg
         logprobs, entropy = token_logprobs(_logits(self.model, part), part["targets"], self.temperature)
-        loss, _ = aipo_loss(logprobs, logprobs.detach(), adv, part["mask"], rho=self.cfg["rho"],
-                            norm=self.cfg["norm"], entropy=entropy, entropy_coef=self.cfg["entropy_coef"])
-        _, metrics = aipo_loss(logprobs.detach(), part["behavior_logprobs"], adv, part["mask"],
-                               rho=self.cfg["rho"], norm=self.cfg["norm"], entropy=entropy.detach())
+        loss, _ = aipo_loss(logprobs, logprobs.detach(), adv, part["mask"], rho=c["rho"], norm=c["norm"],
+                            ref_logprobs=ref, kl_coef=c["kl_coef"], entropy=entropy, entropy_coef=c["entropy_coef"])
+        _, metrics = aipo_loss(logprobs.detach(), part["behavior_logprobs"], adv, part["mask"], rho=c["rho"],
+                               norm=c["norm"], ref_logprobs=ref, entropy=entropy.detach())
         return loss, metrics
 
 
