@@ -120,6 +120,12 @@ class TrainerConfig(_Section):
     ranks: int = 1
     parallel: Literal["fsdp", "ddp", "none"] = "fsdp"
     lr: float = 1e-5
+    # learning rate at optimizer step k (0-based; llamarl.executors.trainer.lr_at): linear warm-up to lr
+    # over the first lr_warmup_steps steps, then "constant", or "cosine"/"linear" decay to min_lr_ratio * lr
+    # at run.max_steps
+    lr_warmup_steps: int = 0
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    min_lr_ratio: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
@@ -141,10 +147,17 @@ class TrainerConfig(_Section):
     # run each prompt once for its samples_per_prompt completions instead of once per sample (exact up to
     # float reassociation; llamarl.models.shared_prefix); False: one flat right-padded row per sample
     share_prompts: bool = True
+    # recompute each decoder layer's activations in the backward pass instead of storing them (less memory
+    # for long sequences and big micro-batches, about one more forward of compute; same gradients)
+    activation_checkpointing: bool = False
 
     def check(self) -> None:
         self._positive("ranks")
         self._positive("lr")
+        self._positive("lr_warmup_steps", strict=False)
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            _fail("trainer.min_lr_ratio", "must be in [0, 1] (the final learning rate as a fraction of lr)",
+                  self.min_lr_ratio)
         self._positive("micro_batch_size")
         for name in ("weight_decay", "grad_clip", "kl_coef", "entropy_coef"):
             self._positive(name, strict=False)

@@ -253,7 +253,8 @@ def train(cfg: TrainConfig) -> dict:
             model_path=str(policy_dir), trainer=dataclasses.asdict(cfg.trainer), temperature=g.temperature,
             generator_handles=handles, generator_replicas=g.replicas, generator_tp=g.tp,
             generator_quantization=g.quantization,
-            resume=str(resume.path) if resume else None, seed=cfg.run.seed, threads=threads),
+            resume=str(resume.path) if resume else None, seed=cfg.run.seed, total_steps=cfg.run.max_steps,
+            threads=threads),
             env={"LLAMARL_EXECUTOR": "trainer"})
         await trainer.acall("push_weights", start_version)
         runlog = RunLog(out, cfg.run.max_steps, initial_step=start_step)

@@ -1,6 +1,7 @@
 """The training loop end to end with real executor processes (smoke-sized): both modes, the staleness
 bound, checkpoints and resume after a kill, executor failure, config rejection."""
 
+import dataclasses
 import json
 import os
 import re
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from llamarl.config_cli import load_config
+from llamarl.executors.trainer import lr_at
 from llamarl.train import main, train
 
 SMOKE = ["--preset", "smoke", "--set", "warm_start.steps=3"]
@@ -106,7 +108,9 @@ def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
 def test_resume_after_kill_continues_from_the_checkpoint(tmp_path):
     out = tmp_path / "run"
     # slow the run down (many steps) so it can be killed mid-way, after its step-2 checkpoint
-    proc = _start(SMOKE + ["--out", str(out), "--max-steps", "5000", "--set", "run.checkpoint_every=2"], tmp_path)
+    schedule = ["--set", "trainer.lr_warmup_steps=3", "--set", "trainer.lr_schedule=linear"]
+    proc = _start(SMOKE + schedule + ["--out", str(out), "--max-steps", "5000", "--set", "run.checkpoint_every=2"],
+                  tmp_path)
     # any checkpoint from step 2 on: step_000002 itself may already be pruned (keep_checkpoints) when polled
     _wait_for(lambda: any(p.name.startswith("step_") and int(p.name[5:]) >= 2
                           for p in (out / "checkpoints").glob("step_*")), 180, proc)
@@ -127,6 +131,11 @@ def test_resume_after_kill_continues_from_the_checkpoint(tmp_path):
     assert sorted(last) == list(range(1, target + 1))
     assert last[target]["policy_version"] == target
     assert saved >= 2
+    # the learning-rate schedule continues from the optimizer's restored step count (over the new horizon)
+    trainer = dataclasses.asdict(cfg.trainer)
+    assert trainer["lr_warmup_steps"] == 3 and trainer["lr_schedule"] == "linear"
+    for r in steps[logged_before:]:
+        assert r["lr"] == pytest.approx(lr_at(r["step"] - 1, trainer, target), rel=1e-12), r["step"]
 
 
 def test_a_killed_executor_ends_the_run_with_its_name(tmp_path):
@@ -264,7 +273,6 @@ def test_generator_replicas_sample_with_different_seeds():
     """Each replica gets its own seed (one seed gave every replica the same random numbers), distinct from
     the seeds of the next steps; outputs come back in prompt-major order."""
     import asyncio
-    import dataclasses
 
     from llamarl.config import TrainConfig
     from llamarl.controller import Controller, Executors

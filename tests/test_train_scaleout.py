@@ -48,6 +48,7 @@ TRAINER = dataclasses.asdict(TrainerConfig(lr=1e-3, weight_decay=0.1, grad_clip=
                                            loss="reference", kl_coef=0.05, entropy_coef=0.01))
 FUSED = {**TRAINER, "loss": "fused", "norm": "sequence"}  # the Triton loss (interpreted on CPU) on the FSDP
 # root's lm_head, with the sequence-mean normalisation (micro-batches weighted by their share of sequences)
+CHECKPOINTED = {**TRAINER, "activation_checkpointing": True}  # layers recomputed in backward, under FSDP
 ROWS = 8  # sequences per step: 4 per rank on 2 ranks, micro-batches of 3 + 1 (one process: 3 + 3 + 2)
 FP32_ATOL = 4e-6  # updated weights vs the single-process trainer (an AdamW step moves each by ~lr; where a
 # gradient is tiny its fp32 rounding moves the step visibly: measured 1.5e-6 flat, 2.3e-6 and 2.8e-6 shared)
@@ -102,8 +103,9 @@ def _bucket_bytes_match(handles, plan, weights: dict[str, torch.Tensor], version
 
 
 @pytest.mark.parametrize("t_ranks, g_ranks, trainer_cfg, shared",
-                         [(2, 2, TRAINER, False), (2, 2, TRAINER, True), (1, 3, TRAINER, False), (2, 1, FUSED, True)],
-                         ids=["2+2", "2+2-shared-prompts", "1+3", "2+1-fused-shared-prompts"])
+                         [(2, 2, TRAINER, False), (2, 2, CHECKPOINTED, True), (1, 3, TRAINER, False),
+                          (2, 1, FUSED, True)],
+                         ids=["2+2", "2+2-shared-prompts-checkpointed", "1+3", "2+1-fused-shared-prompts"])
 def test_sharded_trainer_and_tp_generator_match_one_process(tmp_path, t_ranks, g_ranks, trainer_cfg, shared):
     """The shared-prompt cases check that layout's forward (llamarl.models.shared_prefix) under FSDP, which
     runs every layer twice per micro-batch (prompts, then completions); tests/test_shared_prefix.py checks

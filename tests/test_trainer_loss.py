@@ -10,6 +10,7 @@ Triton loss (interpreted on CPU) must give the same step as the reference for bo
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -117,3 +118,35 @@ def test_the_uncorrected_ablation_keeps_the_kl_term(tmp_path):
     finally:
         ex.close()
         buckets.close()
+
+
+def test_learning_rate_schedule():
+    from llamarl.executors.trainer import lr_at
+
+    cfg = dict(TRAINER, lr=1.0, lr_warmup_steps=4, min_lr_ratio=0.1)
+    warm = [lr_at(k, dict(cfg, lr_schedule=s), 14) for s in ("constant", "cosine", "linear") for k in range(4)]
+    assert warm == [0.25, 0.5, 0.75, 1.0] * 3  # linear warm-up, the same for every schedule
+    assert [lr_at(k, dict(cfg, lr_schedule="constant"), 14) for k in (4, 9, 20)] == [1.0, 1.0, 1.0]
+    # decay over the 10 steps after the warm-up: t = (k - 4) / 10
+    assert lr_at(9, dict(cfg, lr_schedule="linear"), 14) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_at(9, dict(cfg, lr_schedule="cosine"), 14) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_at(6, dict(cfg, lr_schedule="cosine"), 14) == pytest.approx(0.1 + 0.9 * (1 + math.cos(0.2 * math.pi)) / 2)
+    for s in ("cosine", "linear"):
+        assert lr_at(14, dict(cfg, lr_schedule=s), 14) == pytest.approx(0.1)  # the floor, and it stays there
+        assert lr_at(99, dict(cfg, lr_schedule=s), 14) == pytest.approx(0.1)
+        assert lr_at(9, dict(cfg, lr_schedule=s), None) == 1.0  # no horizon: no decay
+    assert lr_at(0, dict(cfg, lr_warmup_steps=0, lr_schedule="linear"), 10) == 1.0
+
+
+def test_trainer_steps_at_the_scheduled_learning_rate(tmp_path):
+    """The rate of each step is the schedule's at the optimizer's step count; AdamW's first step moves
+    each weight by about lr, so the update scales with it."""
+    random_model(CFG).save_pretrained(tmp_path / "model")
+    batch = collate(_batch_rollouts(), ADV, 0)
+    base = dict(TRAINER, lr=1e-3, kl_coef=0.0)
+    full_stats, full_w = single_process_train_step(tmp_path / "model", CFG, batch, base)
+    warm_stats, warm_w = single_process_train_step(tmp_path / "model", CFG, batch, dict(base, lr_warmup_steps=4))
+    assert full_stats["lr"] == 1e-3 and warm_stats["lr"] == 0.25e-3
+    start = dict(random_model(CFG).named_parameters())
+    for name, w in full_w.items():
+        torch.testing.assert_close(warm_w[name] - start[name], 0.25 * (w - start[name]), rtol=1e-3, atol=1e-7)

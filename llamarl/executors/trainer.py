@@ -7,7 +7,9 @@
 in micro-batches of ``micro_batch_size`` sequences whose gradients add up to exactly the full-batch
 gradient (each micro-batch loss is weighted by its share of the batch's loss denominator: its tokens
 for ``norm="token"``, its non-empty sequences for ``norm="sequence"``), then clips the global
-gradient norm and steps AdamW. log π uses the generator's convention: log_softmax(logits / T) in fp32.
+gradient norm and steps AdamW at the step's learning rate (``lr_at``: warm-up, then constant, cosine or
+linear decay over ``total_steps``, counted by the optimizer's own step count, so a resumed run continues
+the schedule). log π uses the generator's convention: log_softmax(logits / T) in fp32.
 The loss runs as the fused Triton kernel (``trainer.loss="fused"``, the default on CUDA) or as the eager
 reference (``"reference"``, the default on CPU, where Triton only runs interpreted). A non-finite loss or
 gradient skips the update (``applied=False``), leaving weights and optimizer state untouched.
@@ -72,7 +74,7 @@ MAX_METRICS = ("ratio_max",)
 class TrainerExecutor:
     def __init__(self, *, model_path: str, trainer: dict, temperature: float, generator_handles: list,
                  generator_replicas: int = 1, generator_tp: int = 1, generator_quantization: str = "none",
-                 resume: str | None = None, seed: int = 0,
+                 resume: str | None = None, seed: int = 0, total_steps: int | None = None,
                  threads: int | None = None, rank_info: RankInfo):
         self.rank, self.world = rank_info.rank, rank_info.world_size
         self.sharded = self.world > 1
@@ -83,11 +85,13 @@ class TrainerExecutor:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
         self.cfg = trainer
+        self.total_steps = total_steps
         self.model_path = model_path
         self.temperature = temperature if temperature > 0 else 1.0
         self.device = torch.device(rank_info.device or "cpu")
         dtype = DTYPES[trainer["dtype"]]
         self.model = Llama.from_pretrained(model_path, dtype=dtype, device=self.device)
+        self.model.activation_checkpointing = trainer["activation_checkpointing"]
         if self.sharded:  # over this group's process group (the default group of an executor process)
             apply_fsdp(self.model, None, FSDPConfig(grad_reduce="sum"))
         self.model.train()
@@ -150,10 +154,11 @@ class TrainerExecutor:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg["grad_clip"] or float("inf"))
         applied = math.isfinite(loss_sum) and bool(torch.isfinite(grad_norm)) and bool(grads)
+        lr = self._set_lr()
         if applied:
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return {"applied": applied, "loss": loss_sum, "grad_norm": float(grad_norm),
+        return {"applied": applied, "loss": loss_sum, "grad_norm": float(grad_norm), "lr": lr,
                 "train_s": time.perf_counter() - t0, **_combine(metrics)}
 
     def push_weights(self, version: int) -> dict:
@@ -220,10 +225,11 @@ class TrainerExecutor:
         dist.all_gather_object(per_rank, local)
         loss_sum = math.fsum(r["loss"] for r in per_rank)
         applied = math.isfinite(loss_sum) and bool(torch.isfinite(grad_norm)) and all(r["grads"] for r in per_rank)
+        lr = self._set_lr()
         if applied:
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return {"applied": applied, "loss": loss_sum, "grad_norm": float(grad_norm),
+        return {"applied": applied, "loss": loss_sum, "grad_norm": float(grad_norm), "lr": lr,
                 "train_s": time.perf_counter() - t0, **_merge_ranks([r["metrics"] for r in per_rank])}
 
     def _sharded_save_checkpoint(self, run_dir: str, step: int, policy_version: int, data_cursor: int,
@@ -248,6 +254,14 @@ class TrainerExecutor:
         if status != "ok":
             raise RuntimeError(f"trainer rank 0 failed to write the checkpoint: {text}")
         return text
+
+    def _set_lr(self) -> float:
+        """Set every parameter group to the learning rate of the next optimizer step; return it."""
+        steps = next((int(st["step"]) for st in self.opt.state.values() if "step" in st), 0)
+        lr = lr_at(steps, self.cfg, self.total_steps)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        return lr
 
     def _on_device(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
         """(row tensors on this device, the loss denominator, the tokens present).
@@ -306,6 +320,27 @@ class TrainerExecutor:
         _, metrics = aipo_loss(logprobs.detach(), part["behavior_logprobs"], adv, part["mask"], rho=c["rho"],
                                norm=c["norm"], ref_logprobs=ref, entropy=entropy.detach())
         return loss, metrics
+
+
+def lr_at(step: int, cfg: dict, total_steps: int | None) -> float:
+    """The learning rate of optimizer step ``step`` (0-based). With W = lr_warmup_steps, S = total_steps,
+    r = min_lr_ratio and t = clamp((step − W) / max(1, S − W), 0, 1):
+
+        step < W:   lr · (step + 1) / W                     (linear warm-up; the first step is not 0)
+        constant:   lr
+        cosine:     lr · (r + (1 − r) · (1 + cos π t) / 2)
+        linear:     lr · (r + (1 − r) · (1 − t))
+
+    Decay needs S (``run.max_steps``); without it the rate stays at lr after the warm-up."""
+    lr, warmup = cfg["lr"], cfg["lr_warmup_steps"]
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if cfg["lr_schedule"] == "constant" or not total_steps:
+        return lr
+    t = min(1.0, max(0.0, (step - warmup) / max(1, total_steps - warmup)))
+    r = cfg["min_lr_ratio"]
+    decay = (1.0 + math.cos(math.pi * t)) / 2.0 if cfg["lr_schedule"] == "cosine" else 1.0 - t
+    return lr * (r + (1.0 - r) * decay)
 
 
 def _hidden(model: Llama, part: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -44,6 +44,11 @@ i + 1's input norm computes the stream ``mlp_out + h`` itself (the final norm do
 layer), so every residual add sits right before a norm. This is the same arithmetic in the same dtype
 as ``x + f(x)``; it lets the fused kernels below do each add in the norm's pass over the row.
 
+Activation checkpointing (``model.activation_checkpointing = True``; training with autograd on): each
+decoder layer runs under non-reentrant ``torch.utils.checkpoint``, so only its inputs are kept and its
+activations are recomputed in backward: one more forward of compute for the activation memory of all
+layers but one. The gradients are those of the plain forward (same ops, recomputed in the same order).
+
 Stacked projections (llamarl.models.stacked): when a layer's q, k, v weights (and its gate, up weights) lie
 end to end in memory, as in the generator's weight buckets or after ``pack_parameters_``, and autograd
 needs no gradient through them, each group runs as one product whose output is split into column slices.
@@ -77,6 +82,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from llamarl.models import cpu_decode, cpu_fused, stacked
@@ -292,6 +298,8 @@ class Llama(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.policy_version: int = 0
+        # recompute each decoder layer in backward instead of keeping its activations (training only)
+        self.activation_checkpointing = False
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
         self.reset_parameters()
 
@@ -411,8 +419,12 @@ class Llama(nn.Module):
             )
         ctx = self._context(input_ids, input_pos, cache, attention_mask, positions)
         x, residual = self.model.embed_tokens(input_ids), None
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.model.layers:
-            x, residual = layer(x, ctx, residual)
+            if recompute:  # non-reentrant: gradients also flow through K/V a cache keeps (shared prefixes)
+                x, residual = torch.utils.checkpoint.checkpoint(layer, x, ctx, residual, use_reentrant=False)
+            else:
+                x, residual = layer(x, ctx, residual)
         return self.model.norm(x, residual)[0]  # LlamaConfig has >= 1 layer, so residual is set
 
     def forward(
