@@ -166,9 +166,6 @@ def check_supported(cfg: TrainConfig) -> None:
         "generator.quantization": (cfg.generator.quantization != "none" and cfg.generator.tp > 1,
                                    "quantized generators run with generator.tp=1 (the tensor-parallel linears "
                                    "are not quantized); use more generator.replicas, or quantization=none"),
-        "trainer.parallel": (cfg.trainer.ranks > 1 and cfg.trainer.parallel != "fsdp",
-                             f"a trainer of {cfg.trainer.ranks} ranks shards with FSDP; "
-                             f"{cfg.trainer.parallel!r} is not implemented, use trainer.parallel=fsdp"),
         "trainer.dtype": (cfg.trainer.dtype != cfg.policy.dtype,
                           f"{cfg.trainer.dtype} differs from policy.dtype={cfg.policy.dtype}, the generator's; the "
                           f"weight sync copies the trainer's weights byte for byte, so set both to the same dtype"),

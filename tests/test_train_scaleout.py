@@ -49,6 +49,7 @@ TRAINER = dataclasses.asdict(TrainerConfig(lr=1e-3, weight_decay=0.1, grad_clip=
 FUSED = {**TRAINER, "loss": "fused", "norm": "sequence"}  # the Triton loss (interpreted on CPU) on the FSDP
 # root's lm_head, with the sequence-mean normalisation (micro-batches weighted by their share of sequences)
 CHECKPOINTED = {**TRAINER, "activation_checkpointing": True}  # layers recomputed in backward, under FSDP
+DDP = {**TRAINER, "parallel": "ddp"}  # whole replicas, gradients all-reduced; each rank syncs its chunk of rows
 ROWS = 8  # sequences per step: 4 per rank on 2 ranks, micro-batches of 3 + 1 (one process: 3 + 3 + 2)
 FP32_ATOL = 4e-6  # updated weights vs the single-process trainer (an AdamW step moves each by ~lr; where a
 # gradient is tiny its fp32 rounding moves the step visibly: measured 1.5e-6 flat, 2.3e-6 and 2.8e-6 shared)
@@ -104,8 +105,9 @@ def _bucket_bytes_match(handles, plan, weights: dict[str, torch.Tensor], version
 
 @pytest.mark.parametrize("t_ranks, g_ranks, trainer_cfg, shared",
                          [(2, 2, TRAINER, False), (2, 2, CHECKPOINTED, True), (1, 3, TRAINER, False),
-                          (2, 1, FUSED, True)],
-                         ids=["2+2", "2+2-shared-prompts-checkpointed", "1+3", "2+1-fused-shared-prompts"])
+                          (2, 1, FUSED, True), (2, 2, DDP, True)],
+                         ids=["2+2", "2+2-shared-prompts-checkpointed", "1+3", "2+1-fused-shared-prompts",
+                              "2+2-ddp-shared-prompts"])
 def test_sharded_trainer_and_tp_generator_match_one_process(tmp_path, t_ranks, g_ranks, trainer_cfg, shared):
     """The shared-prompt cases check that layout's forward (llamarl.models.shared_prefix) under FSDP, which
     runs every layer twice per micro-batch (prompts, then completions); tests/test_shared_prefix.py checks
@@ -182,7 +184,7 @@ def test_train_with_fsdp_trainer_and_tp_generator_then_resume_on_one_rank(tmp_pa
 
 
 @pytest.mark.parametrize("override, field", [
-    (["--set", "trainer.ranks=2", "--set", "trainer.parallel=ddp"], "trainer.parallel"),
+    (["--set", "generator.tp=2", "--set", "generator.quantization=int8"], "generator.quantization"),
     (["--set", "generator.tp=4"], "generator.tp"),  # the tiny model has 2 key/value heads
 ])
 def test_unsupported_scale_out_is_refused_naming_the_field(tmp_path, capsys, override, field):

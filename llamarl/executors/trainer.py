@@ -41,6 +41,12 @@ shards. Protocol of one command (the controller calls every rank with the same a
                   gathered on every rank; rank 0 alone writes the checkpoint (atomically, the single-process
                   format, so a run resumes on any number of ranks) and tells the others its path or error.
     resume        every rank loads the full optimizer state and keeps its shards; RNG states are rank 0's.
+Data-parallel trainer (``trainer.parallel=ddp``, R_t > 1; llamarl.parallel.ddp): every rank keeps the
+whole model and its own AdamW state. The protocol is the same, except: gradients are summed by one
+bucketed all-reduce after the last micro-batch, every rank clips the same gradient and takes the same
+step (the replicas stay bitwise equal); ``push_weights`` sends rank t's dim-0 chunk of every parameter
+(``TrainerLayout(replicated=True)``: the copy work is split, nothing is gathered); ``save_checkpoint``
+needs no gather (rank 0 writes its own copy); ``resume`` loads the optimizer state as one process does.
 The single-rank path (R_t = 1) never touches torch.distributed.
 """
 
@@ -58,8 +64,9 @@ from llamarl.algorithms import aipo_loss, token_logprobs
 from llamarl.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
 from llamarl.models import Llama
 from llamarl.models.shared_prefix import shared_prefix_hidden_states
-from llamarl.parallel import (FSDPConfig, accumulate_gradients, apply_fsdp, clip_grad_norm_, full_optimizer_state,
-                              full_state_dict, load_full_optimizer_state, sync_sources)
+from llamarl.parallel import (FSDPConfig, accumulate_gradients, allreduce_gradients, apply_fsdp, clip_grad_norm_,
+                              full_optimizer_state, full_state_dict, load_full_optimizer_state, replicas_agree,
+                              sync_sources)
 from llamarl.executors.generator import generator_layout
 from llamarl.rollouts import TOTAL_KEYS, slice_rows
 from llamarl.runtime import RankInfo
@@ -77,10 +84,11 @@ class TrainerExecutor:
                  resume: str | None = None, seed: int = 0, total_steps: int | None = None,
                  threads: int | None = None, rank_info: RankInfo):
         self.rank, self.world = rank_info.rank, rank_info.world_size
-        self.sharded = self.world > 1
-        if self.sharded and trainer["parallel"] != "fsdp":
-            raise ValueError(f"trainer.parallel={trainer['parallel']!r}: a trainer of {self.world} ranks shards with "
-                             "FSDP; use trainer.parallel=fsdp")
+        self.distributed = self.world > 1
+        if self.distributed and trainer["parallel"] not in ("fsdp", "ddp"):
+            raise ValueError(f"trainer.parallel={trainer['parallel']!r}: a trainer of {self.world} ranks needs "
+                             "trainer.parallel=fsdp or ddp")
+        self.sharded = self.distributed and trainer["parallel"] == "fsdp"  # else whole replicas (ddp) or one rank
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
@@ -114,7 +122,8 @@ class TrainerExecutor:
                 self.opt.load_state_dict(ckpt.optimizer_state())
             if ckpt.rng_state:
                 restore_rng_state(ckpt.rng_state)
-        plan = plan_sync(llama_param_specs(self.model.config, dtype=dtype), TrainerLayout(world_size=self.world),
+        source = TrainerLayout(world_size=self.world, replicated=self.distributed and not self.sharded)
+        plan = plan_sync(llama_param_specs(self.model.config, dtype=dtype), source,
                          generator_layout(generator_tp, generator_replicas, generator_quantization))
         self.sender = WeightSender(plan, self.rank, generator_handles, device=self.device)
         self.version: int | None = None  # the last version pushed to the generators
@@ -129,7 +138,7 @@ class TrainerExecutor:
         if push and self.version is None:
             raise RuntimeError("train_step(push=True) before any push_weights(version): push the starting "
                                "weights first, so the version count has a start")
-        stats = self._sharded_train_step(batch) if self.sharded else self._train_step(batch)
+        stats = self._distributed_train_step(batch) if self.distributed else self._train_step(batch)
         if push and stats["applied"]:
             stats["sync"] = self.push_weights(self.version + 1)
         stats["version"] = self.version
@@ -173,8 +182,8 @@ class TrainerExecutor:
 
     def save_checkpoint(self, run_dir: str, step: int, policy_version: int, data_cursor: int,
                         keep: int = 3) -> str:
-        if self.sharded:
-            return self._sharded_save_checkpoint(run_dir, step, policy_version, data_cursor, keep)
+        if self.distributed:
+            return self._distributed_save_checkpoint(run_dir, step, policy_version, data_cursor, keep)
         path = save_checkpoint(run_dir, step, policy_state=self._save_policy,
                                optimizer_state=self.opt.state_dict(), policy_version=policy_version,
                                data_cursor=data_cursor, rng_state=capture_rng_state(), keep=keep)
@@ -191,8 +200,8 @@ class TrainerExecutor:
     def close(self) -> None:
         self.sender.close()
 
-    # ------------------------------------------------------------------ the sharded (FSDP) path
-    def _sharded_train_step(self, batch: dict[str, torch.Tensor]) -> dict:
+    # ------------------------------------------------------------------ the multi-rank paths (FSDP, DDP)
+    def _distributed_train_step(self, batch: dict[str, torch.Tensor]) -> dict:
         """``train_step`` on R_t ranks: this rank's rows of the batch; see the module docstring."""
         t0 = time.perf_counter()
         batch, total, kept_tokens = self._on_device(batch)
@@ -215,10 +224,20 @@ class TrainerExecutor:
             return loss * share
 
         self.opt.zero_grad(set_to_none=True)
-        losses = accumulate_gradients(self.model, parts, weighted_loss, average=False)
-        if self.ref is not None:
-            self.ref.reshard()  # its root stays unsharded after a forward without backward
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg["grad_clip"])  # collective
+        if self.sharded:
+            losses = accumulate_gradients(self.model, parts, weighted_loss, average=False)
+            if self.ref is not None:
+                self.ref.reshard()  # its root stays unsharded after a forward without backward
+            grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg["grad_clip"])  # collective
+        else:  # ddp: local backward passes, then one sum over ranks; every rank then clips the same gradient
+            losses = []
+            for part in parts:
+                loss = weighted_loss(part)
+                loss.backward()
+                losses.append(float(loss.detach()))
+            allreduce_gradients(self.model)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                       self.cfg["grad_clip"] or float("inf"))
         local = {"loss": math.fsum(losses), "grads": any(p.grad is not None for p in self.model.parameters()),
                  "metrics": _combine(metrics)}
         per_rank: list = [None] * self.world
@@ -232,11 +251,19 @@ class TrainerExecutor:
         return {"applied": applied, "loss": loss_sum, "grad_norm": float(grad_norm), "lr": lr,
                 "train_s": time.perf_counter() - t0, **_merge_ranks([r["metrics"] for r in per_rank])}
 
-    def _sharded_save_checkpoint(self, run_dir: str, step: int, policy_version: int, data_cursor: int,
-                                 keep: int) -> str:
-        """Gather weights and optimizer state on every rank; rank 0 writes; every rank returns its path."""
-        full = full_state_dict(self.model)  # collectives, in the same order on every rank
-        optimizer_state = full_optimizer_state(self.opt)
+    def _distributed_save_checkpoint(self, run_dir: str, step: int, policy_version: int, data_cursor: int,
+                                     keep: int) -> str:
+        """FSDP: gather weights and optimizer state on every rank (DDP: every rank has them); rank 0 writes;
+        every rank returns its path."""
+        if self.sharded:
+            full = full_state_dict(self.model)  # collectives, in the same order on every rank
+            optimizer_state = full_optimizer_state(self.opt)
+        else:
+            if not replicas_agree(self.model):  # collective; the replicas must still be bitwise equal
+                raise RuntimeError("trainer.parallel=ddp: the trainer ranks' weights have diverged (they must take "
+                                   "identical steps); not writing a checkpoint of one of them")
+            full = {n: p.detach() for n, p in self.model.named_parameters()}
+            optimizer_state = self.opt.state_dict()
         result: list = [None]
         if self.rank == 0:
             try:

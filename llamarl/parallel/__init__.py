@@ -1,4 +1,5 @@
-"""Scale-out building blocks: FSDP2 for the trainer, tensor parallelism for the generator.
+"""Scale-out building blocks: FSDP2 (or plain data parallelism) for the trainer, tensor parallelism for the
+generator.
 
     from llamarl.parallel import apply_fsdp, FSDPConfig, sync_sources, accumulate_gradients
     model = apply_fsdp(Llama(cfg), trainer_group, FSDPConfig(mixed_precision=True))
@@ -16,6 +17,7 @@ Both layouts are the weight sync's (``TrainerLayout`` dim-0 chunks, ``GeneratorL
 column/row splits), so the DDMA planner connects them directly.
 """
 
+from llamarl.parallel.ddp import allreduce_gradients, replicas_agree
 from llamarl.parallel.fsdp import (
     FSDPConfig,
     LocalShard,
@@ -43,7 +45,8 @@ from llamarl.parallel.tensor_parallel import (
 
 __all__ = [
     "ColumnParallelLinear", "FSDPConfig", "LocalShard", "RowParallelLinear", "TPGroup", "VocabParallelEmbedding",
-    "VocabParallelLMHead", "accumulate_gradients", "apply_fsdp", "check_tp_size", "clip_grad_norm_",
+    "VocabParallelLMHead", "accumulate_gradients", "allreduce_gradients", "apply_fsdp", "check_tp_size", "clip_grad_norm_",
     "full_optimizer_state", "full_state_dict", "load_full_optimizer_state", "local_shards", "parallelize_llama",
+    "replicas_agree",
     "sync_sources", "tp_local_config", "tp_shard", "vocab_parallel_logprobs",
 ]
