@@ -122,7 +122,7 @@ class TrainerConfig(_Section):
     lr: float = 1e-5
     # learning rate at optimizer step k (0-based; llamarl.executors.trainer.lr_at): linear warm-up to lr
     # over the first lr_warmup_steps steps, then "constant", or "cosine"/"linear" decay to min_lr_ratio * lr
-    # at run.max_steps
+    # at run.max_steps (a --resume that raises --max-steps stretches the rest of the decay to the new end)
     lr_warmup_steps: int = 0
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     min_lr_ratio: float = 0.0

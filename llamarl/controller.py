@@ -92,12 +92,17 @@ class Controller:
 
     async def produce(self, queue: asyncio.Queue) -> None:
         """Rollouts for the trainer, as a two-stage pipeline: the generators sample step s + 1 while the
-        reward workers score step s. The staleness gate is on sampling, where the versions are fixed."""
+        reward workers score step s. The staleness gate is on sampling, where the versions are fixed. The
+        first step after a checkpoint samples with the checkpointed weights (no run-ahead), as a run
+        resumed from that checkpoint must (it holds no older version): so a resumed run continues exactly
+        like the uninterrupted one, in async mode too, for one pipeline stall per checkpoint."""
         sampled: asyncio.Queue = asyncio.Queue(maxsize=1)
 
         async def sample_all() -> None:
             for step in range(self.step, self.cfg.run.max_steps):
-                await self._wait_until(lambda: self.step >= step - self.max_staleness)  # staleness bound
+                after_checkpoint = self.on_checkpoint and self._due(self.cfg.run.checkpoint_every, step - 1)
+                need = step if after_checkpoint else step - self.max_staleness  # the staleness bound
+                await self._wait_until(lambda: self.step >= need)
                 await sampled.put(await self.sample(step))
 
         async def score_all() -> None:

@@ -12,6 +12,7 @@ import os
 import time
 import traceback
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -64,6 +65,22 @@ def random_model(cfg: LlamaConfig, seed: int = 0) -> Llama:
             if n.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
     return m
+
+
+STEP_STATS = ("loss", "grad_norm", "ratio_mean", "ratio_max", "truncated_frac", "mismatch_kl", "entropy", "kl_ref",
+              "tokens")
+
+
+def assert_same_step(stats: dict, weights: dict, ref_stats: dict, ref_weights: dict, *, atol: float) -> None:
+    """Two trainer steps agree: both applied, the same loss, norm and AIPO metrics (fp32 rel 1e-5), and
+    updated weights within ``atol`` (AdamW's first step is ~lr * g / (|g| + eps): where |g| is near eps,
+    fp32 rounding of g moves the step visibly, so atol is a fraction of lr, not of eps)."""
+    assert stats["applied"] and ref_stats["applied"]
+    for key in STEP_STATS:
+        assert stats[key] == pytest.approx(ref_stats[key], rel=1e-5, abs=1e-6), key
+    assert weights.keys() == ref_weights.keys()
+    for name, w in ref_weights.items():
+        torch.testing.assert_close(weights[name], w, rtol=0, atol=atol, msg=name)
 
 
 def single_process_train_step(model_dir, cfg: LlamaConfig, batch, trainer: dict) -> tuple[dict, dict[str, torch.Tensor]]:
