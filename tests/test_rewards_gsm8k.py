@@ -3,6 +3,8 @@ the format reward, and fuzzing (any string pair scores 0.0 or 1.0 without raisin
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from decimal import Decimal
 
 import pytest
@@ -70,6 +72,25 @@ CASES = [
     ("The answer is 3/4", "0.75", 0.0),  # no fractions: the last number is 4
     ("#### 5e3", "5000", 0.0),  # no scientific notation: 5
     ("#### 72", "720", 0.0),
+    # --- markdown "####" headings are not answer markers ---
+    ("#### Step 1: Cost\n10 * 3 = 30\n#### Step 2: Add tax\n30 + 12 = 42\nThe answer is 42.", "42", 1.0),
+    ("#### Final Answer\nShe has 12 + 30 = 42 apples.", "42", 1.0),
+    ("#### Step 2\nThe answer is 7", "2", 0.0),  # the heading's number is not the answer
+    ("#### Step 2\nThe answer is 7", "7", 1.0),
+    ("##### Step 2\nSo 9", "9", 1.0),  # deeper headings too
+    ("So 42.\n\n#### Check\nWe used 6 boxes of 7", "7", 1.0),  # only headings: the last number
+    ("#### 42\n\n#### Check\nWe used 6 boxes of 7", "42", 1.0),  # an answer marker before a heading
+    ("I computed 72.\n#### seventy-two", "72", 0.0),  # a last-line marker is a declaration, not a heading
+    ("#### Answer: 42 (6 * 7)", "42", 1.0),
+    # --- LaTeX number spellings ---
+    ("\\boxed{1{,}000}", "1000", 1.0),
+    ("#### 1{,}000", "1000", 1.0),
+    ("The total is $1\\,000$.", "1000", 1.0),
+    ("#### 12\\,345\\,678", "12345678", 1.0),
+    ("#### -\\$5", "-5", 1.0),
+    ("$\\boxed{-\\$5}$", "-5", 1.0),
+    ("#### 1000", "#### 1{,}000", 1.0),  # the reference is normalised too
+    ("#### 1\\,2", "12", 0.0),  # a thin space is a thousands separator, like a comma
 ]
 
 
@@ -105,6 +126,27 @@ def test_number_grammar(text, expected):
 def test_marker_without_number_declares_no_answer():
     assert extract_predicted_number("I computed 72. #### ?") is None
     assert extract_predicted_number("I computed 72.") == Decimal(72)
+    assert extract_predicted_number("I computed 72.\n#### ?") is None
+    assert extract_predicted_number("#### Result\nI computed 72.") == Decimal(72)  # a heading
+
+
+# expressions, built in the child process: 200k headings, long '#' runs, many markers, thin spaces, a gap
+_PATHOLOGICAL = [
+    "'#### a\\n' * 200_000 + '5'",
+    "'#' * 1_000_000 + '\\nfoo 5'",
+    "'#### ' * 250_000 + '5'",
+    "'\\\\,' * 500_000 + '5'",
+    "'1' + ' ' * 500_000 + 'x 5'",
+]
+
+
+def test_pathological_inputs_stay_linear():
+    """A quadratic scan would take hours on these; the child is killed instead of the suite hanging."""
+    inputs = ", ".join(_PATHOLOGICAL)
+    code = f"from llamarl.rewards import gsm8k_reward\nprint([gsm8k_reward(c, '5') for c in [{inputs}]])"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == str([1.0] * len(_PATHOLOGICAL))
 
 
 @pytest.mark.parametrize("bad", [None, 72, b"72", ["72"]])

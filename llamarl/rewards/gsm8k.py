@@ -1,9 +1,13 @@
 """GSM8K verifier: is the final number of a completion equal to the reference number?
 
 Extraction (completion):
-  1. If the completion contains the GSM8K marker ``####``, the answer is the first number after the
-     *last* marker. A marker followed by no number means the declared answer is not a number: 0.0.
-  2. Otherwise the answer is the *last* number anywhere in the completion (the usual fallback).
+  1. The GSM8K marker ``####`` declares the answer. The *last* marker that is not a markdown heading
+     decides: its answer is the first number after it (up to the next marker). Such a marker followed
+     by no number means the declared answer is not a number (``72 ... #### seventy-two``): 0.0.
+     A markdown heading is a ``####`` that starts a line, is not directly followed by a number, and has
+     more text on the lines below (``#### Step 2: add tax\n30 + 12 = 42``); it is not an answer marker.
+  2. Otherwise (no marker, or only headings) the answer is the *last* number anywhere in the completion
+     (the usual fallback).
 
 Reference: the text after the last ``####`` when present (a full GSM8K solution may be passed), else
 the whole string; its first number is the reference value.
@@ -12,12 +16,15 @@ A "number" is an optionally signed decimal: ``1,234,567.5`` (comma thousands gro
 numbers), ``-3``, ``.5``, ``0.50``, ``-$5``. Currency signs, percent signs and trailing units are not part
 of the match, so they are ignored (``$1,200`` -> 1200, ``18 eggs`` -> 18, ``12%`` -> 12). A ``-`` right
 after a word character or a closing bracket is an operator, not a sign (``10-4`` holds 10 and 4).
+LaTeX spellings are normalised first, on both sides: ``1{,}000`` -> ``1,000``; a thin space ``\\,`` (or
+``\\!``) between digits is a thousands separator like a comma (``1\\,000`` -> ``1,000``); an escaped dollar
+``\\$`` is a dollar sign (``-\\$5`` -> -5).
 Values compare exactly as ``decimal.Decimal`` (``72.00 == 72``; ``720 != 72``; ``7.2 != 72``). No
 fractions or scientific notation: GSM8K answers are plain decimals.
 
 Invariant: ``gsm8k_reward`` returns exactly 1.0 or 0.0 and never raises, for any pair of strings (and
-for non-strings, which score 0.0). The regexes have no nested unbounded quantifiers, so their cost
-stays linear in the input length whatever the input.
+for non-strings, which score 0.0). The regexes have no nested unbounded quantifiers and the marker scan
+visits each character a bounded number of times, so the cost stays linear in the input length.
 """
 
 from __future__ import annotations
@@ -32,6 +39,16 @@ _NUMBER_RE = re.compile(
     r"(?P<body>\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
 )
 MARKER = "####"
+_LEAD_RE = re.compile(r"\s*\$?\s*")  # what may stand between a marker and its number (as format.py)
+_THIN_SPACE_RE = re.compile(r",\\!|(?<=\d)\\[,!](?=\d)")  # "1,\!000", "1\,000" -> thousands comma
+
+
+def _clean(text: str) -> str:
+    """LaTeX number spellings as plain text: ``1{,}000``/``1\\,000`` -> ``1,000``, ``\\$`` -> ``$``."""
+    if "\\" not in text and "{,}" not in text:
+        return text
+    text = text.replace("{,}", ",").replace("\\$", "$")
+    return _THIN_SPACE_RE.sub(",", text)
 
 
 def _to_decimal(match: re.Match) -> Decimal | None:
@@ -46,24 +63,52 @@ def _to_decimal(match: re.Match) -> Decimal | None:
 def numbers(text: str) -> list[Decimal]:
     """All numbers in ``text``, in order, under the conventions of the module docstring."""
     out = []
-    for m in _NUMBER_RE.finditer(text):
+    for m in _NUMBER_RE.finditer(_clean(text)):
         v = _to_decimal(m)
         if v is not None:
             out.append(v)
     return out
 
 
+def _number_right_after(text: str, pos: int) -> Decimal | None:
+    """The number that directly follows ``text[pos:]`` (spaces and one ``$`` allowed), else None."""
+    m = _NUMBER_RE.match(text, _LEAD_RE.match(text, pos).end())
+    return _to_decimal(m) if m else None
+
+
+def _is_heading(text: str, pos: int, last_content: int) -> bool:
+    """Is the marker at ``pos`` (no number right after it) a markdown heading? See module docstring."""
+    line_start = text.rfind("\n", 0, pos) + 1
+    prefix = text[line_start:pos].lstrip(" \t")
+    if len(prefix) > 2 or prefix.strip("#"):  # text before it on its line ("#####"/"######" are headings)
+        return False  # (so a line holds at most one heading: the scan stays linear)
+    line_end = text.find("\n", pos)
+    return line_end != -1 and line_end < last_content  # more text on the lines below
+
+
 def extract_predicted_number(completion: str) -> Decimal | None:
     """The number a completion declares as its answer (``#### N`` first, else the last number)."""
-    if MARKER in completion:
-        found = numbers(completion.rsplit(MARKER, 1)[1])
-        return found[0] if found else None
-    found = numbers(completion)
+    text = _clean(completion)
+    last_content = len(text.rstrip())
+    end = len(text)  # the current marker's answer runs up to the next marker
+    pos = text.rfind(MARKER)
+    while pos != -1:
+        after = pos + len(MARKER)
+        direct = _number_right_after(text, after)
+        if direct is not None:
+            return direct
+        if not _is_heading(text, pos, last_content):
+            found = numbers(text[after:max(after, end)])
+            return found[0] if found else None
+        end = pos
+        pos = text.rfind(MARKER, 0, pos)
+    found = numbers(text)
     return found[-1] if found else None
 
 
 def extract_reference_number(answer: str) -> Decimal | None:
     """The reference value: the first number after the last ``####`` (or of the whole string)."""
+    answer = _clean(answer)
     tail = answer.rsplit(MARKER, 1)[1] if MARKER in answer else answer
     found = numbers(tail)
     return found[0] if found else None
