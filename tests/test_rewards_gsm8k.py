@@ -165,6 +165,10 @@ def test_non_strings_score_zero(bad):
         ("the answer is 72", 0.0),  # right number, wrong format
         ("#### seventy-two", 0.0),
         ("#### 7\n#### ?", 0.0),  # the last marker decides
+        ("#### 42\n#### Check\n40 + 2 = 42", 1.0),  # ... unless it is a heading, as for the reward
+        ("#### Steps\n40 + 2 = 42", 0.0),  # only a heading: no declared answer
+        ("#### -$5", 1.0),
+        ("#### 1{,}000", 1.0),
         ("", 0.0),
     ],
 )

@@ -1,7 +1,8 @@
 """Format rewards: does a completion state its answer in the form the verifier expects?
 
 Styles (``format_reward(completion, style)`` returns 1.0 or 0.0, never raises):
-  * ``"gsm8k"``: the last ``####`` marker is followed (after spaces and an optional ``$``) by a number;
+  * ``"gsm8k"``: the marker that declares the answer (the last ``####`` that is not a markdown heading, as
+    ``gsm8k_reward`` reads it) is followed (after spaces and an optional ``$``) by a number;
   * ``"math"``:  the completion holds a closed, non-empty ``\\boxed{...}`` (see ``math.last_boxed``);
   * ``"exact"``: the first line, stripped, is one signed integer or decimal (the synthetic task's answer).
 
@@ -17,14 +18,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 from llamarl.rewards.exact import first_line
+from llamarl.rewards.gsm8k import marked_number
 from llamarl.rewards.math import last_boxed
 
-_GSM8K_TAIL_RE = re.compile(r"\s*\$?\s*[-\u2212+]?(?:\d|\.\d)")
 _NUMBER_LINE_RE = re.compile(r"[-+]?\d+(?:\.\d+)?")
 
 
 def _gsm8k_format(completion: str) -> bool:
-    return "####" in completion and _GSM8K_TAIL_RE.match(completion.rsplit("####", 1)[1]) is not None
+    return marked_number(completion) is not None
 
 
 def _math_format(completion: str) -> bool:

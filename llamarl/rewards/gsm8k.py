@@ -39,7 +39,7 @@ _NUMBER_RE = re.compile(
     r"(?P<body>\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
 )
 MARKER = "####"
-_LEAD_RE = re.compile(r"\s*\$?\s*")  # what may stand between a marker and its number (as format.py)
+_LEAD_RE = re.compile(r"\s*\$?\s*")  # what may stand between a marker and its number
 _THIN_SPACE_RE = re.compile(r",\\!|(?<=\d)\\[,!](?=\d)")  # "1,\!000", "1\,000" -> thousands comma
 
 
@@ -86,24 +86,41 @@ def _is_heading(text: str, pos: int, last_content: int) -> bool:
     return line_end != -1 and line_end < last_content  # more text on the lines below
 
 
-def extract_predicted_number(completion: str) -> Decimal | None:
-    """The number a completion declares as its answer (``#### N`` first, else the last number)."""
-    text = _clean(completion)
+def _deciding_marker(text: str) -> tuple[int, int, Decimal | None] | None:
+    """The marker that declares the answer (the last one that is not a heading): (start, end) of its
+    answer span and the number written right after it (or None); None when there is no such marker."""
     last_content = len(text.rstrip())
     end = len(text)  # the current marker's answer runs up to the next marker
     pos = text.rfind(MARKER)
     while pos != -1:
         after = pos + len(MARKER)
         direct = _number_right_after(text, after)
-        if direct is not None:
-            return direct
-        if not _is_heading(text, pos, last_content):
-            found = numbers(text[after:max(after, end)])
-            return found[0] if found else None
+        if direct is not None or not _is_heading(text, pos, last_content):
+            return after, max(after, end), direct
         end = pos
         pos = text.rfind(MARKER, 0, pos)
-    found = numbers(text)
-    return found[-1] if found else None
+    return None
+
+
+def extract_predicted_number(completion: str) -> Decimal | None:
+    """The number a completion declares as its answer (``#### N`` first, else the last number)."""
+    text = _clean(completion)
+    marker = _deciding_marker(text)
+    if marker is None:
+        found = numbers(text)
+        return found[-1] if found else None
+    start, end, direct = marker
+    if direct is not None:
+        return direct
+    found = numbers(text[start:end])
+    return found[0] if found else None
+
+
+def marked_number(completion: str) -> Decimal | None:
+    """The number written right after the marker that declares the answer (``#### 42``, ``#### $-5``), or
+    None: the form the "gsm8k" format reward (llamarl.rewards.format) asks for."""
+    marker = _deciding_marker(_clean(completion))
+    return None if marker is None else marker[2]
 
 
 def extract_reference_number(answer: str) -> Decimal | None:
