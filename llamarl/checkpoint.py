@@ -307,12 +307,22 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, policy_state: Call
     is saved with ``torch.save``; ``data_cursor``/``extra`` must be JSON-serialisable; ``rng_state``
     defaults to ``capture_rng_state()``. Keeps the newest ``keep`` checkpoints.
     """
-    with CheckpointWriter(run_dir, step, keep=keep) as ckpt:
-        if policy_state is not None:
-            ckpt.save_policy(policy_state)
-        if optimizer_state is not None:
-            ckpt.save_optimizer(optimizer_state)
-        ckpt.write_state(policy_version=policy_version, data_cursor=data_cursor, rng_state=rng_state, extra=extra)
+    try:
+        with CheckpointWriter(run_dir, step, keep=keep) as ckpt:
+            if policy_state is not None:
+                ckpt.save_policy(policy_state)
+            if optimizer_state is not None:
+                ckpt.save_optimizer(optimizer_state)
+            ckpt.write_state(policy_version=policy_version, data_cursor=data_cursor, rng_state=rng_state,
+                             extra=extra)
+    except CheckpointError:
+        raise
+    except (OSError, RuntimeError) as exc:  # a full disk shows up as either (torch's writer: RuntimeError)
+        free = shutil.disk_usage(run_dir).free if Path(run_dir).is_dir() else None
+        room = f"; {free / 2**20:.0f} MiB free there" if free is not None else ""
+        raise CheckpointError(f"writing checkpoint step {step} under {run_dir} failed ({type(exc).__name__}: {exc})"
+                              f"{room}; the earlier checkpoints are intact (nothing partial is kept): free some "
+                              "space and continue with --resume") from exc
     return ckpt.root / ckpt.name
 
 

@@ -4,7 +4,10 @@
 (trainer version minus the oldest version among the batch's tokens), reward_mean, step_s (wall time since
 the previous step ended), sync_s (weight sync time after the step), and the AIPO metrics of the update
 (ratio_mean, ratio_max, truncated_frac, mismatch_kl, ...). Evaluation rows are separate objects with
-``"event": "eval"``. Lines are flushed as written, so a crashed run keeps everything up to its last step.
+``"event": "eval"``. Each line is written whole or not at all (a failed write, e.g. a full disk, is cut
+back), so a crashed run keeps everything up to its last step. A resumed run (``initial_step`` = the
+checkpoint's step) first drops what the interrupted run logged after that checkpoint (steps after it, and
+evaluations from it on, which the resumed run redoes) and any torn last line: the file stays one history.
 """
 
 from __future__ import annotations
@@ -32,10 +35,13 @@ class RunLog:
         self.out = out
         self.rows: list[dict] = []
         self.evals: list[dict] = []
-        self._file = None
+        self._fd: int | None = None
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-            self._file = open(out / "metrics.jsonl", "a", buffering=1)
+            path = out / "metrics.jsonl"
+            if path.exists():
+                _keep_history(path, initial_step)
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         disable = not progress or not sys.stderr.isatty() and os.environ.get("LLAMARL_PROGRESS") != "1"
         self.bar = tqdm(total=total_steps, initial=initial_step, desc="rl", unit="step", dynamic_ncols=True,
                         disable=disable)
@@ -44,8 +50,7 @@ class RunLog:
     def step(self, row: dict) -> None:
         row = {k: _jsonable(v) for k, v in row.items()}
         self.rows.append(row)
-        if self._file:
-            self._file.write(json.dumps(row) + "\n")
+        self._write(row)
         acc = self.evals[-1]["accuracy"] if self.evals else float("nan")
         post = dict(reward=f"{row['reward_mean']:.3f}", acc=f"{acc:.3f}", stale=row["staleness"],
                     tok_s=f"{row.get('tokens_per_s', 0):.0f}", sync_ms=f"{1e3 * row['sync_s']:.1f}")
@@ -57,15 +62,31 @@ class RunLog:
     def eval(self, step: int, result: dict) -> None:
         row = {"event": "eval", "step": step, **{k: _jsonable(v) for k, v in result.items()}}
         self.evals.append(row)
-        if self._file:
-            self._file.write(json.dumps(row) + "\n")
+        self._write(row)
         self.bar.write(f"eval @ step {step}: accuracy {row['accuracy']:.3f}")
+
+    def _write(self, row: dict) -> None:
+        """Append one line, whole: a write that fails part-way is truncated back before the error goes on."""
+        if self._fd is None:
+            return
+        data = (json.dumps(row) + "\n").encode()
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError:
+            try:
+                os.ftruncate(self._fd, start)
+            except OSError:
+                pass
+            raise
 
     def close(self) -> None:
         self.bar.close()
-        if self._file:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
 
     def plot(self, path: Path) -> Path | None:
         """reward_mean per step and held-out accuracy per evaluation, against step, as a PNG."""
@@ -90,6 +111,24 @@ class RunLog:
         fig.savefig(path)
         plt.close(fig)
         return path
+
+
+def _keep_history(path: Path, initial_step: int) -> None:
+    """Rewrite ``path`` (atomically) with the lines a run resumed at ``initial_step`` continues: whole JSON
+    rows of steps <= initial_step and evaluations before it."""
+    kept = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a torn line (the crash came mid-write)
+        if not line.endswith("\n") or not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            continue
+        if row["step"] < initial_step or (row["step"] == initial_step and row.get("event") != "eval"):
+            kept.append(line)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def summary_table(summary: dict) -> str:

@@ -222,7 +222,11 @@ def train(cfg: TrainConfig) -> dict:
     out = Path(cfg.run.out) if cfg.run.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     resume = load_latest(cfg.run.resume) if cfg.run.resume else None
     tokenizer, data = load_inputs(cfg, cursor=resume.data_cursor if resume else 0)
-    cfg.save(out)
+    try:
+        cfg.save(out)
+    except OSError as e:
+        raise ConfigError(f"run.out: cannot write the run directory {out}: {e.strerror or e}; pick another --out") \
+            from None
     if resume:
         policy_dir, warm = resume.policy_dir, {"cached": None, "seconds": 0.0}
         log(f"resuming from {resume.path} (step {resume.step}, policy version {resume.policy_version})")
@@ -302,12 +306,50 @@ def _config_error(e: ConfigError) -> int:
     return 2
 
 
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c():
+    """SIGTERM stops the run the way Ctrl-C does (executors shut down, the last checkpoint intact): the
+    handler raises SIGINT, which the event loop turns into cancelling the run. Yields a list that records
+    whether it happened."""
+    import signal
+
+    terminated: list[int] = []
+
+    def on_sigterm(signum, frame):
+        terminated.append(signum)
+        signal.raise_signal(signal.SIGINT)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+    except ValueError:  # not the main thread: leave SIGTERM alone
+        yield terminated
+        return
+    try:
+        yield terminated
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
         check_supported(cfg)
     except ConfigError as e:
         return _config_error(e)
+    with _sigterm_as_ctrl_c() as terminated:
+        try:
+            return _run_main(cfg)
+        except KeyboardInterrupt:
+            if terminated:
+                print("llamarl.train: terminated (SIGTERM); the last checkpoint is intact (continue with --resume)",
+                      file=sys.stderr)
+                return 143
+            print("llamarl.train: interrupted; the last checkpoint is intact (continue with --resume)",
+                  file=sys.stderr)
+            return 130
+
+
+def _run_main(cfg: TrainConfig) -> int:
     try:
         summary = train(cfg)
     except ConfigError as e:  # train() raises it only before it writes or starts anything
@@ -315,9 +357,6 @@ def main(argv: list[str] | None = None) -> int:
     except ExecutorError as e:
         print(f"llamarl.train: an executor failed, the run stopped: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("llamarl.train: interrupted; the last checkpoint is intact (continue with --resume)", file=sys.stderr)
-        return 130
     print("\nllamarl run summary\n" + summary_table(summary) + f"\n  outputs in {summary['out']}")
     return 0
 

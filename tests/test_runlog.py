@@ -1,0 +1,59 @@
+"""metrics.jsonl stays one clean history: whole lines only, and a resumed run continues it without the
+steps the interrupted run logged after its checkpoint."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import pytest
+
+import llamarl.runlog as runlog_module
+from llamarl.runlog import RunLog
+
+
+def _row(step: int) -> dict:
+    return {"step": step, "reward_mean": 0.5, "staleness": 0, "sync_s": 0.0}
+
+
+def _lines(out) -> list[dict]:
+    text = (out / "metrics.jsonl").read_text()
+    assert text == "" or text.endswith("\n")
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_a_resumed_log_drops_what_came_after_the_checkpoint_and_a_torn_line(tmp_path):
+    log = RunLog(tmp_path, 10, progress=False)
+    log.eval(0, {"accuracy": 0.1})
+    for step in range(1, 7):
+        log.step(_row(step))
+        if step % 2 == 0:
+            log.eval(step, {"accuracy": step / 10})
+    log.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "reward_me')  # the crash came mid-write
+    # resumed from the step-4 checkpoint: it redoes the evaluation at step 4 and steps 5, 6, ...
+    log = RunLog(tmp_path, 10, initial_step=4, progress=False)
+    log.eval(4, {"accuracy": 0.4})
+    log.step(_row(5))
+    log.close()
+    got = [(r["step"], r.get("event")) for r in _lines(tmp_path)]
+    assert got == [(0, "eval"), (1, None), (2, None), (2, "eval"), (3, None), (4, None), (4, "eval"), (5, None)]
+
+
+def test_a_failed_write_leaves_no_partial_line(tmp_path, monkeypatch):
+    log = RunLog(tmp_path, 10, progress=False)
+    log.step(_row(1))
+    real_write = runlog_module.os.write
+
+    def disk_full(fd, data):  # writes part of the line, then the disk is full
+        real_write(fd, bytes(data[:5]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(runlog_module.os, "write", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        log.step(_row(2))
+    monkeypatch.setattr(runlog_module.os, "write", real_write)
+    log.step(_row(3))  # space again: the log goes on, whole lines only
+    log.close()
+    assert [r["step"] for r in _lines(tmp_path)] == [1, 3]
