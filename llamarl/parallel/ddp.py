@@ -54,7 +54,7 @@ def allreduce_gradients(model: nn.Module, group: Any = None) -> None:
 def replicas_agree(model: nn.Module, group: Any = None) -> bool:
     """Whether every rank holds bitwise the same parameters (a collective; compares one fp64 checksum per
     tensor, so a difference anywhere shows up unless it cancels exactly)."""
-    sums = torch.stack([p.detach().double().sum() for p in model.parameters()]).cpu()
-    gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, sums, group=group)
-    return all(torch.equal(g, sums) for g in gathered)
+    sums = torch.stack([p.detach().double().sum() for p in model.parameters()]).tolist()
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, sums, group=group)  # objects: any backend, any device
+    return all(g == sums for g in gathered)
