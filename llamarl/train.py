@@ -238,9 +238,10 @@ def train(cfg: TrainConfig) -> dict:
     g = cfg.generator
     threads = max(1, (os.cpu_count() or 2) // (layout.world_size - 1))  # CPU threads per executor process
     # KV-cache slots for every prompt of the run plus its full generation (load_inputs dropped prompts that
-    # leave less than max_new_tokens of the context), so the cache never cuts a completion short
+    # leave less than max_new_tokens of the context), so the cache never cuts a completion short; a multiple
+    # of 64 (attention kernels like aligned lengths), at most the context
     kv_slots = max(2, min(int(model_config.get("max_position_embeddings") or 2048),
-                          data.longest_prompt + g.max_new_tokens))
+                          -(-(data.longest_prompt + g.max_new_tokens) // 64) * 64))
 
     async def main(rt) -> dict:
         _dump_tasks_on_sigusr1()

@@ -139,8 +139,8 @@ def _row_weights(mask: torch.Tensor, norm: str = "token", sequence_ids: torch.Te
     """The weights s_i of the module docstring (fp32 [N]): loss = Σ_i s_i ℓ_i; all 0 if no row is masked in."""
     if norm == "token":
         return mask / mask.sum().clamp(min=1.0)
-    _, seq = torch.unique(sequence_ids, return_inverse=True)
-    lengths = torch.zeros(int(seq.max()) + 1, dtype=mask.dtype, device=mask.device).index_add_(0, seq, mask)
+    names, seq = torch.unique(sequence_ids, return_inverse=True)
+    lengths = torch.zeros(names.numel(), dtype=mask.dtype, device=mask.device).index_add_(0, seq, mask)
     sequences = (lengths > 0).sum().clamp(min=1).to(mask.dtype)
     return mask / (lengths[seq].clamp(min=1.0) * sequences)
 

@@ -215,8 +215,10 @@ class TrainerExecutor:
         parts = [slice_rows(mine, lo, lo + mb) for lo in range(0, per, mb)]
         metrics: list[tuple[float, dict]] = []
 
-        def weighted_loss(part: dict[str, torch.Tensor]) -> torch.Tensor:
+        def weighted_loss(part: dict[str, torch.Tensor]) -> torch.Tensor | None:
             share = self._units(part) / total
+            if share == 0 and not self.sharded:
+                return None  # ddp: nothing to add (the all-reduce treats missing gradients as zeros)
             if share == 0:  # no tokens: still a forward/backward, FSDP's collectives need every rank
                 return _logits(self.model, part).float().sum() * 0.0
             loss, m = self._loss(part)
@@ -233,8 +235,9 @@ class TrainerExecutor:
             losses = []
             for part in parts:
                 loss = weighted_loss(part)
-                loss.backward()
-                losses.append(float(loss.detach()))
+                if loss is not None:
+                    loss.backward()
+                    losses.append(float(loss.detach()))
             allreduce_gradients(self.model)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                        self.cfg["grad_clip"] or float("inf"))

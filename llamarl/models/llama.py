@@ -422,7 +422,8 @@ class Llama(nn.Module):
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.model.layers:
             if recompute:  # non-reentrant: gradients also flow through K/V a cache keeps (shared prefixes)
-                x, residual = torch.utils.checkpoint.checkpoint(layer, x, ctx, residual, use_reentrant=False)
+                x, residual = torch.utils.checkpoint.checkpoint(layer, x, ctx, residual, use_reentrant=False,
+                                                                preserve_rng_state=False)  # no dropout
             else:
                 x, residual = layer(x, ctx, residual)
         return self.model.norm(x, residual)[0]  # LlamaConfig has >= 1 layer, so residual is set

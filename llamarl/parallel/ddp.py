@@ -45,16 +45,21 @@ def allreduce_gradients(model: nn.Module, group: Any = None) -> None:
         per_dtype[-1].append(p.grad)
     for per_dtype in buckets.values():
         for grads in per_dtype:
+            if len(grads) == 1:  # one tensor (e.g. a bucket-sized embedding): reduce it in place, no copy
+                dist.all_reduce(grads[0], group=group)
+                continue
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=group)
             for g, part in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(part.view_as(g))
+            del flat  # before the next bucket is packed: one bucket of extra memory at a time
 
 
 def replicas_agree(model: nn.Module, group: Any = None) -> bool:
     """Whether every rank holds bitwise the same parameters (a collective; compares one fp64 checksum per
     tensor, so a difference anywhere shows up unless it cancels exactly)."""
-    sums = torch.stack([p.detach().double().sum() for p in model.parameters()]).tolist()
+    # summed in chunks, so the fp64 copy is at most 16M elements (not 4x the largest bf16 tensor)
+    sums = [sum(float(c.double().sum()) for c in p.detach().reshape(-1).split(1 << 24)) for p in model.parameters()]
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, sums, group=group)  # objects: any backend, any device
     return all(g == sums for g in gathered)
