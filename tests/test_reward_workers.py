@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
+import signal
+import subprocess
+import sys
 import textwrap
 import time
 
@@ -271,3 +274,137 @@ def test_a_submit_during_the_wakeup_drain_is_not_lost():
             time.sleep(0.005)  # the dispatcher wakes and starts draining (slowly)
             rest = [pool.submit(f"{burst}-{i}", "7", "7") for i in range(4)]
             assert [f.result(timeout=10).reward for f in [first, *rest]] == [1.0] * 5
+
+
+# ------------------------------------------------------------------------------------ process hygiene
+SLEEPING_REWARD = textwrap.dedent(
+    """
+    import os
+    import time
+
+    def reward(completion, answer):
+        if completion == "hang":
+            open(os.environ["LLAMARL_TEST_MARKER"], "w").close()  # "I am inside the function now"
+            time.sleep(600)
+        return float(completion == answer)
+    """
+)
+
+POOL_OWNER = textwrap.dedent(
+    """
+    import os
+    import signal
+    import sys
+    import time
+
+    if __name__ == "__mp_main__" and os.environ.get("LLAMARL_TEST_SIGINT_AT_IMPORT"):
+        # a worker re-importing this module ('spawn' does, before the worker's code runs): a Ctrl-C
+        # arrives while it is still importing
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)  # give a handler the chance to run here, as it would for a real Ctrl-C
+
+    if __name__ == "__main__":
+        from llamarl.rewards import RewardPool
+
+        pool = RewardPool(sys.argv[1], num_workers=1, timeout_s=600.0)
+        mask_after_spawn = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        print("MASK", int(signal.SIGINT in mask_after_spawn), flush=True)
+        future = pool.submit("s0", sys.argv[2], "a")
+        print("PIDS", *pool.worker_pids(), flush=True)
+        if sys.argv[2] == "a":
+            print("RESULT", future.result(timeout=300).reward, flush=True)
+            print("STATS", pool.stats.workers_started, flush=True)
+            pool.close()
+            sys.exit(0)
+        time.sleep(600)  # stuck in the reward function; killed by the test
+    """
+)
+
+
+def _sig_masks(pid: int) -> tuple[int, int]:
+    """(blocked, ignored) signal masks of a running process, from /proc."""
+    fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":" in line)
+    return int(fields["SigBlk"], 16), int(fields["SigIgn"], 16)
+
+
+def _descendants(root: int) -> set[int]:
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+def _start_owner(tmp_path, completion: str, **env_extra: str):
+    (tmp_path / "sleeping_reward.py").write_text(SLEEPING_REWARD)
+    (tmp_path / "pool_owner.py").write_text(POOL_OWNER)
+    marker = tmp_path / "in_reward"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
+               LLAMARL_TEST_MARKER=str(marker), **env_extra)
+    proc = subprocess.Popen(
+        [sys.executable, str(tmp_path / "pool_owner.py"), f"{tmp_path / 'sleeping_reward.py'}:reward", completion],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(tmp_path),
+    )
+    return proc, marker
+
+
+def test_workers_stuck_in_a_reward_die_with_a_killed_owner(tmp_path):
+    # Regression: a worker stuck inside a (hanging) reward function noticed its parent's end only between
+    # samples, so a SIGKILLed/SIGTERMed controller left it (and multiprocessing's resource tracker, which
+    # it keeps alive) running for the length of the hang.
+    proc, marker = _start_owner(tmp_path, "hang")
+    try:
+        assert proc.stdout.readline().startswith("MASK")
+        line = proc.stdout.readline()
+        assert line.startswith("PIDS"), proc.stderr.read() if proc.poll() is not None else line
+        worker = int(line.split()[1])
+        deadline = time.monotonic() + 120  # liveness bound: the worker imports and loads the spec first
+        while not marker.exists() and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        assert marker.exists(), "the worker never entered the reward function"
+        children = _descendants(proc.pid)
+        assert worker in children and len(children) >= 2  # the worker and the resource tracker
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 20  # liveness, not timing: the watchdog reacts within ~1 s
+        while not all(_gone(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [pid for pid in children if not _gone(pid)] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def test_workers_start_with_sigint_blocked_then_ignore_it(tmp_path):
+    # Regression: a Ctrl-C in the first second or two of a worker (while 'spawn' re-imports the parent's
+    # __main__) raised KeyboardInterrupt there: a traceback, and a worker lost to a start failure.
+    proc, _ = _start_owner(tmp_path, "a", LLAMARL_TEST_SIGINT_AT_IMPORT="1")
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "KeyboardInterrupt" not in err and "Traceback" not in err, err
+    lines = dict(line.split(" ", 1) for line in out.splitlines())
+    assert lines["MASK"] == "0"  # the parent's own mask is restored after the spawn
+    assert lines["RESULT"] == "1.0" and lines["STATS"] == "1"  # the first worker survived the Ctrl-C
+    # and a running worker ignores SIGINT with it unblocked (a pending one was discarded, not raised)
+    with RewardPool("exact", num_workers=1) as pool:
+        assert pool.score([("s", "1", "1")])[0].reward == 1.0
+        blocked, ignored = _sig_masks(pool.worker_pids()[0])
+        bit = 1 << (signal.SIGINT - 1)
+        assert ignored & bit and not blocked & bit
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])

@@ -382,3 +382,118 @@ def test_ranks_sharing_a_gpu_talk_over_gloo(capsys):
     assert "NCCL needs one GPU per rank" in capsys.readouterr().err
     cpu = GroupPlacement("generator", "generator", (3, 4), "gloo", False)
     assert group_backend(cpu, ["cpu", "cpu"]) == "gloo"
+
+
+# ------------------------------------------------------------------------------------------ process hygiene
+def test_supervise_reports_the_death_without_an_unretrieved_task_error():
+    # Regression: when the controller coroutine failed (typically with the same death, seen through a
+    # call) in the same instant as the executor died, supervise raised the death and left the task's own
+    # exception unretrieved: asyncio then printed "Task exception was never retrieved" at exit.
+    import gc
+
+    rt = Runtime()
+    death = ExecutorDied("trainer", 0, -signal.SIGKILL, "save_checkpoint")
+    messages: list[str] = []
+
+    async def controller():
+        rt._record_failure(None, death)  # the monitor thread notices the death...
+        raise ExecutorDied("trainer", 0, -signal.SIGKILL, "save_checkpoint")  # ...and the call fails with it
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: messages.append(ctx["message"]))
+        with pytest.raises(ExecutorDied) as info:
+            await rt.supervise(controller())
+        assert info.value is death
+        info.value.__traceback__ = None  # drop the frames that still reference the finished task
+
+    asyncio.run(main())
+    del rt, death
+    gc.collect()
+    assert messages == []
+
+
+STUCK_EXECUTOR = textwrap.dedent("""
+    import os, time
+
+    class Stuck:
+        def __init__(self, *, rank_info):
+            open(os.environ["LLAMARL_TEST_MARKER"], "w").close()  # "I am in my constructor now"
+            time.sleep(600)
+""")
+
+CONTROLLER = textwrap.dedent("""
+    import os, signal, sys, time
+
+    if __name__ == "__mp_main__" and sys.argv[1] == "ctrl-c":
+        # a rank re-importing this module ('spawn' does, before the rank's code runs): a Ctrl-C arrives
+        # while it is still importing
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)  # give a handler the chance to run here, as it would for a real Ctrl-C
+
+    if __name__ == "__main__":
+        from llamarl.runtime import ExecutorGroup
+
+        if sys.argv[1] == "ctrl-c":
+            with ExecutorGroup.spawn("sigint", "llamarl.runtime.testing:ToyExecutor", 1, start_timeout_s=120,
+                                     env={"OMP_NUM_THREADS": "1"}) as g:
+                print("MASK", int(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])), flush=True)
+                status = dict(line.split(":", 1) for line in open(f"/proc/{g.pids[0]}/status").read().splitlines())
+                print("RANK", int(status["SigBlk"], 16), int(status["SigIgn"], 16), flush=True)
+                print("ECHO", g.call("echo", 1).result(timeout=60)[0]["args"], flush=True)
+            sys.exit(0)
+        g = ExecutorGroup.spawn("stuck", "stuck_executor:Stuck", 1, wait_ready=False, env={"OMP_NUM_THREADS": "1"})
+        print("PIDS", g.pids[0], flush=True)
+        time.sleep(600)
+""")
+
+
+def _controller(tmp_path, mode: str) -> subprocess.Popen:
+    (tmp_path / "stuck_executor.py").write_text(STUCK_EXECUTOR)
+    (tmp_path / "controller.py").write_text(CONTROLLER)
+    env = dict(os.environ, PYTHONPATH=str(REPO), LLAMARL_TEST_MARKER=str(tmp_path / "in_ctor"))
+    return subprocess.Popen([sys.executable, str(tmp_path / "controller.py"), mode], env=env, cwd=str(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_rank_stuck_while_starting_dies_with_a_killed_controller(tmp_path):
+    # Regression: a rank noticed a lost controller only through its command connection, which nothing
+    # reads while it bootstraps (torch import, rendezvous, the executor's constructor): a controller
+    # killed then left the rank running until its constructor returned.
+    proc = _controller(tmp_path, "stuck")
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PIDS"), proc.stderr.read() if proc.poll() is not None else line
+        rank = int(line.split()[1])
+        deadline = time.monotonic() + 120  # liveness bound: the rank imports torch first
+        while not (tmp_path / "in_ctor").exists() and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        assert (tmp_path / "in_ctor").exists(), "the rank never reached its constructor"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert _wait_gone([rank], timeout=20) == []  # liveness, not timing: the watch reacts within ~1 s
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def test_a_ctrl_c_while_a_rank_imports_is_discarded_there(tmp_path):
+    # Regression: ranks set SIGINT to ignored only once their code ran, after 'spawn' re-imported the
+    # controller's __main__ (which may import torch: a second or two); a Ctrl-C in that window printed a
+    # KeyboardInterrupt traceback from the rank and killed it.
+    proc = _controller(tmp_path, "ctrl-c")
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "KeyboardInterrupt" not in err and "Traceback" not in err, err
+    lines = dict(line.split(" ", 1) for line in out.splitlines())
+    assert lines["MASK"] == "0"  # the controller's own mask is restored after the spawn
+    blocked, ignored = map(int, lines["RANK"].split())
+    bit = 1 << (signal.SIGINT - 1)
+    assert ignored & bit and not blocked & bit  # the rank ignores SIGINT, no longer blocked
+    assert lines["ECHO"] == "(1,)"

@@ -199,6 +199,48 @@ def test_shared_memory_errors_are_clear():
     assert not _native.shm_unlink(name)
 
 
+def test_segment_names_are_registered_before_the_segments_exist(tiny_plan, monkeypatch):
+    # A kill between creating a segment and registering it would leak it: registration comes first.
+    real = _native.shm_create
+    registered_at_create = {}
+
+    def spying(name, nbytes):
+        registered_at_create[name] = name in cleanup.owned()
+        return real(name, nbytes)
+
+    monkeypatch.setattr(_native, "shm_create", spying)
+    b = GeneratorBuckets.create(tiny_plan, 0, storage="shm", slots=2)
+    try:
+        names = set(b.handle().segments) | {b.control_handle.name}
+        assert set(registered_at_create) == names and all(registered_at_create.values())
+    finally:
+        b.close()
+    assert not names & cleanup.owned() and not names & shm_names()
+
+    # a creation that fails leaves neither a registered name nor a segment behind (the control block is
+    # created first, then the bucket)
+    for fail_at in (1, 2):
+        calls = []
+
+        def failing(name, nbytes):
+            calls.append(name)
+            if len(calls) == fail_at:
+                raise RuntimeError("no room in /dev/shm")
+            return real(name, nbytes)
+
+        monkeypatch.setattr(_native, "shm_create", failing)
+        before = cleanup.owned()
+        with pytest.raises(RuntimeError, match="no room"):
+            GeneratorBuckets.create(tiny_plan, 0, storage="shm", slots=2)
+        assert len(calls) == fail_at
+        assert cleanup.owned() == before and not set(calls) & shm_names()
+    # releasing a registered name that was never created is harmless
+    name = cleanup.unique_name("never")
+    cleanup.register(name)
+    cleanup.release(name)
+    assert name not in cleanup.owned() and not _native.shm_unlink(name)
+
+
 def test_indexed_copy_bounds_are_checked_per_buffer():
     a, b = torch.zeros(8, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"copy op 1 \(src_buf 0, dst_buf 1\): writes past the end"):
@@ -213,6 +255,8 @@ import sys, torch
 from llamarl.weight_sync import GeneratorBuckets, GeneratorLayout, TrainerLayout, llama_param_specs, plan_sync
 specs = llama_param_specs(dict(vocab_size=7, hidden_size=4, intermediate_size=6, num_hidden_layers=1,
                                num_attention_heads=2), torch.float32)
+from llamarl.weight_sync import cleanup
+cleanup.register(cleanup.unique_name("never_created"))  # harmless for every unlink path, the reaper's too
 b = GeneratorBuckets.create(plan_sync(specs, TrainerLayout(1), GeneratorLayout()), 0, storage="shm", slots=2)
 h = b.handle()
 print(" ".join(h.segments + (h.control.name,)), flush=True)

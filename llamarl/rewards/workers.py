@@ -27,7 +27,16 @@ Failure handling (a bad reward function costs one sample, never the run):
 
 Invariants: every submitted future is resolved exactly once (a result, or an error when the pool is
 closed or broken); ``close()`` returns only after every worker process has been joined (no children
-left behind; no multiprocessing Queue/Lock is used, so no resource-tracker helper is started either).
+left behind). No multiprocessing Queue/Lock is used; the "spawn" start method itself starts
+multiprocessing's resource-tracker helper (one per parent process), which exits once the parent and
+every worker, which all hold its pipe, have exited.
+
+A parent that dies without closing the pool (SIGKILL, SIGTERM, a crash) leaves no worker behind either:
+each worker runs a watchdog thread that waits on its parent's liveness (``parent_process().sentinel``,
+plus a ``getppid`` check) and ends the worker with ``os._exit(1)`` as soon as the parent is gone, even
+while the main thread is stuck inside a hanging reward function. Ctrl-C belongs to the parent: a worker
+is started with SIGINT blocked (so a Ctrl-C while it is still importing modules cannot interrupt it with
+a KeyboardInterrupt traceback) and sets SIGINT to ignored before unblocking it.
 """
 
 from __future__ import annotations
@@ -38,7 +47,6 @@ import math
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
-import signal
 import threading
 import time
 import traceback
@@ -47,6 +55,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
+from llamarl._procs import exit_when_parent_dies, ignore_sigint, sigint_blocked
 from llamarl.rewards.registry import load_reward, warm_up
 
 logger = logging.getLogger(__name__)
@@ -108,14 +117,21 @@ def _as_reward(value: Any) -> float:
 
 
 def _worker_main(conn: mpc.Connection, spec: str, format_weight: float, format_style: str | None) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it closes the pool
+    ignore_sigint()  # started with SIGINT blocked (sigint_blocked); Ctrl-C is the parent's to handle
+    exit_when_parent_dies(name="llamarl-reward-parent-watch")
     try:
         fn = load_reward(spec, format_weight=format_weight, format_style=format_style)
         warm_up(spec)
     except BaseException as e:
-        conn.send(("load_error", _describe_exception(e)))
+        try:
+            conn.send(("load_error", _describe_exception(e)))
+        except (BrokenPipeError, OSError):
+            pass  # the parent is gone: nobody to tell
         return
-    conn.send(("ready", os.getpid()))
+    try:
+        conn.send(("ready", os.getpid()))
+    except (BrokenPipeError, OSError):
+        return
     while True:
         try:
             msg = conn.recv()
@@ -158,7 +174,8 @@ class _Worker:
         self.process = ctx.Process(
             target=_worker_main, args=(child_conn, *args), daemon=True, name=f"llamarl-reward-{index}"
         )
-        self.process.start()
+        with sigint_blocked():  # the child inherits the mask: no KeyboardInterrupt while it imports
+            self.process.start()
         child_conn.close()
         self.conn = parent_conn
         self.ready = False

@@ -19,6 +19,10 @@ of the group fails with ``ExecutorDied``, the group's surviving ranks are termin
 member cannot run collectives), ``group.failed`` raises, and ``on_failure`` callbacks run (on the monitor
 thread: keep them short and thread-safe; use ``loop.call_soon_threadsafe`` to reach asyncio).
 
+Ctrl-C is the controller's alone: ranks are started with SIGINT blocked and ignore it (``server.py``).
+A locally spawned rank also exits by itself when the controller process dies, however it dies, even
+mid-bootstrap (``server.py``).
+
 Shutdown (``shutdown()``, context exit, or the atexit hook for groups still alive at interpreter exit):
 queued commands finish, each rank gets ``__close__`` (its ``close()`` runs), processes are joined with a
 timeout, then terminated, then killed; no child process outlives the group.
@@ -44,6 +48,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Iterable, Sequence
 
+from llamarl._procs import sigint_blocked
 from llamarl.runtime import server
 from llamarl.runtime.net import free_port
 from llamarl.runtime.rpc import (
@@ -128,7 +133,10 @@ class ExecutorGroup:
                 parent_conn, child_conn = ctx.Pipe(duplex=True)
                 process = ctx.Process(target=server.child_main, args=(child_conn,),
                                       name=f"llamarl-{name}-{rank}", daemon=False)
-                with _environment(child_env):  # the child starts with it: before it imports anything
+                # The child starts with the environment and with SIGINT blocked (it sets SIGINT to ignored
+                # and unblocks it first thing, server.child_main): a Ctrl-C while it is still importing
+                # modules is discarded there instead of printing a KeyboardInterrupt traceback.
+                with _environment(child_env), sigint_blocked():
                     process.start()
                 child_conn.close()  # keep only the child's copy, so its death reads as EOF here
                 links.append(RankLink(parent_conn, process))

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Awaitable, Callable, TypeVar
 
+from llamarl._procs import exit_when_parent_dies
 from llamarl.runtime import server
 from llamarl.runtime.executor import ExecutorGroup, FailureCallback, RankLink
 from llamarl.runtime.net import free_port, routable_address
@@ -270,6 +271,10 @@ class Runtime:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
             if died.done():
+                # The controller may have failed too, typically with the same death seen through a call
+                # (both can be done by now): the death is what we report; mark the task's error as
+                # retrieved so asyncio does not print "Task exception was never retrieved" for it.
+                _retrieve(task)
                 self.shutdown(timeout=2.0)  # in-flight commands of the others are abandoned, not awaited
                 raise died.exception()
             return task.result()
@@ -277,8 +282,10 @@ class Runtime:
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+            _retrieve(task)  # e.g. it failed while this coroutine was being cancelled (Ctrl-C)
             if not died.done():
                 died.cancel()
+            _retrieve(died)  # a death that arrived while we were already unwinding for another reason
 
     # ---------------------------------------------------------------- shutdown
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -377,6 +384,12 @@ class Runtime:
             raise
 
 
+def _retrieve(fut: asyncio.Future) -> None:
+    """Mark the exception of a done, non-cancelled future/task as retrieved (we report another one)."""
+    if fut.done() and not fut.cancelled():
+        fut.exception()
+
+
 def _store(tr: TorchrunEnv, timeout_s: float, *, host: bool = False):
     """The job's TCPStore at MASTER_ADDR:MASTER_PORT; ``host``: this process serves it (the controller,
     unless the torchrun agent does)."""
@@ -387,7 +400,9 @@ def _store(tr: TorchrunEnv, timeout_s: float, *, host: bool = False):
 
 
 def _serve_layout_rank(layout: Layout, tr: TorchrunEnv, global_rank: int, timeout_s: float) -> None:
-    """Entry point of the child that serves layout rank ``global_rank`` for a shared torchrun rank 0."""
+    """Entry point of the child that serves layout rank ``global_rank`` for a shared torchrun rank 0; it
+    exits by itself if rank 0 (its parent, the controller) dies, even before its connection is up."""
+    exit_when_parent_dies(server.hard_exit)
     sys.exit(serve_torchrun(layout, tr, timeout_s=timeout_s, global_rank=global_rank))
 
 

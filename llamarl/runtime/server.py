@@ -18,8 +18,13 @@ differs):
 
 A reader thread receives messages while the main thread executes commands, so the controller never
 blocks sending to a busy rank, and a lost controller is noticed even mid-command: on EOF without a
-prior close the process exits at once with code 1 (its work has no receiver any more). SIGINT is ignored
-in spawned ranks so that Ctrl-C reaches only the controller, which then shuts everything down in order.
+prior close the process exits at once with code 1 (its work has no receiver any more). A locally
+spawned rank also watches its parent process as soon as its own code runs (``exit_when_parent_dies``),
+so a controller killed while the rank is still bootstrapping (importing torch, in the process-group
+rendezvous, in the executor's constructor) or inside ``close()`` does not leave it behind either.
+SIGINT is ignored in spawned ranks so that Ctrl-C reaches only the controller, which then shuts
+everything down in order; the launcher starts them with SIGINT blocked, so a Ctrl-C that arrives while
+a rank is still importing modules is discarded rather than raised there as a KeyboardInterrupt.
 This module imports torch lazily (only once the bootstrap arrives), so importing it is cheap.
 """
 
@@ -29,13 +34,13 @@ import datetime
 import importlib
 import os
 import queue
-import signal
 import sys
 import threading
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from llamarl._procs import exit_when_parent_dies, ignore_sigint
 from llamarl.runtime.rpc import (
     BOOTSTRAP_ID,
     CLOSE,
@@ -53,7 +58,10 @@ _EOF = object()
 
 def child_main(conn: Connection) -> None:
     """Entry point of a locally spawned rank (the ``target`` of its ``multiprocessing`` process)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The launcher started us with SIGINT blocked (ExecutorGroup.spawn): ignore it before unblocking, so
+    # that a Ctrl-C which arrived while this process was importing is discarded, not raised.
+    ignore_sigint()
+    exit_when_parent_dies(hard_exit)  # hard_exit flushes stdio first (os._exit 2 s later if that blocks)
     hard_exit(serve(conn))  # skip interpreter teardown: no atexit surprises from libraries in a finished rank
 
 

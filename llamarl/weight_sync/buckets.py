@@ -130,20 +130,27 @@ class GeneratorBuckets:
         if ctl.handle.nslots != slots:
             raise ValueError(f"control block has {ctl.handle.nslots} slots but slots={slots} was asked for")
         mems: list = []
+        pending: str | None = None  # a registered shm name not yet in mems
         try:
             for b, slot_nbytes in enumerate(layout.slot_nbytes):
                 nbytes = slots * slot_nbytes
                 if storage == "shm":
-                    name = cleanup.unique_name(f"g{rank}b{b}")
-                    mem = _native.shm_create(name, nbytes)
-                    cleanup.register(name)
+                    # Register the name before creating the segment, so that no instant exists where the
+                    # segment exists but nothing would unlink it if this process were killed (unlinking
+                    # a name that was never created is harmless: see cleanup.register).
+                    pending = cleanup.unique_name(f"g{rank}b{b}")
+                    cleanup.register(pending)
+                    mem = _native.shm_create(pending, nbytes)
                 elif storage == "cuda":
                     mem = _native.cuda_bucket(nbytes, device.index)
                     mem.zero()
                 else:
                     mem = torch.zeros(nbytes, dtype=torch.uint8, device=device)
                 mems.append(mem)
+                pending = None
         except BaseException:
+            if pending is not None:
+                cleanup.release(pending)
             for m in mems:
                 if storage == "shm":
                     cleanup.release(m.name)

@@ -78,7 +78,13 @@ def _tell_reaper(line: str) -> None:
 
 
 def register(name: str) -> None:
-    """Record a segment this process created; it will be unlinked however the process ends."""
+    """Record a segment this process owns; it will be unlinked however the process ends.
+
+    Call it *before* creating the segment (with a fresh ``unique_name``): then no moment exists at which
+    the segment exists but is unknown to the reaper. Every unlink path tolerates a name that was never
+    created (``release`` and the atexit hook via ``_native.shm_unlink``, which returns False on ENOENT;
+    the reaper ignores ``OSError``), so a creation that fails or never happens costs nothing; call
+    ``release(name)`` then to forget it."""
     with _lock:
         _owned.add(name)
         _tell_reaper("+" + name)

@@ -81,15 +81,22 @@ class VersionControl:
         if not (1 <= n_writers <= max_peers and 1 <= n_readers <= max_peers):
             raise ValueError(f"n_writers and n_readers must be in [1, {max_peers}], got {n_writers}, {n_readers}")
         if shared:
+            # Registered before it exists: a kill between creating and registering would leak the
+            # segment; unlinking a name that was never created is harmless (see cleanup.register).
             name = cleanup.unique_name("ctl")
-            mem = _native.shm_create(name, n)
             cleanup.register(name)
+            try:
+                mem = _native.shm_create(name, n)
+                _native.native().ctl_init(mem, nslots, n_writers, n_readers)
+            except BaseException:
+                cleanup.release(name)
+                raise
         else:
             name = None
             raw = np.zeros(n + 128, dtype=np.uint8)
             off = (-raw.ctypes.data) % 128
             mem = raw[off:off + n]
-        _native.native().ctl_init(mem, nslots, n_writers, n_readers)
+            _native.native().ctl_init(mem, nslots, n_writers, n_readers)
         return cls(mem, ControlHandle(name, n, nslots, n_writers, n_readers, os.getpid()), owner=True)
 
     @classmethod
