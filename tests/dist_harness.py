@@ -36,6 +36,20 @@ def _entry(fn, rank: int, world: int, workdir: str) -> None:
         os._exit(1)
 
 
+def finish_quietly(proc, timeout: float = 300.0) -> dict[str, str]:
+    """Wait for a child Python process that prints ``KEY value`` lines; it must exit 0 without any traceback
+    (a KeyboardInterrupt one included). Returns its lines as a dict; the child is killed if it overruns."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert "KeyboardInterrupt" not in err and "Traceback" not in err, err
+    return dict(line.split(" ", 1) for line in out.splitlines())
+
+
 def launch(fn, world: int, workdir, timeout: float = 150.0) -> list[dict]:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "llamarl.models", "llamarl.parallel"])

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from dist_harness import finish_quietly
 from llamarl.rewards import (
     FormattedReward,
     RewardPool,
@@ -390,15 +391,7 @@ def test_workers_start_with_sigint_blocked_then_ignore_it(tmp_path):
     # Regression: a Ctrl-C in the first second or two of a worker (while 'spawn' re-imports the parent's
     # __main__) raised KeyboardInterrupt there: a traceback, and a worker lost to a start failure.
     proc, _ = _start_owner(tmp_path, "a", LLAMARL_TEST_SIGINT_AT_IMPORT="1")
-    try:
-        out, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, err
-    assert "KeyboardInterrupt" not in err and "Traceback" not in err, err
-    lines = dict(line.split(" ", 1) for line in out.splitlines())
+    lines = finish_quietly(proc)
     assert lines["MASK"] == "0"  # the parent's own mask is restored after the spawn
     assert lines["RESULT"] == "1.0" and lines["STATS"] == "1"  # the first worker survived the Ctrl-C
     # and a running worker ignores SIGINT with it unblocked (a pending one was discarded, not raised)
