@@ -325,15 +325,21 @@ class TrainerExecutor:
         if self.fused:
             from llamarl_kernels import fused_aipo_loss
 
+            # the trained positions, found once (one host sync) before the forward is queued; every [rows,
+            # positions] tensor is then gathered with them, without a sync of its own
+            width = part["mask"].shape[1]
+            idx = (part["mask"] > 0).reshape(-1).nonzero().squeeze(1)
+
+            def pick(t: torch.Tensor) -> torch.Tensor:
+                return t.reshape(-1, *t.shape[2:]).index_select(0, idx)
+
             hidden = _hidden(self.model, part)
-            keep = part["mask"] > 0
-            rows = torch.arange(keep.shape[0], device=keep.device)[:, None].expand_as(keep)
-            return fused_aipo_loss(hidden[keep], self.model.lm_head_weight, part["targets"][keep],
-                                   part["behavior_logprobs"][keep], adv[keep], part["mask"][keep],
+            return fused_aipo_loss(pick(hidden), self.model.lm_head_weight, pick(part["targets"]),
+                                   pick(part["behavior_logprobs"]), pick(adv), pick(part["mask"]),
                                    rho=c["rho"], temperature=self.temperature,
-                                   ref_logprobs=None if ref is None else ref[keep], kl_coef=c["kl_coef"],
+                                   ref_logprobs=None if ref is None else pick(ref), kl_coef=c["kl_coef"],
                                    entropy_coef=c["entropy_coef"], norm=c["norm"],
-                                   sequence_ids=rows[keep] if c["norm"] == "sequence" else None)
+                                   sequence_ids=idx // width if c["norm"] == "sequence" else None)
         logprobs, entropy = token_logprobs(_logits(self.model, part), part["targets"], self.temperature)
         return aipo_loss(logprobs, part["behavior_logprobs"], adv, part["mask"], rho=c["rho"], norm=c["norm"],
                          ref_logprobs=ref, kl_coef=c["kl_coef"], entropy=entropy, entropy_coef=c["entropy_coef"])
