@@ -122,6 +122,13 @@ def _score_in_process(
     return reward, None
 
 
+def eos_ids(tokenizer, config) -> list[int]:
+    """Where generation ends: the tokenizer's eos and every eos id of the model's config (instruct
+    checkpoints often list more than one, e.g. end-of-turn and end-of-text). Training and evaluation stop
+    at the same tokens."""
+    return sorted({int(tokenizer.eos_id), *getattr(config, "eos_token_ids", ())})
+
+
 def evaluate(
     model: Any,
     tokenizer: Any,
@@ -196,7 +203,7 @@ def evaluate(
         batch = token_ids[b0 : b0 + batch_size]
         batch_params = replace(params, seed=seed * 1_000_003 + b0)  # fresh randomness per batch
         with torch.inference_mode():
-            outs = engine.generate(batch, batch_params, eos_token_id=tokenizer.eos_id)
+            outs = engine.generate(batch, batch_params, eos_token_id=eos_ids(tokenizer, config))
         for out in outs:
             i = b0 + out.prompt_index
             s = samples[i]

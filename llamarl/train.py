@@ -42,8 +42,8 @@ from llamarl.checkpoint import load_latest
 from llamarl.config import REWARD_NAMES, ConfigError, TrainConfig
 from llamarl.config_cli import load_config
 from llamarl.controller import Controller, Executors
-from llamarl.eval import evaluate
-from llamarl.models import CharTokenizer, Llama, LLAMA_CONFIGS, load_tokenizer
+from llamarl.eval import eos_ids, evaluate
+from llamarl.models import CharTokenizer, Llama, LlamaConfig, LLAMA_CONFIGS, load_tokenizer
 from llamarl.rewards import RewardPool, load_reward
 from llamarl.runlog import RunLog, summary_table
 from llamarl.runtime import ExecutorError, RewardSpec, TorchrunEnv, run, serve_torchrun
@@ -248,7 +248,8 @@ def train(cfg: TrainConfig) -> dict:
         gens = rt.spawn_role("generator", "llamarl.executors.generator:GeneratorExecutor", init_kwargs=dict(
             model_config=model_config, dtype=cfg.policy.dtype, trainer_ranks=cfg.trainer.ranks,
             replicas=g.replicas, max_batch_size=max(g.prompts_per_step * g.samples_per_prompt, cfg.data.eval_size),
-            max_seq_len=kv_slots, pad_id=tokenizer.pad_id, threads=threads, quantization=g.quantization),
+            max_seq_len=kv_slots, pad_id=tokenizer.pad_id, threads=threads, quantization=g.quantization,
+            eos_token_ids=eos_ids(tokenizer, LlamaConfig.from_hf_dict(model_config))),
             env={"LLAMARL_EXECUTOR": "generator"})
         handles = [h for grp in gens for h in await grp.acall("handle")]  # every TP rank of every replica
         trainer, = rt.spawn_role("trainer", "llamarl.executors.trainer:TrainerExecutor", init_kwargs=dict(

@@ -61,7 +61,7 @@ class ScriptedEngine:
             completions = self.script[self.tok.decode(ids)]
             assert len(completions) == params.n
             for j, text in enumerate(completions):
-                toks = self.tok.encode(text) + [eos_token_id]
+                toks = self.tok.encode(text) + [eos_token_id if isinstance(eos_token_id, int) else eos_token_id[0]]
                 outs.append(GenerationOutput(b, j, list(ids), toks, [0.0] * len(toks), [0] * len(toks), "stop"))
         return outs
 
@@ -236,3 +236,16 @@ def test_python_dash_m_llamarl_eval(checkpoint, tmp_path):
     assert "accuracy=" in proc.stdout and "pass@1=" in proc.stdout and "pass@2=" in proc.stdout
     assert "eval: 100%" in proc.stderr  # the tqdm progress bar
     assert len(out.read_text().splitlines()) == 12
+
+
+def test_generation_stops_at_the_tokenizer_eos_and_every_config_eos():
+    """Training rollouts and evaluation stop at the same tokens: the union of the tokenizer's eos and the
+    model config's eos ids (the generator used only the config's, evaluation only the tokenizer's)."""
+    from llamarl.eval import eos_ids
+    from llamarl.models import CharTokenizer, LlamaConfig
+
+    tok = CharTokenizer()
+    base = dict(vocab_size=tok.vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, max_position_embeddings=32)
+    assert eos_ids(tok, LlamaConfig(**base, eos_token_id=(7, tok.eos_id))) == sorted({7, tok.eos_id})
+    assert eos_ids(tok, LlamaConfig(**base, eos_token_id=None)) == [tok.eos_id]

@@ -40,8 +40,10 @@ def test_char_tokenizer_roundtrip_and_alphabet():
     assert tok.decode([tok.bos_id, *tok.encode("ab"), tok.eos_id]) == "ab"
     assert tok.decode([tok.bos_id, *tok.encode("ab"), tok.eos_id], skip_special_tokens=False) == "<bos>ab<eos>"
     assert tok.encode("é") == [tok.unk_id] and tok.decode([tok.unk_id]) == "\ufffd"
-    with pytest.raises(ValueError, match="outside"):
-        tok.decode([tok.vocab_size])
+    # ids past the vocabulary (a model's padded embedding rows) decode to nothing; negative ids are errors
+    assert tok.decode([*tok.encode("a"), tok.vocab_size, tok.vocab_size + 27, *tok.encode("b")]) == "ab"
+    with pytest.raises(ValueError, match="negative"):
+        tok.decode([-1])
 
 
 def test_char_tokenizer_chat_template_and_save(tmp_path):
@@ -90,6 +92,10 @@ def test_hf_tokenizer_matches_transformers(hf_dir):
     assert tok.encode(text, add_bos=True) == [ref.bos_token_id] + ids
     assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
     assert tok.decode(ids, skip_special_tokens=False) == ref.decode(ids) == text
+    padded = ids[:3] + [len(ref), len(ref) + 100] + ids[3:]  # ids of a model's padded embedding rows
+    assert tok.decode(padded) == ref.decode(padded, skip_special_tokens=True) == tok.decode(ids)
+    with pytest.raises(ValueError, match="negative"):
+        tok.decode([-1])
     for gen in (True, False):
         assert tok.apply_chat_template(MESSAGES, add_generation_prompt=gen) == ref.apply_chat_template(
             MESSAGES, tokenize=False, add_generation_prompt=gen

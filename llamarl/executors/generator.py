@@ -66,7 +66,8 @@ def generator_layout(tp: int, replicas: int, quantization: str = "none") -> Gene
 class GeneratorExecutor:
     def __init__(self, *, model_config: dict, dtype: str, trainer_ranks: int, replicas: int = 1,
                  max_batch_size: int = 64, max_seq_len: int | None = None, pad_id: int = 0, slots: int = 2,
-                 threads: int | None = None, quantization: str = "none", rank_info: RankInfo):
+                 threads: int | None = None, quantization: str = "none", eos_token_ids: list[int] | None = None,
+                 rank_info: RankInfo):
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device(rank_info.device or "cpu")
@@ -90,6 +91,7 @@ class GeneratorExecutor:
                 raise ValueError(f"generator.quantization={quantization!r} needs generator.tp=1")
             names = self._quantize(quantization)
         self.pad_id = pad_id
+        self.eos = None if eos_token_ids is None else tuple(eos_token_ids)  # None: the model config's
         # replica groups are named "generator" (one replica) or "generator.<i>"
         replica = int(rank_info.group.rsplit(".", 1)[1]) if "." in rank_info.group else 0
         plan = plan_sync(llama_param_specs(config, dtype=DTYPES[dtype]), TrainerLayout(world_size=trainer_ranks),
@@ -159,11 +161,11 @@ class GeneratorExecutor:
         if self.tp_size == 1:
             with self.receiver.reading() as version:
                 self.model.policy_version = version
-                outs = self.engine.generate(prompts, params, pad_token_id=self.pad_id)
+                outs = self.engine.generate(prompts, params, eos_token_id=self.eos, pad_token_id=self.pad_id)
         else:
             with self._tp_reading(params) as (version, params):
                 self.model.policy_version = version
-                outs = self.engine.generate(prompts, params, pad_token_id=self.pad_id)
+                outs = self.engine.generate(prompts, params, eos_token_id=self.eos, pad_token_id=self.pad_id)
         return [dataclasses.asdict(o) | {"prompt_token_ids": None} for o in outs]
 
     @contextlib.contextmanager

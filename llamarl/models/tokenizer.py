@@ -21,6 +21,10 @@ template from ``tokenizer_config.json`` (or ``chat_template.jinja``). Templates 
 jinja2 in a sandbox, with the same conventions as transformers (``trim_blocks``, ``lstrip_blocks``,
 ``raise_exception``, ``strftime_now``, a ``tojson`` that does not HTML-escape). A checkpoint without a pad
 token gets ``pad_id = eos_id`` (padding is always masked, the id only has to be valid).
+
+Decoding ids past the tokenizer's vocabulary: many checkpoints pad their embedding matrix beyond the
+tokenizer (e.g. to a multiple of 64 or 128), so a sampler can emit ids no tokenizer entry covers. Both
+tokenizers decode such ids to nothing, as Hugging Face ``tokenizers`` does; a negative id is an error.
 """
 
 from __future__ import annotations
@@ -117,8 +121,10 @@ class CharTokenizer:
         out = []
         for i in ids:
             i = int(i)
-            if not 0 <= i < CHAR_VOCAB_SIZE:
-                raise ValueError(f"token id {i} is outside the CharTokenizer vocabulary [0, {CHAR_VOCAB_SIZE})")
+            if i < 0:
+                raise ValueError(f"negative token id {i}")
+            if i >= CHAR_VOCAB_SIZE:  # a model's padded embedding rows: no text (module docstring)
+                continue
             if i >= len(CHAR_SPECIALS):
                 out.append(CHAR_ALPHABET[i - len(CHAR_SPECIALS)])
             elif i == CHAR_UNK_ID:
@@ -219,10 +225,11 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        bad = [i for i in ids if i < 0]
         if bad:
-            raise ValueError(f"token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+            raise ValueError(f"negative token id(s) {bad[:5]}")
+        # ids past the vocabulary (a model's padded embedding rows) have no text (module docstring)
+        return self._tok.decode([i for i in ids if i < self.vocab_size], skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
