@@ -347,6 +347,12 @@ def run(args: argparse.Namespace) -> EvalResult:
               "pass@k then equals pass@1", file=sys.stderr)
     max_new = args.max_new_tokens if args.max_new_tokens is not None else (16 if synthetic else 256)
 
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").is_file() and ((model_dir / "checkpoints").is_dir()
+                                                      or (model_dir / "policy").is_dir()):
+        inner = "checkpoints/step_NNNNNN/policy" if (model_dir / "checkpoints").is_dir() else "policy"
+        kind = "checkpoint" if inner == "policy" else "run"
+        raise ValueError(f"--model {args.model} is a training {kind} directory, not a model: pass {model_dir / inner}")
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     stops = args.stop if args.stop is not None else (["\\n"] if synthetic else [])
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]

@@ -249,3 +249,11 @@ def test_generation_stops_at_the_tokenizer_eos_and_every_config_eos():
                 num_attention_heads=2, max_position_embeddings=32)
     assert eos_ids(tok, LlamaConfig(**base, eos_token_id=(7, tok.eos_id))) == sorted({7, tok.eos_id})
     assert eos_ids(tok, LlamaConfig(**base, eos_token_id=None)) == [tok.eos_id]
+
+
+def test_a_run_or_checkpoint_directory_as_model_names_the_policy_directory(tmp_path, capsys):
+    (tmp_path / "run" / "checkpoints" / "step_000004" / "policy").mkdir(parents=True)
+    for given, want in (("run", "run/checkpoints/step_NNNNNN/policy"),
+                        ("run/checkpoints/step_000004", "run/checkpoints/step_000004/policy")):
+        assert main(["--model", str(tmp_path / given), "--dataset", "synthetic:arithmetic", "--limit", "1"]) == 2
+        assert f"pass {tmp_path / want}" in capsys.readouterr().err
