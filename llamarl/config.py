@@ -194,6 +194,10 @@ class DataConfig(_Section):
     prompt_field: str = "question"
     answer_field: str = "answer"
     template: str = "{prompt}"
+    # render each prompt with the tokenizer's chat template as one user turn (instruct models), after
+    # ``template``; ``system`` adds a system message. As llamarl.eval --chat/--system.
+    chat: bool = False
+    system: str | None = None
     few_shot: int = 0
     eval_size: int = 64
 
@@ -213,6 +217,9 @@ class DataConfig(_Section):
                   f"formatting failed with {type(exc).__name__}: {exc}", self.template)
         if "{prompt}" not in self.template:
             _fail("data.template", "must contain {prompt}", self.template)
+        if self.system is not None and not self.chat:
+            _fail("data.system", "needs data.chat=true (a raw prompt has no roles; put the text into data.template)",
+                  self.system)
 
 
 @dataclass(frozen=True)

@@ -145,6 +145,9 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
     if tokenizer.vocab_size > int(model["vocab_size"]):
         raise ConfigError(f"policy.tokenizer: it has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                           f"{model['vocab_size']}; use the model's own tokenizer")
+    if cfg.data.chat and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("data.chat: the tokenizer has no chat template (chat_template in tokenizer_config.json or "
+                          "a chat_template.jinja file); add one or set data.chat=false")
     context = int(model.get("max_position_embeddings") or 2048)
     max_prompt = context - cfg.generator.max_new_tokens
     if max_prompt < 1:

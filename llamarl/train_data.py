@@ -38,7 +38,8 @@ class TrainData:
     def __init__(self, cfg: DataConfig, tokenizer, *, seed: int = 0, cursor: int = 0,
                  max_prompt_tokens: int | None = None):
         self.cfg = cfg
-        self.formatter = PromptFormatter(PromptFormat(template=cfg.template), tokenizer=tokenizer)
+        self.formatter = PromptFormatter(PromptFormat(template=cfg.template, chat=cfg.chat, system=cfg.system),
+                                         tokenizer=tokenizer)
         self.dropped = 0
         self._seed = seed
         self._task, self._pool = None, None  # the training stream's source: the synthetic task or the file's pool

@@ -361,3 +361,26 @@ def test_an_unwritable_run_directory_is_refused_before_anything_starts(tmp_path,
     (tmp_path / "file").write_text("")
     assert main(SMOKE + ["--out", str(tmp_path / "file" / "run")]) == 2
     assert "run.out: cannot write the run directory" in capsys.readouterr().err
+
+
+def test_chat_formatted_training_prompts(tmp_path):
+    """data.chat renders every training and held-out prompt with the tokenizer's chat template (one user
+    turn after data.template, data.system as a system message), and a run trains on them."""
+    from llamarl.config import DataConfig
+    from llamarl.data import Sample
+    from llamarl.models import CharTokenizer
+    from llamarl.train_data import TrainData
+
+    tok = CharTokenizer()
+    cfg = DataConfig(template="Solve: {prompt}", chat=True, system="Be brief.", eval_size=8)
+    data = TrainData(cfg, tok)
+    sample = data.heldout[0]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Solve: {sample.prompt}"}]
+    assert data.formatter.render(sample) == tok.apply_chat_template(messages, add_generation_prompt=True)
+    assert data.encode([sample])[0] == tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+    assert max(len(p) for p in data.encode(data.heldout + data.next(500))) <= data.longest_prompt
+    assert data.formatter.render(Sample("x", "1+1=", "2")) != TrainData(DataConfig(eval_size=8), tok).formatter.render(
+        Sample("x", "1+1=", "2"))
+    out = tmp_path / "run"
+    assert main(SMOKE + ["--set", "data.chat=true", "--max-steps", "2", "--out", str(out)]) == 0
+    assert [r["step"] for r in read_metrics(out)[0]] == [1, 2]
