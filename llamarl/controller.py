@@ -100,8 +100,7 @@ class Controller:
 
         async def sample_all() -> None:
             for step in range(self.step, self.cfg.run.max_steps):
-                after_checkpoint = self.on_checkpoint and self._due(self.cfg.run.checkpoint_every, step - 1)
-                need = step if after_checkpoint else step - self.max_staleness  # the staleness bound
+                need = step if self._checkpoint_after(step - 1) else step - self.max_staleness  # the staleness bound
                 await self._wait_until(lambda: self.step >= need)
                 await sampled.put(await self.sample(step))
 
@@ -119,8 +118,7 @@ class Controller:
         ahead = 1 if self.max_staleness >= 1 else 0
         for step in range(self.step, self.cfg.run.max_steps):
             batch = await queue.get()
-            after_checkpoint = self.on_checkpoint and self._due(self.cfg.run.checkpoint_every, step - 1)
-            need = step if after_checkpoint else step - ahead
+            need = step if self._checkpoint_after(step - 1) else step - ahead
             await self._wait_until(lambda: self._finished >= need)
             # an applied update is pushed as the trainer's next version in the same call
             await submitted.put((step, batch, self.ex.trainer.acall("train_step", batch.meta["tensors"], push=True)))
@@ -132,7 +130,7 @@ class Controller:
             await self.train(step, batch, result)
             if self._due(self.cfg.run.eval_every, step):
                 await self.evaluate(step + 1)
-            if self.on_checkpoint and self._due(self.cfg.run.checkpoint_every, step):
+            if self._checkpoint_after(step):
                 await self.on_checkpoint(step + 1, self.version, batch.meta["cursor_after"])
             async with self._progress:
                 self._finished = step + 1
@@ -241,6 +239,11 @@ class Controller:
 
     def _due(self, every: int, step: int) -> bool:
         return every > 0 and (step + 1) % every == 0 and step + 1 < self.cfg.run.max_steps
+
+    def _checkpoint_after(self, step: int) -> bool:
+        """Whether a checkpoint is written after step ``step`` (the next step must then start from exactly
+        the saved state)."""
+        return self.on_checkpoint is not None and self._due(self.cfg.run.checkpoint_every, step)
 
 
 async def _run_stages(*stages: Awaitable[None]) -> None:
