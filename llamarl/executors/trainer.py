@@ -161,14 +161,9 @@ class TrainerExecutor:
             loss_sum += float(loss.detach()) * float(share)
             metrics.append((float(part["mask"].sum() / kept_tokens), m))
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg["grad_clip"] or float("inf"))
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg["grad_clip"])
         applied = math.isfinite(loss_sum) and bool(torch.isfinite(grad_norm)) and bool(grads)
-        lr = self._set_lr()
-        if applied:
-            self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return {"applied": applied, "loss": loss_sum, "grad_norm": float(grad_norm), "lr": lr,
-                "train_s": time.perf_counter() - t0, **_combine(metrics)}
+        return self._apply_update(applied, loss_sum, grad_norm, t0, _combine(metrics))
 
     def push_weights(self, version: int) -> dict:
         if self.sharded:
@@ -230,7 +225,6 @@ class TrainerExecutor:
             losses = accumulate_gradients(self.model, parts, weighted_loss, average=False)
             if self.ref is not None:
                 self.ref.reshard()  # its root stays unsharded after a forward without backward
-            grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg["grad_clip"])  # collective
         else:  # ddp: local backward passes, then one sum over ranks; every rank then clips the same gradient
             losses = []
             for part in parts:
@@ -239,20 +233,14 @@ class TrainerExecutor:
                     loss.backward()
                     losses.append(float(loss.detach()))
             allreduce_gradients(self.model)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                       self.cfg["grad_clip"] or float("inf"))
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg["grad_clip"])  # global norm (FSDP: collective)
         local = {"loss": math.fsum(losses), "grads": any(p.grad is not None for p in self.model.parameters()),
                  "metrics": _combine(metrics)}
         per_rank: list = [None] * self.world
         dist.all_gather_object(per_rank, local)
         loss_sum = math.fsum(r["loss"] for r in per_rank)
         applied = math.isfinite(loss_sum) and bool(torch.isfinite(grad_norm)) and all(r["grads"] for r in per_rank)
-        lr = self._set_lr()
-        if applied:
-            self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return {"applied": applied, "loss": loss_sum, "grad_norm": float(grad_norm), "lr": lr,
-                "train_s": time.perf_counter() - t0, **_merge_ranks([r["metrics"] for r in per_rank])}
+        return self._apply_update(applied, loss_sum, grad_norm, t0, _merge_ranks([r["metrics"] for r in per_rank]))
 
     def _distributed_save_checkpoint(self, run_dir: str, step: int, policy_version: int, data_cursor: int,
                                      keep: int) -> str:
@@ -285,13 +273,18 @@ class TrainerExecutor:
             raise RuntimeError(f"trainer rank 0 failed to write the checkpoint: {text}")
         return text
 
-    def _set_lr(self) -> float:
-        """Set every parameter group to the learning rate of the next optimizer step; return it."""
+    def _apply_update(self, applied: bool, loss: float, grad_norm: torch.Tensor, t0: float, metrics: dict) -> dict:
+        """The end of a step on every path: AdamW at the scheduled learning rate (``lr_at``, at the
+        optimizer's own step count) if ``applied``, gradients cleared, and the step's stats."""
         steps = next((int(st["step"]) for st in self.opt.state.values() if "step" in st), 0)
         lr = lr_at(steps, self.cfg, self.total_steps)
         for group in self.opt.param_groups:
             group["lr"] = lr
-        return lr
+        if applied:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return {"applied": applied, "loss": loss, "grad_norm": float(grad_norm), "lr": lr,
+                "train_s": time.perf_counter() - t0, **metrics}
 
     def _on_device(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
         """(row tensors on this device, the loss denominator, the tokens present).

@@ -180,7 +180,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for FSDP (DTensor) gradients; returns the global L2 norm.
+    """``torch.nn.utils.clip_grad_norm_`` for plain or FSDP (DTensor) gradients; returns the global L2 norm.
 
     The norm is that of the whole, unsharded gradient: each rank takes the norm of its shards and the
     squares are summed over the mesh (a collective: call it on every rank), so every rank gets the same
