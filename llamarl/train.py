@@ -43,6 +43,7 @@ from llamarl.config import REWARD_NAMES, ConfigError, TrainConfig
 from llamarl.config_cli import load_config
 from llamarl.controller import Controller, Executors
 from llamarl.eval import eos_ids, evaluate
+from llamarl.generation.engine import cache_slots
 from llamarl.models import CharTokenizer, Llama, LlamaConfig, LLAMA_CONFIGS, load_tokenizer
 from llamarl.rewards import RewardPool, load_reward
 from llamarl.runlog import RunLog, summary_table
@@ -236,15 +237,14 @@ def train(cfg: TrainConfig) -> dict:
     else:
         policy_dir, warm = prepare_policy(cfg, tokenizer, data)
     model_config = json.loads((Path(policy_dir) / "config.json").read_text())
+    policy_config = LlamaConfig.from_hf_dict(model_config)
     start_step = resume.step if resume else 0
     start_version = resume.policy_version if resume else 0
     g = cfg.generator
     threads = max(1, (os.cpu_count() or 2) // (layout.world_size - 1))  # CPU threads per executor process
-    # KV-cache slots for every prompt of the run plus its full generation (load_inputs dropped prompts that
-    # leave less than max_new_tokens of the context), so the cache never cuts a completion short; a multiple
-    # of 64 (attention kernels like aligned lengths), at most the context
-    kv_slots = max(2, min(int(model_config.get("max_position_embeddings") or 2048),
-                          -(-(data.longest_prompt + g.max_new_tokens) // 64) * 64))
+    # KV-cache slots for any batch of the run's prompts (1 to longest_prompt tokens) with its full generation,
+    # so the cache never cuts a completion short; a multiple of 64 (attention kernels like aligned lengths)
+    kv_slots = -(-cache_slots([1, data.longest_prompt], g.max_new_tokens, policy_config) // 64) * 64
 
     async def main(rt) -> dict:
         _dump_tasks_on_sigusr1()
@@ -252,7 +252,7 @@ def train(cfg: TrainConfig) -> dict:
             model_config=model_config, dtype=cfg.policy.dtype, trainer_ranks=cfg.trainer.ranks,
             replicas=g.replicas, max_batch_size=max(g.prompts_per_step * g.samples_per_prompt, cfg.data.eval_size),
             max_seq_len=kv_slots, pad_id=tokenizer.pad_id, threads=threads, quantization=g.quantization,
-            eos_token_ids=eos_ids(tokenizer, LlamaConfig.from_hf_dict(model_config))),
+            eos_token_ids=eos_ids(tokenizer, policy_config)),
             env={"LLAMARL_EXECUTOR": "generator"})
         handles = [h for grp in gens for h in await grp.acall("handle")]  # every TP rank of every replica
         trainer, = rt.spawn_role("trainer", "llamarl.executors.trainer:TrainerExecutor", init_kwargs=dict(
