@@ -21,6 +21,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from llamarl._fs import write_text_atomic
+
 
 def _jsonable(v: Any) -> Any:
     if hasattr(v, "item"):
@@ -126,9 +128,7 @@ def _keep_history(path: Path, initial_step: int) -> None:
             continue
         if row["step"] < initial_step or (row["step"] == initial_step and row.get("event") != "eval"):
             kept.append(line)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(kept))
 
 
 def summary_table(summary: dict) -> str:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from llamarl._fs import write_text_atomic
 from llamarl.models.config import LlamaConfig
 from llamarl.models.packing import owns_storage
 
@@ -263,6 +264,4 @@ def save_llama(model, path: str | os.PathLike, max_shard_bytes: int | None = Non
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")

@@ -35,6 +35,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from llamarl._fs import write_text_atomic
+
 CHAR_SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHAR_PAD_ID, CHAR_BOS_ID, CHAR_EOS_ID, CHAR_UNK_ID = 0, 1, 2, 3
 CHAR_ALPHABET = "\n" + "".join(chr(c) for c in range(0x20, 0x7F))
@@ -148,7 +150,7 @@ class CharTokenizer:
             "unk_token": CHAR_SPECIALS[CHAR_UNK_ID],
             "chat_template": self.chat_template,
         }
-        _atomic_write_text(d / TOKENIZER_CONFIG, json.dumps(cfg, indent=2))
+        write_text_atomic(d / TOKENIZER_CONFIG, json.dumps(cfg, indent=2))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "CharTokenizer":
@@ -288,7 +290,7 @@ class HFTokenizer:
         }
         if self.chat_template:
             cfg["chat_template"] = self.chat_template
-        _atomic_write_text(d / TOKENIZER_CONFIG, json.dumps(cfg, indent=2, ensure_ascii=False))
+        write_text_atomic(d / TOKENIZER_CONFIG, json.dumps(cfg, indent=2, ensure_ascii=False))
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.source!r}, vocab_size={self.vocab_size})"
@@ -332,7 +334,3 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
