@@ -102,14 +102,19 @@ def _aipo_rows_kernel(
             tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=valid)
 
 
-def _row_vector(where: str, name: str, t: torch.Tensor, n_rows: int, device: torch.device) -> torch.Tensor:
-    """Check a per-row input and return it as a contiguous fp32 vector."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+def _check_row_shape(where: str, name: str, t: torch.Tensor, n_rows: int, device: torch.device) -> None:
+    """A per-row input is ``[N]`` on hidden's device."""
     if tuple(t.shape) != (n_rows,):
         raise ValueError(f"{where}: {name} has shape {tuple(t.shape)}, expected [N] = ({n_rows},) like hidden rows")
     if t.device != device:
         raise ValueError(f"{where}: {name} is on {t.device} but hidden is on {device}")
+
+
+def _row_vector(where: str, name: str, t: torch.Tensor, n_rows: int, device: torch.device) -> torch.Tensor:
+    """Check a per-row input and return it as a contiguous fp32 vector."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    _check_row_shape(where, name, t, n_rows, device)
     if name == "mask":
         if t.dtype != torch.bool and not bool(((t == 0) | (t == 1)).all()):
             raise ValueError(f"{where}: mask must be boolean or hold only 0 and 1")
@@ -125,13 +130,9 @@ def _sequence_ids(where: str, ids, n_rows: int, device: torch.device) -> torch.T
     if not isinstance(ids, torch.Tensor):
         raise ValueError(f"{where}: norm='sequence' needs sequence_ids, an integer tensor [N] naming the "
                          f"sequence of each row (e.g. the batch row the token came from); got {type(ids).__name__}")
+    _check_row_shape(where, "sequence_ids", ids, n_rows, device)
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise ValueError(f"{where}: sequence_ids must be an integer tensor, got {ids.dtype}")
-    if tuple(ids.shape) != (n_rows,):
-        raise ValueError(f"{where}: sequence_ids has shape {tuple(ids.shape)}, expected [N] = ({n_rows},) "
-                         "like hidden rows")
-    if ids.device != device:
-        raise ValueError(f"{where}: sequence_ids is on {ids.device} but hidden is on {device}")
     return ids
 
 
