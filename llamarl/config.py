@@ -252,6 +252,7 @@ class RunConfig(_Section):
     eval_every: int = 10  # steps; 0: evaluate only before and after
     checkpoint_every: int = 25  # steps; 0: only at the end
     keep_checkpoints: int = 3
+    log_samples: int = 2  # decoded completions per step written to OUT/samples.jsonl (0: none)
     out: str | None = None
     resume: str | None = None
     layout: str | None = None
@@ -260,7 +261,7 @@ class RunConfig(_Section):
     def check(self) -> None:
         self._positive("max_steps")
         self._positive("keep_checkpoints")
-        for name in ("max_staleness", "seed", "eval_every", "checkpoint_every"):
+        for name in ("max_staleness", "seed", "eval_every", "checkpoint_every", "log_samples"):
             self._positive(name, strict=False)
         if self.mode == "sync" and self.max_staleness != 0:
             _fail("run.max_staleness", "must be 0 in sync mode (sync means no run-ahead); drop it or use "

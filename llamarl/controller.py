@@ -161,8 +161,14 @@ class Controller:
             r.reward, r.reward_error = s.reward, s.error
         batch = RolloutBatch(rollouts, n=n, generate_s=sampled.generate_s, score_s=time.perf_counter() - t2,
                              meta={"step": step, "cursor_after": sampled.cursor})
-        # advantages and the trainer's tensors are prepared here, off the trainer's critical path
+        # advantages, the trainer's tensors and the logged samples are prepared here, off the trainer's path
         advantages = group_advantages(batch.rewards(), n, method=self.cfg.trainer.advantage)
+        batch.meta["samples"] = [
+            {"step": step + 1, "sample_id": r.sample_id, "prompt": self.tok.decode(r.prompt_ids, skip_special_tokens=False),
+             "completion": r.text, "answer": r.answer, "reward": r.reward, "reward_error": r.reward_error,
+             "advantage": float(a), "finish_reason": r.finish_reason, "tokens": len(r.completion_ids),
+             "min_version": r.min_version}
+            for r, a in zip(rollouts[:self.cfg.run.log_samples], advantages)]
         t = self.cfg.trainer
         exact = t.kl_coef == 0 and t.entropy_coef == 0  # A = 0 rows add nothing; see llamarl.rollouts
         batch.meta["tensors"] = collate(rollouts, advantages, self.tok.pad_id,
@@ -194,6 +200,7 @@ class Controller:
             "reward_errors": sum(r.reward_error is not None for r in batch.rollouts),
             "rows_trained": int(batch.meta["tensors"]["targets"].shape[0]), **stats,
         })
+        self.log.samples(batch.meta["samples"])
         self._last_step_end = now
         async with self._progress:
             self.step = step + 1

@@ -1,13 +1,16 @@
-"""What a training run leaves behind: metrics.jsonl, summary.json, a plot, a progress bar, a summary table.
+"""What a training run leaves behind: metrics.jsonl, samples.jsonl, summary.json, a plot, a progress bar,
+a summary table.
 
 ``metrics.jsonl`` has one JSON object per training step with at least: step, policy_version, staleness
 (trainer version minus the oldest version among the batch's tokens), reward_mean, step_s (wall time since
 the previous step ended), sync_s (weight sync time after the step), and the AIPO metrics of the update
 (ratio_mean, ratio_max, truncated_frac, mismatch_kl, ...). Evaluation rows are separate objects with
-``"event": "eval"``. Each line is written whole or not at all (a failed write, e.g. a full disk, is cut
-back), so a crashed run keeps everything up to its last step. A resumed run (``initial_step`` = the
-checkpoint's step) first drops what the interrupted run logged after that checkpoint (steps after it, and
-evaluations from it on, which the resumed run redoes) and any torn last line: the file stays one history.
+``"event": "eval"``. ``samples.jsonl`` holds a few decoded completions of each step (``run.log_samples``:
+prompt, completion, answer, reward, advantage, ...), to read what the policy actually writes. Each line is
+written whole or not at all (a failed write, e.g. a full disk, is cut back), so a crashed run keeps
+everything up to its last step. A resumed run (``initial_step`` = the checkpoint's step) first drops what
+the interrupted run logged after that checkpoint (steps after it, and evaluations from it on, which the
+resumed run redoes) and any torn last line, in both files: each stays one history.
 """
 
 from __future__ import annotations
@@ -38,12 +41,11 @@ class RunLog:
         self.rows: list[dict] = []
         self.evals: list[dict] = []
         self._fd: int | None = None
+        self._samples_fd: int | None = None
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-            path = out / "metrics.jsonl"
-            if path.exists():
-                _keep_history(path, initial_step)
-            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._fd = _open_history(out / "metrics.jsonl", initial_step)
+            self._samples_fd = _open_history(out / "samples.jsonl", initial_step)
         disable = not progress or not sys.stderr.isatty() and os.environ.get("LLAMARL_PROGRESS") != "1"
         self.bar = tqdm(total=total_steps, initial=initial_step, desc="rl", unit="step", dynamic_ncols=True,
                         disable=disable)
@@ -52,7 +54,7 @@ class RunLog:
     def step(self, row: dict) -> None:
         row = {k: _jsonable(v) for k, v in row.items()}
         self.rows.append(row)
-        self._write(row)
+        _append(self._fd, row)
         acc = self.evals[-1]["accuracy"] if self.evals else float("nan")
         post = dict(reward=f"{row['reward_mean']:.3f}", acc=f"{acc:.3f}", stale=row["staleness"],
                     tok_s=f"{row.get('tokens_per_s', 0):.0f}", sync_ms=f"{1e3 * row['sync_s']:.1f}")
@@ -64,31 +66,21 @@ class RunLog:
     def eval(self, step: int, result: dict) -> None:
         row = {"event": "eval", "step": step, **{k: _jsonable(v) for k, v in result.items()}}
         self.evals.append(row)
-        self._write(row)
+        _append(self._fd, row)
         self.bar.write(f"eval @ step {step}: accuracy {row['accuracy']:.3f}")
 
-    def _write(self, row: dict) -> None:
-        """Append one line, whole: a write that fails part-way is truncated back before the error goes on."""
-        if self._fd is None:
-            return
-        data = (json.dumps(row) + "\n").encode()
-        start = os.lseek(self._fd, 0, os.SEEK_END)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self._fd, view):]
-        except OSError:
-            try:
-                os.ftruncate(self._fd, start)
-            except OSError:
-                pass
-            raise
+    def samples(self, rows: list[dict]) -> None:
+        """Append decoded completions (each row has the ``step`` it was trained in) to samples.jsonl."""
+        for row in rows:
+            _append(self._samples_fd, {k: _jsonable(v) for k, v in row.items()})
 
     def close(self) -> None:
         self.bar.close()
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            os.close(fd)
+        for name in ("_fd", "_samples_fd"):
+            fd = getattr(self, name)
+            if fd is not None:
+                setattr(self, name, None)
+                os.close(fd)
 
     def plot(self, path: Path) -> Path | None:
         """reward_mean per step and held-out accuracy per evaluation, against step, as a PNG."""
@@ -113,6 +105,32 @@ class RunLog:
         fig.savefig(path)
         plt.close(fig)
         return path
+
+
+def _append(fd: int | None, row: dict) -> None:
+    """Append one JSON line to ``fd``, whole: a write that fails part-way is truncated back before the
+    error goes on. No-op without a file (``fd`` None)."""
+    if fd is None:
+        return
+    data = (json.dumps(row) + "\n").encode()
+    start = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:
+        try:
+            os.ftruncate(fd, start)
+        except OSError:
+            pass
+        raise
+
+
+def _open_history(path: Path, initial_step: int) -> int:
+    """An append-only descriptor of ``path``, after dropping what a resumed run redoes (``_keep_history``)."""
+    if path.exists():
+        _keep_history(path, initial_step)
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
 
 def _keep_history(path: Path, initial_step: int) -> None:

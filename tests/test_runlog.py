@@ -16,8 +16,8 @@ def _row(step: int) -> dict:
     return {"step": step, "reward_mean": 0.5, "staleness": 0, "sync_s": 0.0}
 
 
-def _lines(out) -> list[dict]:
-    text = (out / "metrics.jsonl").read_text()
+def _lines(out, name: str = "metrics.jsonl") -> list[dict]:
+    text = (out / name).read_text()
     assert text == "" or text.endswith("\n")
     return [json.loads(line) for line in text.splitlines()]
 
@@ -39,6 +39,21 @@ def test_a_resumed_log_drops_what_came_after_the_checkpoint_and_a_torn_line(tmp_
     log.close()
     got = [(r["step"], r.get("event")) for r in _lines(tmp_path)]
     assert got == [(0, "eval"), (1, None), (2, None), (2, "eval"), (3, None), (4, None), (4, "eval"), (5, None)]
+
+
+def test_samples_jsonl_is_resumed_like_metrics(tmp_path):
+    log = RunLog(tmp_path, 10, progress=False)
+    for step in range(1, 7):
+        log.samples([{"step": step, "completion": f"c{step}.{i}", "reward": float("nan")} for i in range(2)])
+    log.close()
+    log = RunLog(tmp_path, 10, initial_step=4, progress=False)
+    log.samples([{"step": 5, "completion": "again", "reward": 1.0}])
+    log.close()
+    rows = _lines(tmp_path, "samples.jsonl")
+    assert [(r["step"], r["completion"]) for r in rows] == [
+        (1, "c1.0"), (1, "c1.1"), (2, "c2.0"), (2, "c2.1"), (3, "c3.0"), (3, "c3.1"), (4, "c4.0"), (4, "c4.1"),
+        (5, "again")]
+    assert rows[0]["reward"] == "nan"  # non-finite numbers are written as strings: the file stays JSON
 
 
 def test_a_failed_write_leaves_no_partial_line(tmp_path, monkeypatch):

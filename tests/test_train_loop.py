@@ -21,6 +21,10 @@ from llamarl.train import main, train
 SMOKE = ["--preset", "smoke", "--set", "warm_start.steps=3"]
 
 
+def read_samples(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+
+
 def read_metrics(out: Path) -> tuple[list[dict], list[dict]]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "event" not in r], [r for r in rows if r.get("event") == "eval"]
@@ -51,6 +55,14 @@ def test_loop_runs_and_never_exceeds_the_staleness_bound(tmp_path, mode, stalene
         assert all(abs(r["ratio_mean"] - 1.0) < 1e-4 for r in steps)
     assert [e["step"] for e in evals] == [0, 5]
     assert summary["mode"] == mode and summary["steps"] == 5
+    samples = read_samples(out)  # run.log_samples decoded completions per step, from the first group
+    assert [r["step"] for r in samples] == [s for s in range(1, 6) for _ in range(cfg.run.log_samples)]
+    for r in samples:
+        assert r["sample_id"].endswith(("#0", "#1"))
+        assert r["reward"] in (0.0, 1.0) and r["reward_error"] is None and "=" in r["prompt"]
+        assert r["finish_reason"] in ("stop", "length") and 0 <= r["tokens"] <= cfg.generator.max_new_tokens
+    for a, b in zip(samples[::2], samples[1::2]):  # one group: mean baseline, advantages differ by rewards
+        assert a["advantage"] - b["advantage"] == pytest.approx(a["reward"] - b["reward"], abs=1e-6)
     written = json.loads((out / "summary.json").read_text())
     assert {"accuracy_before", "accuracy_after", "wall_s", "mode"} <= set(written)
     assert (out / "plot.png").stat().st_size > 0
@@ -127,6 +139,8 @@ def test_resume_after_kill_continues_from_the_checkpoint(tmp_path):
     # checkpoint are redone and logged once: metrics.jsonl is one history
     assert [r["step"] for r in steps] == list(range(1, target + 1))
     assert len({e["step"] for e in evals}) == len(evals)
+    per_step = cfg.run.log_samples
+    assert [r["step"] for r in read_samples(out)] == [s for s in range(1, target + 1) for _ in range(per_step)]
     assert steps[-1]["policy_version"] == target
     assert saved >= 2
     # the learning-rate schedule continues from the optimizer's restored step count (over the new horizon)
