@@ -345,3 +345,29 @@ def test_cuda_buckets_are_written_through_ipc_and_in_process():
         r.close()
     finally:
         b.close()
+
+
+def test_segments_of_an_owner_killed_with_its_reaper_are_swept_by_the_next_owner():
+    """``pkill -9 python`` kills the owner and its reaper together: nobody unlinked its segments. The next
+    process that registers a segment unlinks them (owner gone); a live owner's segments stay."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", CRASHING_OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=env)
+    dead = set(proc.stdout.readline().split())
+    reaper = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+    assert reaper and dead <= shm_names()
+    for pid in reaper:  # the reaper first, so it cannot unlink anything
+        os.kill(pid, signal.SIGKILL)
+    proc.kill()
+    proc.wait(timeout=30)
+    time.sleep(0.2)
+    assert dead <= shm_names()  # leaked
+    live = cleanup.unique_name("live")  # this (live) process's own segment, created without register
+    seg = _native.shm_create(live, 4096)
+    try:
+        swept = set(cleanup.sweep_stale())
+        assert dead <= swept and live not in swept
+        assert not dead & shm_names() and live in shm_names()
+    finally:
+        del seg
+        _native.shm_unlink(live)

@@ -13,8 +13,13 @@ Every owned name is unlinked on each of these paths:
   The reaper runs in its own session, so a Ctrl-C to the job's process group cannot kill it first.
   Caveat: a child created with plain ``fork`` (not spawn) inherits the pipe and delays the reaper until it
   exits too.
+* a *sweep* when a process first registers a segment: names of this PID namespace whose owner process
+  no longer exists are unlinked (what is left when the owner and its reaper were killed together, e.g.
+  ``pkill -9 python``). A live or reused PID keeps its segments (conservative: a leak, never a removal
+  of a segment in use); other PID namespaces sharing /dev/shm (``--ipc=host`` containers) are not
+  touched, since their PIDs mean nothing here.
 
-Names are unique per run: ``/llamarl-<pid>-<counter>-<random hex>-<tag>``.
+Names are unique per run: ``/llamarl-<pid namespace>-<pid>-<counter>-<random hex>-<tag>``.
 """
 
 from __future__ import annotations
@@ -55,12 +60,45 @@ _lock = threading.Lock()
 _owned: set[str] = set()
 _reaper: subprocess.Popen | None = None
 _counter = itertools.count()
+_swept = False
+SHM_DIR = "/dev/shm"
+
+
+def _pid_namespace() -> str:
+    """This process's PID namespace (the inode of /proc/self/ns/pid), or "x" where it cannot be read."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "x"
 
 
 def unique_name(tag: str) -> str:
-    """A fresh segment name: pid + counter + random, so concurrent runs and restarts never collide."""
+    """A fresh segment name: PID namespace + pid + counter + random, so concurrent runs and restarts never
+    collide, and a later run can tell whether the owner is gone (``sweep_stale``)."""
     safe = "".join(c if c.isalnum() else "_" for c in tag)[:40]
-    return f"/llamarl-{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}-{safe}"
+    return f"/llamarl-{_pid_namespace()}-{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}-{safe}"
+
+
+def sweep_stale() -> list[str]:
+    """Unlink the segments of this PID namespace whose owner process is gone; returns their names.
+    Without a readable namespace id (or /dev/shm) nothing is swept."""
+    ns = _pid_namespace()
+    if ns == "x":
+        return []
+    prefix = f"llamarl-{ns}-"
+    try:
+        entries = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    swept = []
+    for entry in entries:
+        if not entry.startswith(prefix):
+            continue
+        pid = entry[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _native.pid_alive(int(pid)):
+            if _native.shm_unlink("/" + entry):
+                swept.append("/" + entry)
+    return swept
 
 
 def _tell_reaper(line: str) -> None:
@@ -84,8 +122,15 @@ def register(name: str) -> None:
     the segment exists but is unknown to the reaper. Every unlink path tolerates a name that was never
     created (``release`` and the atexit hook via ``_native.shm_unlink``, which returns False on ENOENT;
     the reaper ignores ``OSError``), so a creation that fails or never happens costs nothing; call
-    ``release(name)`` then to forget it."""
+    ``release(name)`` then to forget it. The first call in a process also runs ``sweep_stale``."""
+    global _swept
     with _lock:
+        if not _swept:
+            _swept = True
+            try:
+                sweep_stale()
+            except Exception:  # noqa: BLE001 - housekeeping of other runs' leftovers must not stop this one
+                pass
         _owned.add(name)
         _tell_reaper("+" + name)
 
