@@ -45,6 +45,7 @@ from llamarl.controller import Controller, Executors
 from llamarl.eval import eos_ids, evaluate
 from llamarl.generation.engine import cache_slots
 from llamarl.models import CharTokenizer, Llama, LlamaConfig, LLAMA_CONFIGS, load_tokenizer
+from llamarl.parallel.tensor_parallel import check_tp_size
 from llamarl.rewards import RewardPool, load_reward
 from llamarl.runlog import RunLog, summary_table
 from llamarl.runtime import ExecutorError, RewardSpec, TorchrunEnv, run, serve_torchrun
@@ -181,13 +182,12 @@ def check_supported(cfg: TrainConfig) -> None:
     for field, (bad, why) in missing.items():
         if bad:
             raise ConfigError(f"{field}: {why}")
-    if cfg.generator.tp > 1:
-        heads = _attention_heads(cfg)
-        if heads is not None and (heads[0] % cfg.generator.tp or heads[1] % cfg.generator.tp):
-            valid = [r for r in range(1, heads[1] + 1) if heads[0] % r == 0 and heads[1] % r == 0]
-            raise ConfigError(f"generator.tp: tensor parallelism splits attention by heads, so it must divide "
-                              f"num_attention_heads={heads[0]} and num_key_value_heads={heads[1]} of "
-                              f"{cfg.policy.model}; got {cfg.generator.tp}, valid: {valid}")
+    policy = _policy_config(cfg) if cfg.generator.tp > 1 else None
+    if policy is not None:
+        try:
+            check_tp_size(policy, cfg.generator.tp)
+        except ValueError as exc:
+            raise ConfigError(f"generator.tp: {exc} ({cfg.policy.model})") from None
     tr = TorchrunEnv.detect()
     need = executor_layout(cfg).world_size - 1  # executor ranks; rank 0 also hosts the controller
     if tr is not None and tr.world_size not in (need, need + 1):
@@ -198,13 +198,14 @@ def check_supported(cfg: TrainConfig) -> None:
                           f"--nproc-per-node {need} (one node) or change the layout")
 
 
-def _attention_heads(cfg: TrainConfig) -> tuple[int, int] | None:
-    """(attention heads, key/value heads) of the policy model, or None if its config cannot be read here."""
+def _policy_config(cfg: TrainConfig) -> LlamaConfig | None:
+    """The policy's LlamaConfig, or None if it cannot be read here (check_environment reports why)."""
     if cfg.policy.model not in LLAMA_CONFIGS and not (Path(cfg.policy.model) / "config.json").is_file():
-        return None  # check_environment reports a missing model directory
-    raw = model_config_dict(cfg)
-    heads = int(raw["num_attention_heads"])
-    return heads, int(raw.get("num_key_value_heads") or heads)
+        return None
+    try:
+        return LlamaConfig.from_hf_dict(model_config_dict(cfg))
+    except (ConfigError, ValueError):
+        return None
 
 
 def executor_layout(cfg: TrainConfig):
