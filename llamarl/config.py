@@ -39,6 +39,7 @@ from typing import Any, Literal
 
 import yaml
 
+from llamarl.reporting import check_available, parse_report_to
 from llamarl.runtime.placement import GeneratorSpec, Layout, LayoutError, RewardSpec, TrainerSpec
 
 # Names checked without importing the modules that define them (llamarl.models.config.LLAMA_CONFIGS,
@@ -253,6 +254,8 @@ class RunConfig(_Section):
     checkpoint_every: int = 25  # steps; 0: only at the end
     keep_checkpoints: int = 3
     log_samples: int = 2  # decoded completions per step written to OUT/samples.jsonl (0: none)
+    report_to: str = "none"  # experiment trackers: none, tensorboard, wandb, or "tensorboard,wandb"
+    wandb_project: str = "llamarl"
     out: str | None = None
     resume: str | None = None
     layout: str | None = None
@@ -269,6 +272,10 @@ class RunConfig(_Section):
         if self.mode == "async" and self.max_staleness == 0:
             _fail("run.max_staleness", "must be >= 1 in async mode (0 is sync mode: use --mode sync)",
                   self.max_staleness)
+        try:
+            parse_report_to(self.report_to)
+        except ValueError as exc:
+            _fail("run.report_to", str(exc), self.report_to)
         if self.layout is not None:
             try:
                 Layout.parse(self.layout)
@@ -375,6 +382,9 @@ class TrainConfig:
                 load_reward(self.reward.reward)
             except RewardSpecError as exc:
                 _fail("reward.reward", str(exc))
+        missing = check_available(parse_report_to(self.run.report_to))
+        if missing:
+            _fail("run.report_to", missing, self.run.report_to)
         if self.run.device == "cuda":
             import torch
 

@@ -25,19 +25,25 @@ from typing import Any
 from tqdm import tqdm
 
 from llamarl._fs import write_text_atomic
+from llamarl.reporting import Reporter
+
+
+def _item(v: Any) -> Any:
+    return v.item() if hasattr(v, "item") else v
 
 
 def _jsonable(v: Any) -> Any:
-    if hasattr(v, "item"):
-        v = v.item()
+    v = _item(v)
     if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
+        return str(v)  # JSON has no NaN/inf
     return v
 
 
 class RunLog:
-    def __init__(self, out: Path | None, total_steps: int, *, initial_step: int = 0, progress: bool = True):
+    def __init__(self, out: Path | None, total_steps: int, *, initial_step: int = 0, progress: bool = True,
+                 reporters: list[Reporter] = ()):
         self.out = out
+        self.reporters = list(reporters)  # trackers mirroring each row (llamarl.reporting; the caller closes them)
         self.rows: list[dict] = []
         self.evals: list[dict] = []
         self._fd: int | None = None
@@ -52,9 +58,12 @@ class RunLog:
         self._quiet = disable
 
     def step(self, row: dict) -> None:
-        row = {k: _jsonable(v) for k, v in row.items()}
+        raw = {k: _item(v) for k, v in row.items()}
+        row = {k: _jsonable(v) for k, v in raw.items()}
         self.rows.append(row)
         _append(self._fd, row)
+        for r in self.reporters:
+            r.step(raw)
         acc = self.evals[-1]["accuracy"] if self.evals else float("nan")
         post = dict(reward=f"{row['reward_mean']:.3f}", acc=f"{acc:.3f}", stale=row["staleness"],
                     tok_s=f"{row.get('tokens_per_s', 0):.0f}", sync_ms=f"{1e3 * row['sync_s']:.1f}")
@@ -64,15 +73,21 @@ class RunLog:
             print(f"step {row['step']}: " + " ".join(f"{k} {v}" for k, v in post.items()), flush=True)
 
     def eval(self, step: int, result: dict) -> None:
-        row = {"event": "eval", "step": step, **{k: _jsonable(v) for k, v in result.items()}}
+        raw = {"event": "eval", "step": step, **{k: _item(v) for k, v in result.items()}}
+        row = {k: _jsonable(v) for k, v in raw.items()}
         self.evals.append(row)
         _append(self._fd, row)
+        for r in self.reporters:
+            r.eval(step, raw)
         self.bar.write(f"eval @ step {step}: accuracy {row['accuracy']:.3f}")
 
     def samples(self, rows: list[dict]) -> None:
         """Append decoded completions (each row has the ``step`` it was trained in) to samples.jsonl."""
+        rows = [{k: _jsonable(v) for k, v in row.items()} for row in rows]
         for row in rows:
-            _append(self._samples_fd, {k: _jsonable(v) for k, v in row.items()})
+            _append(self._samples_fd, row)
+        for r in self.reporters:
+            r.samples(rows[0]["step"] if rows else 0, rows)
 
     def close(self) -> None:
         self.bar.close()

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from llamarl._fs import write_text_atomic
 from llamarl.checkpoint import load_latest
 from llamarl.config import REWARD_NAMES, ConfigError, TrainConfig
 from llamarl.config_cli import load_config
@@ -47,6 +48,7 @@ from llamarl.generation.engine import cache_slots
 from llamarl.models import CharTokenizer, Llama, LlamaConfig, LLAMA_CONFIGS, load_tokenizer
 from llamarl.parallel.tensor_parallel import check_tp_size
 from llamarl.rewards import RewardPool, load_reward
+from llamarl.reporting import make_reporters, parse_report_to
 from llamarl.runlog import RunLog, summary_table
 from llamarl.runtime import ExecutorError, RewardSpec, TorchrunEnv, run, serve_torchrun
 from llamarl.train_data import TrainData
@@ -264,7 +266,7 @@ def train(cfg: TrainConfig) -> dict:
             threads=threads),
             env={"LLAMARL_EXECUTOR": "trainer"})
         await trainer.acall("push_weights", start_version)
-        runlog = RunLog(out, cfg.run.max_steps, initial_step=start_step)
+        runlog = RunLog(out, cfg.run.max_steps, initial_step=start_step, reporters=reporters)
 
         async def checkpoint(step: int, version: int, cursor: int) -> None:
             await trainer.acall("save_checkpoint", str(out), step, version, cursor, cfg.run.keep_checkpoints)
@@ -299,9 +301,16 @@ def train(cfg: TrainConfig) -> dict:
             "plot": str(plot) if plot else None, "out": str(out),
         }
 
-    summary = run(layout, main)
-    summary["wall_s"] = time.perf_counter() - t_start
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    reporters = make_reporters(parse_report_to(cfg.run.report_to), out, cfg.to_dict(), initial_step=start_step)
+    try:
+        summary = run(layout, main)
+        summary["wall_s"] = time.perf_counter() - t_start
+        write_text_atomic(out / "summary.json", json.dumps(summary, indent=2))
+        for r in reporters:
+            r.summary(summary)
+    finally:
+        for r in reporters:
+            r.close()
     return summary
 
 
