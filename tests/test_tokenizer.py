@@ -121,7 +121,7 @@ def test_tokenizer_errors(hf_dir, tmp_path):
     tok = load_tokenizer(hf_dir)
     with pytest.raises(ValueError, match="unknown role tool"):
         tok.apply_chat_template([{"role": "tool", "content": "x"}])
-    with pytest.raises(ValueError, match="'role' and 'content'"):
+    with pytest.raises(ValueError, match="must be a dict with a 'role'"):
         tok.apply_chat_template([{"content": "x"}])
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_tokenizer(tmp_path / "missing")
@@ -145,3 +145,66 @@ def test_special_token_not_in_vocab(hf_dir):
     (hf_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="eos_token '</s>' is not in the tokenizer vocabulary"):
         load_tokenizer(hf_dir)
+
+
+def _with_config(d, **changes) -> None:
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg.update(changes)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
+def test_truncation_and_padding_saved_in_tokenizer_json_are_ignored_as_in_transformers(hf_dir):
+    transformers = pytest.importorskip("transformers")
+    raw = json.loads((hf_dir / "tokenizer.json").read_text())
+    raw["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    raw["padding"] = {"strategy": {"Fixed": 32}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                      "pad_type_id": 0, "pad_token": "<|end_of_text|>"}
+    (hf_dir / "tokenizer.json").write_text(json.dumps(raw))
+    ref = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    text = "What is 12 + 30? The answer is 42."
+    ids = load_tokenizer(hf_dir).encode(text)
+    assert ids == ref.encode(text, add_special_tokens=False) and len(ids) > 4
+    assert load_tokenizer(hf_dir).decode(ids) == text
+
+
+TEMPLATE_VARIABLES = (
+    "{% if tools is not none %}TOOLS{% endif %}{% if documents is not none %}DOCS{% endif %}"
+    "[{{ unk_token }}|{{ bos_token }}|{{ pad_token }}]"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}<{{ m['content'] }}>{% endgeneration %}"
+    "{% else %}{{ m['role'] }}:{{ m.get('content') or '' }};{% endif %}{% endfor %}"
+)
+
+
+def test_chat_template_variables_match_transformers(hf_dir):
+    transformers = pytest.importorskip("transformers")
+    _with_config(hf_dir, chat_template=TEMPLATE_VARIABLES, unk_token="<|end_of_text|>")
+    ref = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                {"role": "tool"}]  # a message without content (tool calls) is allowed
+    got = load_tokenizer(hf_dir).apply_chat_template(messages, add_generation_prompt=False)
+    assert got == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    assert got == "[<|end_of_text|>|<|begin_of_text|>|]user:hi;<yo>tool:;"
+
+
+def test_special_tokens_map_fills_what_tokenizer_config_lacks(hf_dir):
+    transformers = pytest.importorskip("transformers")
+    _with_config(hf_dir, bos_token=None, eos_token=None)
+    (hf_dir / "special_tokens_map.json").write_text(json.dumps({
+        "bos_token": {"content": "<|begin_of_text|>", "lstrip": False}, "eos_token": "<|eot_id|>"}))
+    ref = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    tok = load_tokenizer(hf_dir)
+    assert (tok.bos_id, tok.eos_id) == (ref.bos_token_id, ref.eos_token_id) != (None, None)
+    assert tok.apply_chat_template(MESSAGES) == ref.apply_chat_template(MESSAGES, tokenize=False,
+                                                                        add_generation_prompt=True)
+    _with_config(hf_dir, eos_token="<|end_of_text|>")  # tokenizer_config.json wins where it has the token
+    assert load_tokenizer(hf_dir).eos_id == tok.encode("<|end_of_text|>")[0]
+
+
+def test_named_chat_templates_use_default_or_refuse(hf_dir):
+    _with_config(hf_dir, chat_template=[{"name": "tool_use", "template": "TOOL"},
+                                        {"name": "default", "template": "DEFAULT"}])
+    assert load_tokenizer(hf_dir).apply_chat_template(MESSAGES) == "DEFAULT"
+    _with_config(hf_dir, chat_template=[{"name": "tool_use", "template": "TOOL"}, {"name": "rag", "template": "RAG"}])
+    with pytest.raises(ValueError, match=r"named chat templates \['rag', 'tool_use'\] but none named 'default'"):
+        load_tokenizer(hf_dir).apply_chat_template(MESSAGES)

@@ -16,10 +16,13 @@ so it covers digits, letters, arithmetic and LaTeX punctuation. A character outs
 encodes to <unk> (decoded as U+FFFD) rather than failing, so arbitrary dataset text can be fed in.
 Its chat template is the trivial ``Q: ...\\nA: ...\\n`` form (keeps prompts short for a tiny context).
 
-HFTokenizer reads ``tokenizer.json`` with the ``tokenizers`` library and the special tokens and chat
-template from ``tokenizer_config.json`` (or ``chat_template.jinja``). Templates are rendered with
+HFTokenizer reads ``tokenizer.json`` with the ``tokenizers`` library (any truncation or padding saved in
+it is turned off, as transformers does per call) and the special tokens and chat template from
+``tokenizer_config.json`` (special tokens missing there from ``special_tokens_map.json``; the template
+from ``chat_template.jinja`` first, and of named templates only the one named ``default``). Templates are rendered with
 jinja2 in a sandbox, with the same conventions as transformers (``trim_blocks``, ``lstrip_blocks``,
-``raise_exception``, ``strftime_now``, a ``tojson`` that does not HTML-escape). A checkpoint without a pad
+``raise_exception``, ``strftime_now``, a ``tojson`` that does not HTML-escape, ``{% generation %}`` blocks,
+``tools`` and ``documents`` defined as none, every special token defined). A checkpoint without a pad
 token gets ``pad_id = eos_id`` (padding is always masked, the id only has to be valid).
 
 Decoding ids past the tokenizer's vocabulary: many checkpoints pad their embedding matrix beyond the
@@ -54,6 +57,7 @@ CHAR_CHAT_TEMPLATE = (
 TOKENIZER_CONFIG = "tokenizer_config.json"
 TOKENIZER_JSON = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 
 
 # ------------------------------------------------------------------------------------ chat templates
@@ -62,8 +66,8 @@ def _check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
         raise ValueError("apply_chat_template expects a list of {'role': ..., 'content': ...} dicts")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-            raise ValueError(f"chat message {i} must be a dict with 'role' and 'content', got {m!r}")
+        if not isinstance(m, Mapping) or "role" not in m:
+            raise ValueError(f"chat message {i} must be a dict with a 'role' (and usually 'content'), got {m!r}")
         out.append(dict(m))
     return out
 
@@ -88,7 +92,8 @@ def render_chat_template(
     def strftime_now(fmt: str) -> str:
         return _dt.datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", _generation_tag()])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -96,7 +101,26 @@ def render_chat_template(
         compiled = env.from_string(template)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"chat template does not parse (line {e.lineno}): {e.message}") from e
-    return compiled.render(messages=_check_messages(messages), add_generation_prompt=add_generation_prompt, **variables)
+    # what transformers always defines, so ``is defined`` / ``is not none`` tests behave the same
+    context = {"tools": None, "documents": None, **variables}
+    return compiled.render(messages=_check_messages(messages), add_generation_prompt=add_generation_prompt, **context)
+
+
+def _generation_tag():
+    """A jinja2 extension for ``{% generation %}...{% endgeneration %}`` (transformers marks the assistant's
+    tokens with it for training masks): here it renders its body unchanged."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    return GenerationTag
 
 
 # ------------------------------------------------------------------------------------ CharTokenizer
@@ -189,13 +213,21 @@ class HFTokenizer:
         bos_token: str | None,
         eos_token: str | None,
         pad_token: str | None = None,
+        unk_token: str | None = None,
+        additional_special_tokens: Sequence[str] = (),
         chat_template: str | None = None,
         source: str = "<memory>",
     ) -> None:
+        # truncation or padding saved in tokenizer.json would cut or pad every prompt and answer; transformers
+        # turns them off for each call unless asked, and llamarl never asks
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
         self._tok = tokenizer
         self.source = source
         self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
+        self.unk_token, self.additional_special_tokens = unk_token, list(additional_special_tokens)
         self.chat_template = chat_template
+        self.chat_template_problem: str | None = None  # why there is no usable template, when known
         self.bos_id = self._special_id("bos_token", bos_token)
         self.eos_id = self._special_id("eos_token", eos_token)
         if self.eos_id is None:
@@ -235,10 +267,8 @@ class HFTokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
-            raise ValueError(
-                f"{self.source}: no chat template (expected 'chat_template' in {TOKENIZER_CONFIG} or a "
-                f"{CHAT_TEMPLATE_FILE} file)"
-            )
+            raise ValueError(f"{self.source}: " + (self.chat_template_problem or (
+                f"no chat template (expected 'chat_template' in {TOKENIZER_CONFIG} or a {CHAT_TEMPLATE_FILE} file)")))
         return render_chat_template(
             self.chat_template,
             messages,
@@ -246,6 +276,8 @@ class HFTokenizer:
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             pad_token=self.pad_token or "",
+            unk_token=self.unk_token or "",
+            additional_special_tokens=self.additional_special_tokens,
         )
 
     @classmethod
@@ -261,20 +293,35 @@ class HFTokenizer:
         except Exception as e:  # the tokenizers library raises a bare Exception on parse errors
             raise ValueError(f"{tj} is not a valid tokenizer.json: {e}") from e
         cfg = _read_json(d / TOKENIZER_CONFIG) if (d / TOKENIZER_CONFIG).is_file() else {}
-        template = cfg.get("chat_template")
+        # older checkpoints keep their special tokens only in special_tokens_map.json
+        special_map = _read_json(d / SPECIAL_TOKENS_MAP) if (d / SPECIAL_TOKENS_MAP).is_file() else {}
+
+        def special(name: str) -> str | None:
+            value = cfg.get(name)
+            return _token_content(value if value is not None else special_map.get(name))
+
+        extra = cfg.get("additional_special_tokens") or special_map.get("additional_special_tokens") or []
+        template, problem = cfg.get("chat_template"), None
         if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
-            template = named.get("default") or next(iter(named.values()), None)
+            template = named.get("default")
+            if template is None:  # as transformers: no guessing which one is meant
+                problem = (f"{TOKENIZER_CONFIG} has named chat templates {sorted(map(str, named))} but none named "
+                           "'default'; llamarl renders the default one")
         if (d / CHAT_TEMPLATE_FILE).is_file():
-            template = (d / CHAT_TEMPLATE_FILE).read_text()
-        return cls(
+            template, problem = (d / CHAT_TEMPLATE_FILE).read_text(), None
+        tokenizer = cls(
             tok,
-            bos_token=_token_content(cfg.get("bos_token")),
-            eos_token=_token_content(cfg.get("eos_token")),
-            pad_token=_token_content(cfg.get("pad_token")),
+            bos_token=special("bos_token"),
+            eos_token=special("eos_token"),
+            pad_token=special("pad_token"),
+            unk_token=special("unk_token"),
+            additional_special_tokens=[t for t in map(_token_content, extra) if t],
             chat_template=template,
             source=str(d),
         )
+        tokenizer.chat_template_problem = problem
+        return tokenizer
 
     def save(self, path: str | os.PathLike) -> None:
         d = Path(path)
@@ -287,7 +334,10 @@ class HFTokenizer:
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
             "pad_token": self.pad_token,
+            "unk_token": self.unk_token,
         }
+        if self.additional_special_tokens:
+            cfg["additional_special_tokens"] = self.additional_special_tokens
         if self.chat_template:
             cfg["chat_template"] = self.chat_template
         write_text_atomic(d / TOKENIZER_CONFIG, json.dumps(cfg, indent=2, ensure_ascii=False))
