@@ -122,11 +122,14 @@ def _score_in_process(
     return reward, None
 
 
-def eos_ids(tokenizer, config) -> list[int]:
-    """Where generation ends: the tokenizer's eos and every eos id of the model's config (instruct
-    checkpoints often list more than one, e.g. end-of-turn and end-of-text). Training and evaluation stop
-    at the same tokens."""
-    return sorted({int(tokenizer.eos_id), *getattr(config, "eos_token_ids", ())})
+def eos_ids(tokenizer, config, model_dir: str | Path | None = None) -> list[int]:
+    """Where generation ends: the tokenizer's eos, every eos id of the model's config and, with
+    ``model_dir``, of its generation_config.json (instruct checkpoints often list several, e.g. end-of-turn
+    and end-of-text, some only in generation_config.json). Training and evaluation stop at the same tokens."""
+    from llamarl.models.hf_io import generation_eos_ids
+
+    extra = generation_eos_ids(model_dir) if model_dir is not None else ()
+    return sorted({int(tokenizer.eos_id), *getattr(config, "eos_token_ids", ()), *extra})
 
 
 def evaluate(
@@ -362,7 +365,8 @@ def run(args: argparse.Namespace) -> EvalResult:
         return evaluate(
             model, tokenizer, samples, pool, n=n, k=ks, temperature=temperature, max_new_tokens=max_new,
             batch_size=args.batch_size, fmt=fmt, shots=shots, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-            stop_token_ids=_stop_ids(tokenizer, stops), correct_threshold=args.correct_threshold,
+            stop_token_ids=_stop_ids(tokenizer, stops) + eos_ids(tokenizer, model.config, model_dir),
+            correct_threshold=args.correct_threshold,
             progress=not args.no_progress,
         )
 

@@ -255,7 +255,7 @@ def train(cfg: TrainConfig) -> dict:
             model_config=model_config, dtype=cfg.policy.dtype, trainer_ranks=cfg.trainer.ranks,
             replicas=g.replicas, max_batch_size=max(g.prompts_per_step * g.samples_per_prompt, cfg.data.eval_size),
             max_seq_len=kv_slots, pad_id=tokenizer.pad_id, threads=threads, quantization=g.quantization,
-            eos_token_ids=eos_ids(tokenizer, policy_config)),
+            eos_token_ids=eos_ids(tokenizer, policy_config, policy_dir)),
             env={"LLAMARL_EXECUTOR": "generator"})
         handles = [h for grp in gens for h in await grp.acall("handle")]  # every TP rank of every replica
         trainer, = rt.spawn_role("trainer", "llamarl.executors.trainer:TrainerExecutor", init_kwargs=dict(
@@ -263,7 +263,7 @@ def train(cfg: TrainConfig) -> dict:
             generator_handles=handles, generator_replicas=g.replicas, generator_tp=g.tp,
             generator_quantization=g.quantization,
             resume=str(resume.path) if resume else None, seed=cfg.run.seed, total_steps=cfg.run.max_steps,
-            threads=threads),
+            threads=threads, tokenizer_path=cfg.policy.tokenizer),
             env={"LLAMARL_EXECUTOR": "trainer"})
         await trainer.acall("push_weights", start_version)
         runlog = RunLog(out, cfg.run.max_steps, initial_step=start_step, reporters=reporters)

@@ -16,6 +16,7 @@ import torch
 
 from llamarl.config_cli import load_config
 from llamarl.executors.trainer import lr_at
+from llamarl.models import CharTokenizer, load_tokenizer
 from llamarl.train import main, train
 
 SMOKE = ["--preset", "smoke", "--set", "warm_start.steps=3"]
@@ -132,8 +133,13 @@ def test_resume_after_kill_continues_from_the_checkpoint(tmp_path):
     # the run may have got further than step 2 before the kill landed: resume from whatever it saved last
     saved = max(int(p.name[5:]) for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))
     target = saved + 4
-    cfg = load_config(["--resume", str(out), "--max-steps", str(target), "--set", "run.checkpoint_every=2"])
+    # keep one checkpoint: the one the run resumed from is pruned while it goes on
+    cfg = load_config(["--resume", str(out), "--max-steps", str(target), "--set", "run.checkpoint_every=2",
+                       "--set", "run.keep_checkpoints=1"])
     train(cfg)
+    last, = (out / "checkpoints").glob("step_*")
+    assert last.name == f"step_{target:06d}" and not (out / "checkpoints" / f"step_{saved:06d}").exists()
+    assert isinstance(load_tokenizer(last / "policy"), CharTokenizer)  # its tokenizer survived the pruning
     steps, evals = read_metrics(out)
     # continues after the checkpoint, does not restart; the steps the killed run logged after its last
     # checkpoint are redone and logged once: metrics.jsonl is one history

@@ -53,7 +53,6 @@ The single-rank path (R_t = 1) never touches torch.distributed.
 from __future__ import annotations
 
 import math
-import shutil
 import time
 from pathlib import Path
 
@@ -74,15 +73,27 @@ from llamarl.weight_sync import TrainerLayout, WeightSender, llama_param_specs, 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+MODEL_SIDE_FILES = ("generation_config.json",)
 SUM_METRICS = ("tokens",)
 MAX_METRICS = ("ratio_max",)
+
+
+def policy_side_files(model_path: str, tokenizer_path: str | None = None) -> dict[str, bytes]:
+    """What a saved policy needs beside its weights: the tokenizer files (of ``tokenizer_path``, a directory
+    or its tokenizer.json, else of the model directory) and generation_config.json. Read once, when the run
+    starts: the directory it started from may be a checkpoint that is pruned later (a resumed run)."""
+    tok_dir = Path(tokenizer_path or model_path)
+    if tok_dir.is_file():
+        tok_dir = tok_dir.parent
+    files = {(tok_dir, name) for name in TOKENIZER_FILES} | {(Path(model_path), name) for name in MODEL_SIDE_FILES}
+    return {name: (d / name).read_bytes() for d, name in sorted(files) if (d / name).is_file()}
 
 
 class TrainerExecutor:
     def __init__(self, *, model_path: str, trainer: dict, temperature: float, generator_handles: list,
                  generator_replicas: int = 1, generator_tp: int = 1, generator_quantization: str = "none",
                  resume: str | None = None, seed: int = 0, total_steps: int | None = None,
-                 threads: int | None = None, rank_info: RankInfo):
+                 threads: int | None = None, tokenizer_path: str | None = None, rank_info: RankInfo):
         self.rank, self.world = rank_info.rank, rank_info.world_size
         self.distributed = self.world > 1
         if self.distributed and trainer["parallel"] not in ("fsdp", "ddp"):
@@ -95,6 +106,7 @@ class TrainerExecutor:
         self.cfg = trainer
         self.total_steps = total_steps
         self.model_path = model_path
+        self.side_files = policy_side_files(model_path, tokenizer_path)
         self.temperature = temperature if temperature > 0 else 1.0
         self.device = torch.device(rank_info.device or "cpu")
         dtype = DTYPES[trainer["dtype"]]
@@ -185,12 +197,10 @@ class TrainerExecutor:
         return str(path)
 
     def _save_policy(self, path: Path, model: Llama | None = None) -> None:
-        """HF weights + config, and the tokenizer files of the directory the run started from."""
+        """HF weights + config, and the tokenizer and generation-config files the run started with."""
         (model if model is not None else self.model).save_pretrained(path)
-        for name in TOKENIZER_FILES:
-            src = Path(self.model_path) / name
-            if src.is_file():
-                shutil.copyfile(src, Path(path) / name)
+        for name, data in self.side_files.items():
+            (Path(path) / name).write_bytes(data)
 
     def close(self) -> None:
         self.sender.close()

@@ -33,6 +33,7 @@ from llamarl.models.packing import owns_storage
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _IGNORED_KEY_RE = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 
@@ -62,6 +63,20 @@ def load_config(path: str | os.PathLike) -> LlamaConfig:
         return LlamaConfig.from_hf_dict(raw)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{cfg_path}: {e}") from e
+
+
+def generation_eos_ids(path: str | os.PathLike) -> tuple[int, ...]:
+    """The stop tokens of ``path/generation_config.json`` (``eos_token_id``: an int or a list), () without the
+    file. Instruct checkpoints often list end-of-turn there and only end-of-text in config.json; transformers'
+    ``generate`` stops at these."""
+    f = Path(path) / GENERATION_CONFIG_FILE
+    if not f.is_file():
+        return ()
+    eos = _read_json(f).get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{f}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return tuple(ids)
 
 
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
