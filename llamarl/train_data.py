@@ -48,7 +48,9 @@ class TrainData:
             self.heldout = self._task.heldout_samples(cfg.eval_size)
             empty = Sample(id="", prompt="", answer="")
             text = self.formatter.render(empty)
-            self.longest_prompt = (len(text.encode("utf-8")) + self._task.max_prompt_chars
+            # a bound, not the count: no tokenizer makes more tokens than UTF-8 bytes, plus one for a prepended
+            # word-boundary token ("▁", SentencePiece style), plus the special tokens of the empty prompt
+            self.longest_prompt = (len(text.encode("utf-8")) + self._task.max_prompt_chars + 1
                                    + len(self.formatter.encode(empty)))
         else:
             samples = load_dataset(cfg.dataset, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field)

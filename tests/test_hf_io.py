@@ -143,6 +143,19 @@ def test_unsupported_architecture(tmp_path):
     edit_config(p, model_type="mistral", architectures=["MistralForCausalLM"])
     with pytest.raises(ValueError, match="unsupported architecture.*mistral"):
         Llama.from_pretrained(p)
+    p = saved(tmp_path)
+    edit_config(p, architectures=["LlamaModel"])
+    with pytest.raises(ValueError, match="headless Llama .* needs a LlamaForCausalLM checkpoint"):
+        Llama.from_pretrained(p)
+
+
+def test_a_pad_token_id_outside_the_vocabulary_is_dropped_with_a_warning(tmp_path):
+    p = saved(tmp_path)
+    for pad in (-1, CFG.vocab_size):
+        edit_config(p, pad_token_id=pad)
+        with pytest.warns(UserWarning, match=f"pad_token_id={pad} lies outside the vocabulary"):
+            model = Llama.from_pretrained(p)
+        assert model.config.pad_token_id is None
 
 
 def test_shape_mismatch_between_config_and_weights(tmp_path):
@@ -179,3 +192,30 @@ def test_non_float_weights_and_missing_shard(tmp_path):
     next(p2.glob("model-00002-*.safetensors")).unlink()
     with pytest.raises(FileNotFoundError, match="shard model-00002"):
         Llama.from_pretrained(p2)
+
+
+def test_generation_config_eos_ids_join_the_stop_tokens(tmp_path):
+    from llamarl.eval import eos_ids
+    from llamarl.executors.trainer import policy_side_files
+    from llamarl.models import CharTokenizer
+    from llamarl.models.hf_io import generation_eos_ids
+
+    assert generation_eos_ids(tmp_path) == ()
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 9], "temperature": 0.6}))
+    assert generation_eos_ids(tmp_path) == (2, 9)
+    config = LlamaConfig(vocab_size=100, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                         num_attention_heads=2, eos_token_id=7)
+    assert eos_ids(CharTokenizer(), config) == [2, 7]
+    assert eos_ids(CharTokenizer(), config, tmp_path) == [2, 7, 9]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert generation_eos_ids(tmp_path) == (5,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ["</s>"]}))
+    with pytest.raises(ValueError, match="eos_token_id must be a token id or a list of them"):
+        generation_eos_ids(tmp_path)
+    # a saved policy carries it, and the tokenizer files of the tokenizer the run used
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("model's own")
+    files = policy_side_files(str(tmp_path), str(tok / "tokenizer.json"))
+    assert files == {"tokenizer.json": b"{}", "generation_config.json": (tmp_path / "generation_config.json").read_bytes()}

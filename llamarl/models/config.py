@@ -150,6 +150,9 @@ class LlamaConfig:
                 "(LlamaForCausalLM: Llama 2, 3, 3.1, 3.2)"
             )
         archs = d.get("architectures") or []
+        if "LlamaModel" in archs and "LlamaForCausalLM" not in archs:
+            raise ValueError("architectures=['LlamaModel'] is a headless Llama (no lm_head, weights without the "
+                             "'model.' prefix); llamarl needs a LlamaForCausalLM checkpoint")
         bad = [a for a in archs if a not in ("LlamaForCausalLM", "LlamaModel")]
         if bad:
             raise ValueError(f"unsupported architecture {bad}; llamarl implements only LlamaForCausalLM")
@@ -203,7 +206,7 @@ class LlamaConfig:
             tie_word_embeddings=_bool_field(d, "tie_word_embeddings", False),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
-            pad_token_id=d.get("pad_token_id"),
+            pad_token_id=_usable_pad_id(d.get("pad_token_id"), d["vocab_size"]),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -400,3 +403,16 @@ def _bool_field(d: Mapping[str, Any], key: str, default: bool) -> bool:
     if not isinstance(v, bool):
         raise ValueError(f"config field {key!r} must be true or false, got {v!r}")
     return v
+
+
+def _usable_pad_id(pad: Any, vocab_size: Any) -> Any:
+    """config.json's pad_token_id, or None for a value outside the vocabulary: some Llama conversions write
+    -1 (or vocab_size) for "no pad token"; transformers only warns, and llamarl never reads the model's pad id
+    (the tokenizer's is used), so such a value is dropped with a warning instead of refusing the checkpoint."""
+    if isinstance(pad, int) and not isinstance(pad, bool) and isinstance(vocab_size, int) and not 0 <= pad < vocab_size:
+        import warnings
+
+        warnings.warn(f"config.json pad_token_id={pad} lies outside the vocabulary [0, {vocab_size}); ignoring it",
+                      stacklevel=3)
+        return None
+    return pad
