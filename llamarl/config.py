@@ -53,6 +53,10 @@ DATASET_SUFFIXES = (".jsonl", ".parquet")
 class ConfigError(ValueError):
     """An invalid configuration value; the message starts with the dotted field name."""
 
+# the sampler's smallest temperature (llamarl.generation.sampling.MIN_TEMPERATURE, equal by a test; not
+# imported from there, so that reading a config does not import torch)
+MIN_TEMPERATURE = 1e-4
+
 
 def _fail(path: str, what: str, value: Any = dataclasses.MISSING) -> None:
     got = "" if value is dataclasses.MISSING else f", got {value!r}"
@@ -111,6 +115,9 @@ class GeneratorConfig(_Section):
         if not self.temperature > 0 or not math.isfinite(self.temperature):
             _fail("generator.temperature", "must be > 0 (RL needs sampling; 0 would make every sample of a "
                   "prompt identical)", self.temperature)
+        if self.temperature < MIN_TEMPERATURE:
+            _fail("generator.temperature", f"must be >= {MIN_TEMPERATURE} (below it the scaled logits overflow)",
+                  self.temperature)
         if not 0 < self.top_p <= 1:
             _fail("generator.top_p", "must be in (0, 1]", self.top_p)
 

@@ -234,12 +234,51 @@ def test_tiny_preset_bf16_generation():
         (dict(top_p=1.5), "top_p"),
         (dict(n=0), "n"),
         (dict(stop_token_ids=["a"]), "stop_token_ids"),
+        (dict(stop_token_ids="12"), "stop_token_ids must be a sequence of token ids, got '12'"),
+        (dict(stop_token_ids=[True]), "stop_token_ids must be an int"),
+        (dict(temperature=1e-50), r"temperature must be 0 \(greedy\) or a finite number >= 0.0001"),
         (dict(seed=1.5), "seed"),
+        (dict(seed=2**64), r"seed must be None or an int in \[0, 2\*\*63\)"),
+        (dict(n=2.0), "n must be an int"),
+        (dict(top_k=True), "top_k must be an int"),
     ],
 )
 def test_invalid_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_numpy_numbers_are_accepted_as_python_ones():
+    np = pytest.importorskip("numpy")
+    p = SamplingParams(max_new_tokens=np.int64(3), temperature=np.float32(0.5), top_p=np.float32(0.75),
+                       stop_token_ids=np.array([4, 7]), seed=np.int64(5), n=np.int32(2))
+    assert (p.max_new_tokens, p.temperature, p.top_p, p.stop_token_ids, p.seed, p.n) == (3, 0.5, 0.75, (4, 7), 5, 2)
+    assert all(type(v) in (int, float) for v in (p.max_new_tokens, p.temperature, p.top_p, p.seed, p.n))
+
+
+def test_the_sampler_temperature_floor_is_the_configs():
+    from llamarl import config
+    from llamarl.generation import sampling
+
+    assert config.MIN_TEMPERATURE == sampling.MIN_TEMPERATURE
+
+
+def test_a_cache_too_small_for_the_batch_warns_once(models):
+    _, model = models
+    engine = GenerationEngine(model, max_batch_size=2, max_seq_len=24)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    alone, = engine.generate([[3, 4]], greedy, eos_token_id=())
+    assert len(alone.token_ids) == 12
+    with pytest.warns(UserWarning, match=r"KV cache \(24 slots\) cuts 2 completion\(s\) .* longest prompt has 20 "
+                                         r"tokens to 4 tokens"):
+        short, long = engine.generate([[3, 4], list(range(3, 23))], greedy, eos_token_id=())
+    assert [len(short.token_ids), len(long.token_ids)] == [4, 4] and short.finish_reason == "length"
+    assert short.token_ids == alone.token_ids[:4]
+    # an eos given as a numpy integer stops like an int
+    first = alone.token_ids[0]
+    np = pytest.importorskip("numpy")
+    stopped, = engine.generate([[3, 4]], greedy, eos_token_id=np.int64(first))
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
 
 
 def test_bad_prompts_raise(models):
@@ -257,6 +296,8 @@ def test_bad_prompts_raise(models):
         generate(model, ["hello"], p)
     with pytest.raises(ValueError, match="prompt 0 must be a sequence of int token ids"):
         generate(model, [[3, 1.5]], p)  # not silently token 1
+    with pytest.raises(ValueError, match="prompt 0 must be a sequence of int token ids"):
+        generate(model, [[True, False]], p)
     with pytest.raises(ValueError, match="prompt 0 must hold integer token ids"):
         generate(model, [torch.tensor([3.0, 4.0])], p)
     with pytest.raises(ValueError, match="stop/eos"):

@@ -28,13 +28,18 @@ generate without an EOS stop. Prompts must be non-empty and shorter than the con
 
 ``GenerationEngine(model, max_batch_size, max_seq_len, quantization)`` allocates the KV cache
 (max_batch_size rows x max_seq_len slots; default min(max_position_embeddings, 4096)) once and reuses it
-for every call; ``quantization="int8"|"fp8"`` converts the decoder linears in place at construction
+for every call (size it with ``cache_slots`` for the prompts at hand: rows are left-padded to the longest
+prompt of their batch, so a too-small cache cuts short rows too, with a warning); ``quantization="int8"|"fp8"`` converts the decoder linears in place at construction
 (llamarl.models.quantize.quantize_model; ``quantization_backend="eager"`` runs them as torch ops instead
 of the Triton kernels, which on a CPU run only interpreted), and then, unless ``pack_weights=False``,
 moves the weights into one flat buffer (llamarl.models.packing: q|k|v and gate|up then run as one product
 each, and CPU weights sit on huge pages; skipped for weights that already live in the weight sync's
 buckets).
 ``generate(model, ...)`` is a one-shot engine sized to the call.
+Seeds: a seed fixes the output of an identical call on an identical engine (same prompts in the same
+order, ``max_batch_size``, ``sync_every``, device): the sampler draws one uniform per live row per step,
+so the other prompts of a call, and when finished rows are compacted away, change which numbers a row
+gets (never the distribution it samples from).
 Weights may be updated between calls or between steps (weight sync copies into the parameters in
 place; the version read at each step tags the tokens), never during a forward pass.
 
@@ -50,13 +55,14 @@ host round trip per k tokens. It is opt-in until the H200 shows it pays (benchma
 from __future__ import annotations
 
 import operator
+import warnings
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from llamarl.generation.kv_cache import KVCache
-from llamarl.generation.sampling import SamplingParams, make_generator, sample_tokens
+from llamarl.generation.sampling import SamplingParams, make_generator, sample_tokens, token_ids
 from llamarl.models.packing import pack_parameters_
 
 QUANTIZATION_MODES = ("none", "int8", "fp8")
@@ -84,6 +90,8 @@ def _as_token_list(prompt: Any, i: int) -> list[int]:
     if isinstance(prompt, (str, bytes)):
         raise ValueError(f"prompt {i} is a string; encode it with the tokenizer first (generate takes token ids)")
     try:  # operator.index: ints (and numpy ints) only, so 1.5 is an error rather than token 1
+        if any(isinstance(t, bool) for t in prompt):
+            raise TypeError
         return [operator.index(t) for t in prompt]
     except TypeError:
         raise ValueError(f"prompt {i} must be a sequence of int token ids, got {prompt!r:.200}") from None
@@ -137,6 +145,7 @@ class GenerationEngine:
         self.model, self.config = model, config
         self.quantization = quantization
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self._warned_cache_cut = False
         self.device = device
         self.cache = KVCache(config, max_batch_size, max_seq_len, dtype=embed.dtype, device=device)
         self.graphs = None
@@ -178,10 +187,10 @@ class GenerationEngine:
                 raise ValueError(f"prompt {i} has {len(toks)} tokens but the {what}: no room to generate; {fix}")
         if eos_token_id is None:
             eos = self.config.eos_token_ids
-        elif isinstance(eos_token_id, int):
-            eos = (eos_token_id,)
+        elif isinstance(eos_token_id, Iterable) and not isinstance(eos_token_id, (str, bytes)):
+            eos = token_ids("eos_token_id", eos_token_id)
         else:
-            eos = tuple(int(e) for e in eos_token_id)
+            eos = token_ids("eos_token_id", (eos_token_id,))
         stops = tuple(sorted(set(params.stop_token_ids) | set(eos)))
         bad = [t for t in stops if not 0 <= t < vocab]
         if bad:
@@ -233,6 +242,13 @@ class GenerationEngine:
         P = max(lens)
         context = self.config.max_position_embeddings
         budgets = [min(params.max_new_tokens, context - L, self.max_seq_len - P) for L in lens]
+        cut = [b for b, L in zip(budgets, lens) if b < min(params.max_new_tokens, context - L)]
+        if cut and not self._warned_cache_cut:
+            self._warned_cache_cut = True
+            warnings.warn(f"the engine's KV cache ({self.max_seq_len} slots) cuts {len(cut)} completion(s) of a batch "
+                          f"whose longest prompt has {P} tokens to {min(cut)} tokens (finish_reason 'length'); build "
+                          f"the engine with max_seq_len=cache_slots(prompt_lengths, max_new_tokens, config)",
+                          stacklevel=3)
         steps = max(budgets)
 
         # 1. prefill the distinct prompts, left-padded

@@ -30,15 +30,18 @@ torch ops instead.
 
 from __future__ import annotations
 
+import numbers
+import operator
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
 from llamarl._native import native
 
 NATIVE_CPU = os.environ.get("LLAMARL_FUSED_OPS", "1") != "0"
+MIN_TEMPERATURE = 1e-4  # smallest sampling temperature (0 is greedy); below it z / T overflows fp32 for large z
 
 
 @dataclass(frozen=True)
@@ -52,32 +55,59 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+        for name in ("max_new_tokens", "top_k", "n"):
+            object.__setattr__(self, name, _integer(f"SamplingParams.{name}", getattr(self, name)))
+        for name in ("temperature", "top_p"):
+            object.__setattr__(self, name, _real(f"SamplingParams.{name}", getattr(self, name)))
+        if self.max_new_tokens < 1:
             raise ValueError(f"SamplingParams.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (0.0 <= t < float("inf")):
-            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+        if not (t == 0.0 or MIN_TEMPERATURE <= t < float("inf")):
+            raise ValueError(f"SamplingParams.temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE} "
+                             f"(below it z/T overflows fp32), got {t!r}")
+        if self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k must be an int >= 0 (0 = disabled), got {self.top_k!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+        if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"SamplingParams.top_p must be in (0, 1] (1 = disabled), got {self.top_p!r}")
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+        if self.n < 1:
             raise ValueError(f"SamplingParams.n (samples per prompt) must be an int >= 1, got {self.n!r}")
-        try:
-            stops = tuple(int(t) for t in self.stop_token_ids)
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"SamplingParams.stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}"
-            ) from None
-        if any(t < 0 for t in stops):
-            raise ValueError(f"SamplingParams.stop_token_ids must be non-negative token ids, got {stops}")
-        object.__setattr__(self, "stop_token_ids", stops)
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"SamplingParams.seed must be None or an int, got {self.seed!r}")
+        object.__setattr__(self, "stop_token_ids", token_ids("SamplingParams.stop_token_ids", self.stop_token_ids))
+        if self.seed is not None:
+            seed = _integer("SamplingParams.seed", self.seed)
+            if not 0 <= seed < 2**63:
+                raise ValueError(f"SamplingParams.seed must be None or an int in [0, 2**63), got {seed!r}")
+            object.__setattr__(self, "seed", seed)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _integer(name: str, value: object) -> int:
+    """``value`` as an int: Python and numpy integers (``operator.index``), never a bool or a float."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {value!r}") from None
+
+
+def _real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def token_ids(name: str, ids: object) -> tuple[int, ...]:
+    """A sequence of non-negative token ids (numpy integers welcome) as a tuple; a str, bools or floats are
+    refused (``"12"`` is not the ids 1 and 2)."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise ValueError(f"{name} must be a sequence of token ids, got {ids!r}")
+    out = tuple(_integer(name, t) for t in ids)
+    if any(t < 0 for t in out):
+        raise ValueError(f"{name} must be non-negative token ids, got {out}")
+    return out
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
