@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, NamedTuple
 
+import torch
+
 from llamarl.algorithms import group_advantages
 from llamarl.config import TrainConfig
 from llamarl.generation import SamplingParams
@@ -162,7 +164,9 @@ class Controller:
         batch = RolloutBatch(rollouts, n=n, generate_s=sampled.generate_s, score_s=time.perf_counter() - t2,
                              meta={"step": step, "cursor_after": sampled.cursor})
         # advantages, the trainer's tensors and the logged samples are prepared here, off the trainer's path
-        advantages = group_advantages(batch.rewards(), n, method=self.cfg.trainer.advantage)
+        # a sample whose verifier failed (raised, timed out) has no reward: it takes no part in its group
+        scored_ok = torch.tensor([r.reward_error is None for r in rollouts])
+        advantages = group_advantages(batch.rewards(), n, method=self.cfg.trainer.advantage, valid=scored_ok)
         batch.meta["samples"] = [
             {"step": step + 1, "sample_id": r.sample_id, "prompt": self.tok.decode(r.prompt_ids, skip_special_tokens=False),
              "completion": r.text, "answer": r.answer, "reward": r.reward, "reward_error": r.reward_error,

@@ -88,3 +88,28 @@ def test_bad_input_raises_clear_error(rewards, group_size, method, eps, match):
 def test_non_tensor_rejected():
     with pytest.raises(TypeError, match="torch.Tensor"):
         group_advantages([1.0, 0.0], 2)
+
+
+@pytest.mark.parametrize("method", ["mean", "grpo", "rloo"])
+def test_failed_samples_take_no_part_in_their_group(method):
+    """A crashed verifier's sample gets A = 0 and its group's baseline runs over the valid members only:
+    the same advantages as the group without that sample."""
+    torch.manual_seed(0)
+    n = 5
+    rewards = torch.rand(4 * n, dtype=torch.float64)
+    valid = torch.ones(4 * n, dtype=torch.bool)
+    valid[[1, 3]] = False  # group 0 keeps 3 of 5
+    valid[n:n + 4] = False  # group 1 keeps 1 of 5
+    valid[2 * n:3 * n] = False  # group 2 keeps none
+    rewards[3] = float("nan")  # a failed sample's reward is never read
+    got = group_advantages(rewards, n, method, valid=valid)
+    assert got[~valid].eq(0).all()
+    kept = rewards[[0, 2, 4]]
+    assert torch.allclose(got[[0, 2, 4]], group_advantages(kept, 3, method), atol=1e-12)
+    assert got[n + 4] == 0  # one valid member: no baseline but itself
+    assert torch.allclose(got[3 * n:], group_advantages(rewards[3 * n:], n, method), atol=1e-12)
+    # all valid: the plain result
+    assert torch.equal(group_advantages(rewards[3 * n:], n, method, valid=torch.ones(n, dtype=torch.bool)),
+                       group_advantages(rewards[3 * n:], n, method))
+    with pytest.raises(ValueError, match="valid must be a bool tensor of shape"):
+        group_advantages(rewards, n, method, valid=valid.float())

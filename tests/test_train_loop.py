@@ -188,6 +188,36 @@ def test_bad_config_is_rejected_before_anything_starts(tmp_path, capsys, overrid
     assert not (tmp_path / "r").exists()
 
 
+def test_a_failed_verifier_costs_its_sample_and_does_not_skew_its_group(tmp_path, monkeypatch):
+    """Samples whose reward function raised are logged with their error and advantage 0; the advantages of
+    their group are computed over the other samples only (mean baseline: r_i - mean of the valid r)."""
+    (tmp_path / "flaky_reward.py").write_text(
+        "def reward(completion, answer):\n"
+        "    if len(completion) % 2:\n"
+        "        raise RuntimeError('verifier crashed')\n"
+        "    return float(len(completion) % 4 == 0)  # some 1s, some 0s: the baseline matters\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "run"
+    cfg = load_config(SMOKE + ["--out", str(out), "--max-steps", "3", "--reward", "flaky_reward:reward",
+                               "--set", "generator.samples_per_prompt=4", "--set", "run.log_samples=16"])
+    train(cfg)
+    steps, _ = read_metrics(out)
+    samples = read_samples(out)
+    failed = [r for r in samples if r["reward_error"] is not None]
+    assert failed and all("verifier crashed" in r["reward_error"] and r["advantage"] == 0.0 for r in failed)
+    assert sum(r["reward_errors"] for r in steps) == len(failed)
+    assert any(r["reward"] == 1.0 for r in samples)
+    for step in (1, 2, 3):
+        rows = [r for r in samples if r["step"] == step]  # 4 prompts x 4 samples, prompt-major
+        for group in (rows[g:g + 4] for g in range(0, 16, 4)):
+            assert len({r["sample_id"].split("#")[0] for r in group}) == 1
+            ok = [r for r in group if r["reward_error"] is None]
+            mean = sum(r["reward"] for r in ok) / max(1, len(ok))
+            for r in ok:
+                assert r["advantage"] == pytest.approx(r["reward"] - mean, abs=1e-6)
+
+
 def test_fused_loss_on_a_cpu_without_the_interpreter_is_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert main(SMOKE + ["--set", "trainer.loss=fused", "--device", "cpu", "--out", str(tmp_path / "r")]) == 2

@@ -9,9 +9,15 @@ For a group with rewards ``r_1 .. r_n`` (mean ``r̄``):
                                                s = sqrt(Σ_j (r_j − r̄)² / (n − 1))   (Bessel-corrected)
     method="rloo"  (REINFORCE leave-one-out)   A_i = r_i − (Σ_{j≠i} r_j) / (n − 1) = n/(n − 1) · (r_i − r̄)
 
-Invariants: every method gives advantages that sum to zero within each group (so a group whose
-completions all earn the same reward contributes no gradient), and the result has the shape, dtype
-and device of ``rewards``. "grpo" and "rloo" need ``n ≥ 2``; "mean" with ``n = 1`` is defined and
+Failed samples (``valid[i] = False``: the verifier raised or timed out, so r_i = 0 means nothing) take
+no part: each group's statistics run over its k valid members (n → k above), and a failed sample's
+advantage is 0. A group with k < 2 valid members gets zeros for "grpo" and "rloo" (no baseline without
+the sample itself); "mean" with k = 1 gives that sample 0 too. Without this, one verifier crash in a
+group of correct answers would read as a wrong answer and push the others up.
+
+Invariants: every method gives advantages that sum to zero over each group's valid members (so a group
+whose valid completions all earn the same reward contributes no gradient), and the result has the
+shape, dtype and device of ``rewards``. "grpo" and "rloo" need ``n ≥ 2``; "mean" with ``n = 1`` is defined and
 gives zeros. Arithmetic runs in float64 and is cast back, so the values do not depend on the order
 of the sums.
 """
@@ -28,8 +34,10 @@ def group_advantages(
     group_size: int,
     method: str = "mean",
     eps: float = 1e-6,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Advantages ``[B]`` for prompt-major ``rewards [B]`` in consecutive groups of ``group_size``.
+    """Advantages ``[B]`` for prompt-major ``rewards [B]`` in consecutive groups of ``group_size``;
+    ``valid [B]`` (bool, default all true) marks the samples whose reward counts (module docstring).
 
     Integer or boolean rewards are accepted and give float32 advantages; floating rewards keep
     their dtype. Raises ``ValueError`` on a bad shape, group size, method, eps or non-finite reward.
@@ -58,17 +66,27 @@ def group_advantages(
 
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     r = rewards.to(torch.float64).view(batch // group_size, group_size)
-    if not bool(torch.isfinite(r).all()):
-        bad = (~torch.isfinite(r)).flatten().nonzero()[0].item()
+    ok = torch.ones_like(r, dtype=torch.bool) if valid is None else _valid_mask(valid, rewards).view_as(r)
+    if not bool((torch.isfinite(r) | ~ok).all()):
+        bad = (~torch.isfinite(r) & ok).flatten().nonzero()[0].item()
         raise ValueError(f"group_advantages: rewards[{bad}] is {rewards[bad].item()}; rewards must be finite")
-
-    mean = r.mean(dim=1, keepdim=True)
-    centered = r - mean
+    k = ok.sum(dim=1, keepdim=True).to(torch.float64)  # valid members per group
+    r = torch.where(ok, r, 0.0)  # a failed sample's reward (finite or not) is not read
+    mean = r.sum(dim=1, keepdim=True) / k.clamp(min=1)
+    centered = torch.where(ok, r - mean, 0.0)
     if method == "mean":
         adv = centered
     elif method == "grpo":
-        std = r.std(dim=1, keepdim=True, unbiased=True)
-        adv = centered / (std + eps)
-    else:  # rloo
-        adv = centered * (group_size / (group_size - 1))
+        std = (centered.pow(2).sum(dim=1, keepdim=True) / (k - 1).clamp(min=1)).sqrt()
+        adv = torch.where(k >= 2, centered / (std + eps), 0.0)
+    else:  # rloo: r_i minus the mean of the other k - 1 valid rewards
+        adv = torch.where(k >= 2, centered * (k / (k - 1).clamp(min=1)), 0.0)
     return adv.reshape(batch).to(out_dtype)
+
+
+def _valid_mask(valid: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+    if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool or valid.shape != rewards.shape:
+        raise ValueError(f"group_advantages: valid must be a bool tensor of shape {tuple(rewards.shape)}, got "
+                         f"{valid.dtype if isinstance(valid, torch.Tensor) else type(valid).__name__} "
+                         f"{tuple(getattr(valid, 'shape', ()))}")
+    return valid.to(rewards.device)
