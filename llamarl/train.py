@@ -237,8 +237,11 @@ def train(cfg: TrainConfig) -> dict:
     if resume:
         policy_dir, warm = resume.policy_dir, {"cached": None, "seconds": 0.0}
         log(f"resuming from {resume.path} (step {resume.step}, policy version {resume.policy_version})")
+        # the KL reference stays the policy the run started from (the model, or its cached warm start)
+        reference_dir = prepare_policy(cfg, tokenizer, data)[0] if cfg.trainer.kl_coef > 0 else None
     else:
         policy_dir, warm = prepare_policy(cfg, tokenizer, data)
+        reference_dir = policy_dir
     model_config = json.loads((Path(policy_dir) / "config.json").read_text())
     policy_config = LlamaConfig.from_hf_dict(model_config)
     start_step = resume.step if resume else 0
@@ -263,7 +266,8 @@ def train(cfg: TrainConfig) -> dict:
             generator_handles=handles, generator_replicas=g.replicas, generator_tp=g.tp,
             generator_quantization=g.quantization,
             resume=str(resume.path) if resume else None, seed=cfg.run.seed, total_steps=cfg.run.max_steps,
-            threads=threads, tokenizer_path=cfg.policy.tokenizer),
+            threads=threads, tokenizer_path=cfg.policy.tokenizer,
+            reference_path=str(reference_dir) if reference_dir else None),
             env={"LLAMARL_EXECUTOR": "trainer"})
         await trainer.acall("push_weights", start_version)
         runlog = RunLog(out, cfg.run.max_steps, initial_step=start_step, reporters=reporters)

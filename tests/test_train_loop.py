@@ -354,6 +354,19 @@ def _deterministic(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.endswith("_s")}  # wall times differ, nothing else may
 
 
+def test_a_resumed_run_keeps_the_kl_reference_of_the_run_start(tmp_path):
+    """kl_coef > 0: the reference is the starting policy, also after --resume from a checkpoint (not the
+    checkpoint's weights), so a resumed sync run's KL and loss equal the uninterrupted run's."""
+    args = RESUMABLE + ["--mode", "sync", "--set", "run.checkpoint_every=2", "--set", "trainer.kl_coef=0.5"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    train(load_config(args + ["--max-steps", "4", "--out", str(whole)]))
+    train(load_config(args + ["--max-steps", "2", "--out", str(cut)]))
+    train(load_config(["--resume", str(cut), "--max-steps", "4"]))
+    a, b = read_metrics(whole)[0], read_metrics(cut)[0]
+    assert a[2]["kl_ref"] > 0
+    assert [(r["kl_ref"], r["loss"]) for r in b] == [(r["kl_ref"], r["loss"]) for r in a]
+
+
 @pytest.mark.slow
 def test_a_resumed_run_continues_exactly_like_the_uninterrupted_one(tmp_path):
     """Stop after the step-3 checkpoint and resume to step 6: sync mode gives the uninterrupted run's

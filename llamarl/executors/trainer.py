@@ -93,7 +93,8 @@ class TrainerExecutor:
     def __init__(self, *, model_path: str, trainer: dict, temperature: float, generator_handles: list,
                  generator_replicas: int = 1, generator_tp: int = 1, generator_quantization: str = "none",
                  resume: str | None = None, seed: int = 0, total_steps: int | None = None,
-                 threads: int | None = None, tokenizer_path: str | None = None, rank_info: RankInfo):
+                 threads: int | None = None, tokenizer_path: str | None = None, reference_path: str | None = None,
+                 rank_info: RankInfo):
         self.rank, self.world = rank_info.rank, rank_info.world_size
         self.distributed = self.world > 1
         if self.distributed and trainer["parallel"] not in ("fsdp", "ddp"):
@@ -117,10 +118,11 @@ class TrainerExecutor:
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=trainer["lr"], betas=tuple(trainer["betas"]),
                                      weight_decay=trainer["weight_decay"])
-        # KL penalty target: the policy the run started from, frozen (only kept when kl_coef > 0)
+        # KL penalty target: the policy the run started from (``reference_path``; a resumed run starts from a
+        # checkpoint but keeps its original reference), frozen, only kept when kl_coef > 0
         self.ref = None
         if trainer["kl_coef"] > 0:
-            self.ref = Llama.from_pretrained(model_path, dtype=dtype, device=self.device)
+            self.ref = Llama.from_pretrained(reference_path or model_path, dtype=dtype, device=self.device)
             self.ref.eval().requires_grad_(False)
             if self.sharded:
                 apply_fsdp(self.ref, None, FSDPConfig())
