@@ -65,15 +65,7 @@ class TrainData:
                                      "generator.max_new_tokens; lower max_new_tokens or shorten data.template")
                 samples = kept
             self.longest_prompt = max(lengths)
-            order = list(range(len(samples)))
-            random.Random(f"{seed}:heldout").shuffle(order)
-            if len(samples) <= cfg.eval_size:
-                raise ValueError(
-                    f"data.dataset {cfg.dataset} has {len(samples)} usable samples, not more than data.eval_size="
-                    f"{cfg.eval_size}: nothing would be left to train on; lower data.eval_size"
-                )
-            self.heldout = [samples[i] for i in order[: cfg.eval_size]]
-            self._pool = [samples[i] for i in order[cfg.eval_size :]]
+            self.heldout, self._pool = _split_heldout(samples, cfg.eval_size, seed, cfg.dataset)
         if cfg.few_shot:
             raise ValueError("data.few_shot > 0 is supported by `python -m llamarl.eval`, not yet by training; "
                              "set data.few_shot=0 or put the examples into data.template")
@@ -115,3 +107,23 @@ def _epochs(samples: list[Sample], seed: int) -> Iterator[Sample]:
         random.Random(f"{seed}:epoch:{epoch}").shuffle(order)
         for i in order:
             yield samples[i]
+
+
+def _split_heldout(samples: list[Sample], size: int, seed: int, name: str) -> tuple[list[Sample], list[Sample]]:
+    """(held-out, training pool): ``size`` samples of distinct prompts, drawn in a seeded shuffle, and every
+    sample whose prompt is not held out. A prompt that occurs several times in the file is held out with
+    all its copies, so held-out accuracy never measures a prompt the policy trained on."""
+    order = list(range(len(samples)))
+    random.Random(f"{seed}:heldout").shuffle(order)
+    held: dict[str, Sample] = {}
+    for i in order:
+        if len(held) == size:
+            break
+        held.setdefault(samples[i].prompt.strip(), samples[i])
+    pool = [samples[i] for i in order if samples[i].prompt.strip() not in held]
+    if len(held) < size or not pool:
+        distinct = len({s.prompt.strip() for s in samples})
+        raise ValueError(f"data.dataset {name} has {len(samples)} usable samples with {distinct} distinct prompts, "
+                         f"not more than data.eval_size={size}: nothing would be left to train on; lower "
+                         "data.eval_size")
+    return list(held.values()), pool

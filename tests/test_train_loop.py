@@ -278,6 +278,27 @@ def test_over_long_prompts_are_dropped_from_a_file_dataset(tmp_path):
     assert sorted(len(s.prompt) for s in seen) == [3, 4, 5, 6]
 
 
+def test_a_prompt_repeated_in_the_file_is_held_out_with_all_its_copies(tmp_path):
+    from llamarl.config import DataConfig
+    from llamarl.models import CharTokenizer
+    from llamarl.train_data import TrainData
+
+    rows = [{"question": f"{i}+{i}=", "answer": str(2 * i)} for i in range(50)] * 2  # every prompt twice
+    path = tmp_path / "dups.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = TrainData(DataConfig(dataset=str(path), eval_size=10), CharTokenizer(), seed=1)
+    held = {s.prompt for s in data.heldout}
+    train_prompts = {s.prompt for s in data.next(500)}
+    assert len(data.heldout) == len(held) == 10 and not held & train_prompts and len(train_prompts) == 40
+    unique = tmp_path / "unique.jsonl"  # without repeats the split is the plain seeded shuffle
+    unique.write_text("".join(json.dumps(r) + "\n" for r in rows[:50]))
+    import random
+    order = list(range(50))
+    random.Random("1:heldout").shuffle(order)
+    data = TrainData(DataConfig(dataset=str(unique), eval_size=10), CharTokenizer(), seed=1)
+    assert [s.prompt for s in data.heldout] == [rows[i]["question"] for i in order[:10]]
+
+
 def test_forked_streams_keep_the_held_out_split_out(tmp_path):
     """The warm start's and the probe's streams (``fork``) draw from the run's training pool only: never a
     held-out sample, whatever their seed, and the run's own stream position is untouched."""
