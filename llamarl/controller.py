@@ -187,6 +187,8 @@ class Controller:
         per_rank = await result
         stats = dict(per_rank[0])
         pushed = stats.pop("version")
+        if "tokens" in stats:  # the loss's token count; "tokens" in the row is what the generator sampled
+            stats["trained_tokens"] = stats.pop("tokens")
         staleness = self.version - batch.oldest_version
         sync_s = 0.0
         if stats.pop("sync", None) is not None:

@@ -41,13 +41,16 @@ def test_loop_runs_and_never_exceeds_the_staleness_bound(tmp_path, mode, stalene
     out = tmp_path / "run"
     cfg = load_config(SMOKE + ["--out", str(out), "--mode", mode, "--max-staleness", str(staleness),
                                "--max-steps", "5", "--set", "run.checkpoint_every=2",
-                               "--set", f"generator.replicas={replicas}"])
+                               "--set", f"generator.replicas={replicas}", "--set", "run.log_samples=8"])
     summary = train(cfg)
     steps, evals = read_metrics(out)
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
     assert [r["policy_version"] for r in steps] == [1, 2, 3, 4, 5]
+    samples = read_samples(out)  # every sample of every step (run.log_samples=8)
     for r in steps:
         assert 0 <= r["staleness"] <= staleness
+        # generated tokens (all samples) vs trained ones (zero-advantage samples are skipped)
+        assert r["tokens"] == sum(x["tokens"] for x in samples if x["step"] == r["step"]) >= r["trained_tokens"]
         for key in ("reward_mean", "step_s", "sync_s", "ratio_mean", "truncated_frac", "mismatch_kl"):
             assert key in r
     if mode == "sync":
@@ -56,7 +59,6 @@ def test_loop_runs_and_never_exceeds_the_staleness_bound(tmp_path, mode, stalene
         assert all(abs(r["ratio_mean"] - 1.0) < 1e-4 for r in steps)
     assert [e["step"] for e in evals] == [0, 5]
     assert summary["mode"] == mode and summary["steps"] == 5
-    samples = read_samples(out)  # run.log_samples decoded completions per step, from the first group
     assert [r["step"] for r in samples] == [s for s in range(1, 6) for _ in range(cfg.run.log_samples)]
     for r in samples:
         assert r["sample_id"].endswith(("#0", "#1"))
