@@ -79,12 +79,22 @@ def test_parquet_roundtrip(tmp_path):
         (['{"id": "x", "question": "a", "answer": "1"}', '{"id": "x", "question": "b", "answer": "2"}'], {},
          r"line 2: duplicate id 'x' \(first seen at line 1\)"),
         (["", "  "], {}, r"holds no records"),
+        (['{"question": "a", "answer": NaN}'], {}, r"line 1: field 'answer' is nan; an answer must be a finite"),
+        (['{"question": "a", "answer": "Solution: 3 + 4. ####  "}'], {},
+         r"line 1: field 'answer' is empty after the final '####'"),
+        (['{"question": "a", "answer": ""}'], {}, r"line 1: field 'answer' is empty; every sample needs"),
     ],
 )
 def test_load_errors_name_the_problem(tmp_path, lines, kwargs, message):
     p = _write_lines(tmp_path / "bad.jsonl", lines)
     with pytest.raises(ValueError, match=message):
         load_dataset(p, **kwargs)
+
+
+def test_numeric_answers_become_the_text_a_verifier_compares(tmp_path):
+    p = _write_lines(tmp_path / "n.jsonl", [json.dumps({"question": f"q{i}", "answer": a})
+                                            for i, a in enumerate([72.0, 72, -3.0, 2.5, 1e21, 1e300, 0.1])])
+    assert [s.answer for s in load_dataset(p)] == ["72", "72", "-3", "2.5", "1e+21", "1e+300", "0.1"]
 
 
 def test_missing_file_and_bad_extension(tmp_path):

@@ -12,12 +12,16 @@ File formats:
 ``prompt_field``/``answer_field`` name the columns (defaults: GSM8K's ``question``/``answer``). Sample ids
 come from ``id_field`` when every record has it (must be unique), else ``"<file stem>-<index>"``.
 
+Numeric answers become text: integral numbers as integers (``72.0`` → ``"72"``), others as Python's
+shortest repr; NaN/inf and empty answers are errors (such a sample could never be scored).
+
 Errors name the file, the line (JSONL) or row (Parquet), the missing field and the fields present.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,8 +86,13 @@ def _read_parquet(path: Path) -> list[tuple[str, dict]]:
 def _as_text(value: Any, field: str, where: str, path: Path, *, numbers_ok: bool) -> str:
     if isinstance(value, str):
         return value
-    if numbers_ok and isinstance(value, (int, float)) and not isinstance(value, bool):
+    if numbers_ok and isinstance(value, int) and not isinstance(value, bool):
         return str(value)
+    if numbers_ok and isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{path} {where}: field {field!r} is {value}; an answer must be a finite number or text")
+        # 72.0 is the integer 72 (as text "72", what a verifier compares); others keep Python's shortest repr
+        return str(int(value)) if value.is_integer() and abs(value) < 2**53 else repr(value)
     kind = "a string or number" if numbers_ok else "a string"
     raise ValueError(f"{path} {where}: field {field!r} must be {kind}, got {type(value).__name__} {value!r:.80}")
 
@@ -132,6 +141,10 @@ def load_dataset(
         answer = _as_text(rec[answer_field], answer_field, where, p, numbers_ok=True)
         if reduce_answers:
             answer = reduce_answer(answer)
+        if not answer.strip():
+            raise ValueError(f"{p} {where}: field {answer_field!r} is empty" + (" after the final '####'" if
+                             reduce_answers and GSM8K_MARKER in rec[answer_field] else "") +
+                             "; every sample needs a reference answer to be scored against")
         sid = _as_text(rec[id_field], id_field, where, p, numbers_ok=True) if use_ids else f"{p.stem}-{index}"
         if sid in seen:
             raise ValueError(f"{p} {where}: duplicate id {sid!r} (first seen at {seen[sid]}); ids must be unique")
