@@ -12,8 +12,12 @@ an advantage A_t and a mask m_t ∈ {0, 1} (1 = a generated token that is traine
     loss  = Σ_t m_t ℓ_t / Σ_t m_t                                     norm="token"  (default)
           = mean over non-empty rows b of Σ_t m_bt ℓ_bt / Σ_t m_bt      norm="sequence"
 
-k3 (Schulman's estimator) is an unbiased, non-negative estimate of KL(π‖π_ref) from tokens sampled
-from π. ``rho`` may be ``math.inf`` (no truncation); β ≥ 0; γ is any finite number.
+k3 (Schulman's estimator) is a non-negative estimate of KL(π‖π_ref), unbiased for tokens sampled from
+π. Here the tokens come from μ and the term is not importance-weighted (GRPO's convention), so ``kl_ref``
+is its value under μ ≈ π; and its gradient is not that of KL(π‖π_ref): differentiated through logπ at
+the sampled tokens, E_π[∇k3] = −E_π[(π_ref/π) ∇logπ] = ∇KL(π_ref‖π), the reverse KL. Both pull π toward
+π_ref; the reverse KL penalises π missing π_ref's mass rather than putting mass where π_ref has little.
+``rho`` may be ``math.inf`` (no truncation); β ≥ 0; γ is any finite number.
 
 Layouts: ``logprobs``, ``behavior_logprobs``, ``mask``, ``ref_logprobs``, ``entropy`` are all ``[B, T]``
 (or all ``[N]`` flat, token normalisation only); ``advantages`` is ``[B, T]`` per token or ``[B]`` per
@@ -29,7 +33,7 @@ Metrics (detached 0-d tensors, always token means over the masked tokens, whatev
 ``ratio_mean``, ``ratio_max`` (of r_t, before truncation), ``truncated_frac`` (fraction with r_t > ρ),
 ``mismatch_kl`` = mean_t (r_t − 1 − log r_t), the k3 estimate of KL(μ‖π) from the tokens μ sampled
 (it is ≥ 0 and 0 exactly when π = μ on the sampled tokens), ``entropy`` (if given), ``kl_ref`` (mean
-k3, if ``ref_logprobs`` given), ``tokens`` = Σ m_t.
+k3, if ``ref_logprobs`` given), ``tokens`` = Σ m_t (``trained_tokens`` in a run's metrics.jsonl).
 
 Invariants: masked positions never affect the loss or receive gradient. An all-zero mask is defined:
 loss 0 (still attached to the graph, so ``backward()`` works and yields zero gradients) and all
