@@ -218,13 +218,9 @@ class DataConfig(_Section):
         if self.dataset.startswith("synthetic:") and self.dataset.split(":")[1] not in SYNTHETIC_DATASETS:
             _fail("data.dataset", f"unknown synthetic dataset; known: "
                   f"{', '.join('synthetic:' + n for n in SYNTHETIC_DATASETS)}", self.dataset)
-        try:
-            self.template.format(prompt="")
-        except (KeyError, IndexError, ValueError) as exc:
-            _fail("data.template", f"must use only {{prompt}} (write literal braces as {{{{ }}}}); "
-                  f"formatting failed with {type(exc).__name__}: {exc}", self.template)
-        if "{prompt}" not in self.template:
-            _fail("data.template", "must contain {prompt}", self.template)
+        if "{prompt}" not in self.template:  # filled in literally (str.replace): other braces stay as written
+            _fail("data.template", "must contain {prompt} (where the problem text goes; other braces, e.g. "
+                  "LaTeX's \\boxed{}, are kept as written)", self.template)
         if self.system is not None and not self.chat:
             _fail("data.system", "needs data.chat=true (a raw prompt has no roles; put the text into data.template)",
                   self.system)
@@ -273,6 +269,8 @@ class RunConfig(_Section):
         self._positive("keep_checkpoints")
         for name in ("max_staleness", "seed", "eval_every", "checkpoint_every", "log_samples"):
             self._positive(name, strict=False)
+        if self.seed >= 2**32:  # step seeds are seed * 1_000_003 + step (+ replica strides): they must fit int64
+            _fail("run.seed", "must be below 2**32", self.seed)
         if self.mode == "sync" and self.max_staleness != 0:
             _fail("run.max_staleness", "must be 0 in sync mode (sync means no run-ahead); drop it or use "
                   "--mode async", self.max_staleness)
@@ -421,6 +419,11 @@ class TrainConfig:
                 _fail("run.out", "exists and is not a directory", self.run.out)
             earlier = (out / "checkpoints").is_dir() or (out / "metrics.jsonl").is_file()
             if earlier and self.run.resume is None:
+                from llamarl.checkpoint import latest_checkpoint_dir
+
+                if latest_checkpoint_dir(out) is None:
+                    _fail("run.out", "holds a run that wrote no checkpoint (it stopped before its first one), so "
+                          "there is nothing to resume; delete that directory or choose a new --out", self.run.out)
                 _fail("run.out", "already holds a run; pass --resume with it to continue, or choose a new --out",
                       self.run.out)
             if earlier and resumed_run is not None and out.resolve() != resumed_run:
@@ -502,15 +505,18 @@ def _plain(value: Any) -> Any:
 
 
 def _coerce(path: str, value: Any, tp: Any) -> Any:
-    """Check ``value`` against annotation ``tp``; parse it first if it is ``_Text`` for a non-text type."""
+    """Check ``value`` against annotation ``tp``; parse it first if it is ``_Text`` for a non-text type
+    (surrounding whitespace ignored there; a string field keeps its text exactly, spaces included)."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, _Text) and value.lower() in ("none", "null", "~", "")):
+        if value is None or (isinstance(value, _Text) and value.strip().lower() in ("none", "null", "~", "")):
             if type(None) in args:
                 return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(path, value, inner[0])
     if origin is Literal:
+        if isinstance(value, _Text):
+            value = value.strip()
         if value not in args:
             _fail(path, f"must be one of {', '.join(repr(a) for a in args)}{_did_you_mean(str(value), args)}", value)
         return str(value)
@@ -524,7 +530,7 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
                      for i, v in enumerate(value))
     if tp is bool:
         if isinstance(value, _Text):
-            lowered = value.lower()
+            lowered = value.strip().lower()
             if lowered in ("true", "yes", "on", "1"):
                 return True
             if lowered in ("false", "no", "off", "0"):

@@ -84,9 +84,9 @@ def config_from_args(args: argparse.Namespace, *, check_environment: bool = True
             overrides.append((dotted, value))
     for item in args.overrides:
         key, sep, value = item.partition("=")
-        if not sep or not key.strip():
+        if not sep or "." not in key or not all(part.strip() for part in key.split(".", 1)):
             _fail("--set", "expects SECTION.KEY=VALUE, e.g. --set trainer.lr=3e-4", item)
-        overrides.append((key.strip(), value.strip()))
+        overrides.append((key.strip(), value))  # a string field keeps its spaces (a template's trailing one)
     resume = next((v for d, v in reversed(overrides) if d == "run.resume"), None)
     if resume is None:
         resume = (loaded.get("run") or {}).get("resume")

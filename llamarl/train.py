@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from llamarl._fs import write_text_atomic
-from llamarl.checkpoint import load_latest
+from llamarl.checkpoint import latest_checkpoint_dir, load_latest
 from llamarl.config import REWARD_NAMES, ConfigError, TrainConfig
 from llamarl.config_cli import load_config
 from llamarl.controller import Controller, Executors
@@ -226,7 +226,7 @@ def train(cfg: TrainConfig) -> dict:
         log(f"warning: generator.top_p={cfg.generator.top_p} samples from the truncated distribution, but the "
             "log-probs (mu) and the trainer's pi are the full softmax's (llamarl.generation.sampling), so the AIPO "
             "importance weights do not correct for the truncation; top_p=1 keeps mu exactly the sampler's")
-    out = Path(cfg.run.out) if cfg.run.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    out = Path(cfg.run.out) if cfg.run.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")  # main resolves it
     resume = load_latest(cfg.run.resume) if cfg.run.resume else None
     tokenizer, data = load_inputs(cfg, cursor=resume.data_cursor if resume else 0)
     try:
@@ -336,6 +336,9 @@ def _sigterm_as_ctrl_c():
 
     def on_sigterm(signum, frame):
         terminated.append(signum)
+        if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL):
+            # started with SIGINT ignored (a background job of a script): SIGTERM must still stop the run
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.raise_signal(signal.SIGINT)
 
     try:
@@ -355,17 +358,22 @@ def main(argv: list[str] | None = None) -> int:
         check_supported(cfg)
     except ConfigError as e:
         return _config_error(e)
+    if cfg.run.out is None:  # resolved here, so that an interrupted run can say where it stands
+        out = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out=str(out)))
     with _sigterm_as_ctrl_c() as terminated:
         try:
             return _run_main(cfg)
         except KeyboardInterrupt:
-            if terminated:
-                print("llamarl.train: terminated (SIGTERM); the last checkpoint is intact (continue with --resume)",
-                      file=sys.stderr)
-                return 143
-            print("llamarl.train: interrupted; the last checkpoint is intact (continue with --resume)",
-                  file=sys.stderr)
-            return 130
+            what, status = ("terminated (SIGTERM)", 143) if terminated else ("interrupted", 130)
+            print(f"llamarl.train: {what}; {_where_it_stands(cfg.run.out)}", file=sys.stderr)
+            return status
+
+
+def _where_it_stands(out: str) -> str:
+    if latest_checkpoint_dir(out) is not None:
+        return f"the last checkpoint is intact (continue with --resume {out} --max-steps N)"
+    return f"it wrote no checkpoint yet, so there is nothing to resume; start again (delete {out} or use a new --out)"
 
 
 def _run_main(cfg: TrainConfig) -> int:

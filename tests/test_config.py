@@ -155,7 +155,9 @@ def _messages(tmp_path):
         (["--set", "data.few_shot=-2"], r"data.few_shot: must be >= 0"),
         (["--set", "data.eval_size=0"], r"data.eval_size: must be > 0"),
         (["--set", "data.template=Q:"], r"data.template: must contain \{prompt\}"),
-        (["--set", "data.template={question}"], r"data.template: must use only \{prompt\}"),
+        (["--set", "data.template={question}"], r"data.template: must contain \{prompt\}"),
+        (["--set", "run.seed=4294967296"], r"run.seed: must be below 2\*\*32"),
+        (["--set", "trainer=1"], r"--set: expects SECTION.KEY=VALUE"),
         (["--dataset", "synthetic:poetry"], r"data.dataset: unknown synthetic dataset"),
         (["--dataset", f"{t}/missing.jsonl"], r"data.dataset: no such file"),
         (["--dataset", f"{t}/data.csv"], r"data.dataset: unsupported file type '.csv'; use .jsonl, .parquet"),
@@ -167,7 +169,7 @@ def _messages(tmp_path):
         (["--reward", f"{t}/missing.py:fn"], r"reward.reward: reward spec .*missing.py:fn.* does not exist"),
         (["--resume", f"{t}/missing"], r"run.resume: no such directory"),
         (["--resume", f"{t}/empty"], r"run.resume: holds no complete checkpoint"),
-        (["--out", f"{t}/old"], r"run.out: already holds a run; pass --resume"),
+        (["--out", f"{t}/old"], r"run.out: holds a run that wrote no checkpoint .* delete that directory"),
         (["--layout", "trainer=x"], r"run.layout: layout: trainer='x'"),
         (["--layout", "trainer=2", "--set", "trainer.ranks=4"], r"run.layout: 'trainer=2' sets trainer.ranks=2"),
         (["--device", "tpu"], r"run.device: must be one of 'auto', 'cpu', 'cuda'"),
@@ -214,3 +216,12 @@ def test_direct_construction_validates_too():
         TrainerConfig(micro_batch_size=True)
     with pytest.raises(ConfigError, match=r"^run.max_staleness: must be >= 1 in async mode"):
         TrainConfig(run=RunConfig(max_staleness=0))
+
+
+def test_set_keeps_a_string_as_typed_and_parses_the_rest_around_spaces():
+    cfg = load_config(["--set", "data.template=Solve: {prompt} in \\boxed{}. A= ", "--set", "run.mode= sync",
+                       "--set", "run.max_staleness= 0 ", "--set", "trainer.share_prompts= false",
+                       "--set", "trainer.betas= (0.9, 0.95)"], check_environment=False)
+    assert cfg.data.template == "Solve: {prompt} in \\boxed{}. A= "  # braces and the trailing space kept
+    assert (cfg.run.mode, cfg.run.max_staleness, cfg.trainer.share_prompts, cfg.trainer.betas) == \
+        ("sync", 0, False, (0.9, 0.95))

@@ -104,10 +104,13 @@ def _executor_pid(root: int, name: str) -> int | None:
     return None
 
 
-def _start(args: list[str], tmp_path: Path) -> subprocess.Popen:
+def _start(args: list[str], tmp_path: Path, ignore_sigint: bool = False) -> subprocess.Popen:
+    """The run as a subprocess in its own session; ``ignore_sigint``: started with SIGINT ignored, as a
+    background job of a shell script is."""
     env = dict(os.environ, LLAMARL_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
+    setup = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
     return subprocess.Popen([sys.executable, "-m", "llamarl.train", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=setup)
 
 
 def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
@@ -418,13 +421,17 @@ def test_a_resumed_run_continues_exactly_like_the_uninterrupted_one(tmp_path):
             assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
 
 
-@pytest.mark.parametrize("sig, to_group, status", [(signal.SIGINT, True, 130), (signal.SIGTERM, False, 143)],
-                         ids=["ctrl-c", "sigterm"])
-def test_an_interrupted_run_stops_cleanly_and_resumes(tmp_path, sig, to_group, status):
+@pytest.mark.parametrize("sig, to_group, status, ignore_sigint",
+                         [(signal.SIGINT, True, 130, False), (signal.SIGTERM, False, 143, False),
+                          (signal.SIGTERM, False, 143, True)],
+                         ids=["ctrl-c", "sigterm", "sigterm-background-job"])
+def test_an_interrupted_run_stops_cleanly_and_resumes(tmp_path, sig, to_group, status, ignore_sigint):
     """Ctrl-C (SIGINT to the whole process group) and SIGTERM to the controller alone both stop the run:
-    the exit status says which, every executor and worker process is gone, and it resumes."""
+    the exit status says which, every executor and worker process is gone, and it resumes. SIGTERM also
+    stops a run started with SIGINT ignored (a script's background job)."""
     out = tmp_path / "run"
-    proc = _start(SMOKE + ["--out", str(out), "--max-steps", "100000", "--set", "run.checkpoint_every=2"], tmp_path)
+    proc = _start(SMOKE + ["--out", str(out), "--max-steps", "100000", "--set", "run.checkpoint_every=2"], tmp_path,
+                  ignore_sigint)
     _wait_for(lambda: (out / "metrics.jsonl").is_file() and len(read_metrics(out)[0]) >= 3, 180, proc)
     (os.killpg if to_group else os.kill)(proc.pid, sig)
     output, _ = proc.communicate(timeout=60)
@@ -441,6 +448,17 @@ def test_an_interrupted_run_stops_cleanly_and_resumes(tmp_path, sig, to_group, s
     target = len(read_metrics(out)[0]) + 2
     train(load_config(["--resume", str(out), "--max-steps", str(target)]))
     assert [r["step"] for r in read_metrics(out)[0]] == list(range(1, target + 1))  # one history, no repeats
+
+
+def test_a_run_stopped_before_its_first_checkpoint_says_so(tmp_path, capsys):
+    out = tmp_path / "run"
+    proc = _start(SMOKE + ["--out", str(out), "--max-steps", "100000", "--set", "run.checkpoint_every=0"], tmp_path)
+    _wait_for(lambda: (out / "metrics.jsonl").is_file() and len(read_metrics(out)[0]) >= 2, 180, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "wrote no checkpoint yet, so there is nothing to resume" in output, output
+    assert main(SMOKE + ["--out", str(out)]) == 2  # and the directory is refused with the same reason
+    assert "holds a run that wrote no checkpoint" in capsys.readouterr().err
 
 
 def test_an_unwritable_run_directory_is_refused_before_anything_starts(tmp_path, capsys):
