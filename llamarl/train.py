@@ -33,6 +33,7 @@ import dataclasses
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,6 +47,7 @@ from llamarl.controller import Controller, Executors
 from llamarl.eval import eos_ids, evaluate
 from llamarl.generation.engine import cache_slots
 from llamarl.models import CharTokenizer, Llama, LlamaConfig, LLAMA_CONFIGS, load_tokenizer
+from llamarl.models.hf_io import check_checkpoint
 from llamarl.parallel.tensor_parallel import check_tp_size
 from llamarl.rewards import RewardPool, load_reward
 from llamarl.reporting import make_reporters, parse_report_to
@@ -138,10 +140,15 @@ def model_config_dict(cfg: TrainConfig) -> dict:
 
 def load_inputs(cfg: TrainConfig, cursor: int = 0):
     """(tokenizer, TrainData), checked against the policy before anything is written or
-    started: unreadable files, a tokenizer larger than the model's vocabulary, a generation length that
+    started: unreadable files (the model's weights too: names, shapes, dtypes, file sizes), a tokenizer larger than the model's vocabulary, a generation length that
     fills the context, and dataset errors raise ConfigError. Prompts longer than the context minus
     ``generator.max_new_tokens`` are dropped from a file dataset (and counted)."""
     model = model_config_dict(cfg)
+    if cfg.policy.model not in LLAMA_CONFIGS:  # a directory: its weights must load (headers and sizes only)
+        try:
+            check_checkpoint(cfg.policy.model)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"policy.model: {e}") from None
     try:
         tokenizer = make_tokenizer(cfg)
     except (OSError, ValueError) as e:
@@ -165,6 +172,17 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
         log(f"data: dropped {data.dropped} prompts longer than {max_prompt} tokens (the context {context} minus "
             f"generator.max_new_tokens)")
     return tokenizer, data
+
+
+def _check_writable(directory: Path, field: str) -> None:
+    """ConfigError unless ``directory`` can be created and written (found now, not after the warm start)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".llamarl-write-test-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{field}: cannot write {directory}: {e.strerror or e}; point it (or $LLAMARL_CACHE_DIR) "
+                          "at a writable directory") from None
 
 
 def check_supported(cfg: TrainConfig) -> None:
@@ -229,6 +247,9 @@ def train(cfg: TrainConfig) -> dict:
     out = Path(cfg.run.out) if cfg.run.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")  # main resolves it
     resume = load_latest(cfg.run.resume) if cfg.run.resume else None
     tokenizer, data = load_inputs(cfg, cursor=resume.data_cursor if resume else 0)
+    if cfg.policy.model in LLAMA_CONFIGS:
+        _check_writable(Path(cfg.warm_start.cache_dir) if cfg.warm_start.cache_dir else default_cache_dir(),
+                        "warm_start.cache_dir")
     try:
         cfg.save(out)
     except OSError as e:

@@ -185,7 +185,8 @@ def test_a_killed_executor_ends_the_run_with_its_name(tmp_path):
                                                "generator.quantization"),
                                               (["generator.tp=3"], "generator.tp"),
                                               (["trainer.dtype=bfloat16"], "trainer.dtype"),
-                                              (["generator.max_new_tokens=4096"], "generator.max_new_tokens")])
+                                              (["generator.max_new_tokens=4096"], "generator.max_new_tokens"),
+                                              (["warm_start.cache_dir=/proc/llamarl"], "warm_start.cache_dir")])
 def test_bad_config_is_rejected_before_anything_starts(tmp_path, capsys, overrides, field):
     args = [a for o in overrides for a in ("--set", o)]
     assert main(args + ["--out", str(tmp_path / "r")]) == 2
@@ -243,11 +244,20 @@ def test_bad_data_and_model_files_are_rejected_before_anything_starts(tmp_path, 
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{not json")
+    from llamarl.models import LLAMA_CONFIGS, Llama, LlamaConfig
+
     small = tmp_path / "small_vocab"  # a 10-token model with a 40-token tokenizer
-    small.mkdir()
-    (small / "config.json").write_text(json.dumps({"vocab_size": 10, "num_attention_heads": 2, "hidden_size": 8}))
+    Llama(LlamaConfig(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                      num_attention_heads=2)).save_pretrained(small)
     Tokenizer(models.WordLevel({f"w{i}": i for i in range(40)}, unk_token="w0")).save(str(small / "tokenizer.json"))
     (small / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w1", "bos_token": "w2"}))
+    no_weights, cut = tmp_path / "no_weights", tmp_path / "truncated"
+    for d in (no_weights, cut):
+        Llama(LLAMA_CONFIGS["tiny"]).save_pretrained(d)
+        CharTokenizer().save(d)
+    (no_weights / "model.safetensors").unlink()
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) - 100])
     cases = [
         (["--dataset", _write(tmp_path / "bad.jsonl", ok * 2 + b'{"question": 1\n')],
          r"data.dataset: .*bad.jsonl:3: not valid JSON"),
@@ -260,6 +270,8 @@ def test_bad_data_and_model_files_are_rejected_before_anything_starts(tmp_path, 
          r"data.dataset: .*every one of its 1 prompts is longer than"),
         (["--model", str(model)], r"policy.model: cannot read .*config.json"),
         (["--model", str(small)], r"policy.tokenizer: it has 40 tokens but the model's vocab_size is 10"),
+        (["--model", str(no_weights)], r"policy.model: .*no_weights has neither model.safetensors"),
+        (["--model", str(cut)], r"policy.model: .*truncated/model.safetensors is not a readable safetensors file"),
     ]
     for i, (args, pattern) in enumerate(cases):
         out = tmp_path / f"r{i}"

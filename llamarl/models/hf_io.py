@@ -137,12 +137,8 @@ def _weight_files(d: Path) -> dict[str, Path]:
     return where
 
 
-def load_state_dict(path: str | os.PathLike, config: LlamaConfig) -> dict[str, torch.Tensor]:
-    """Read and validate all tensors of a checkpoint (CPU, checkpoint dtype)."""
-    from safetensors import safe_open
-
-    d = Path(path)
-    where = _weight_files(d)
+def _check_keys(d: Path, where: dict[str, Path], config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The expected shapes, after refusing missing tensors and ones a Llama of ``config`` lacks."""
     expected = expected_shapes(config)
     missing = [k for k in expected if k not in where]
     if missing:
@@ -157,6 +153,42 @@ def load_state_dict(path: str | os.PathLike, config: LlamaConfig) -> dict[str, t
             f"{d}: checkpoint has {len(unexpected)} tensor(s) a Llama of this config.json does not have, "
             f"e.g. {unexpected[:4]} (wrong architecture or num_hidden_layers?)"
         )
+    return expected
+
+
+FLOAT_DTYPES = ("F64", "F32", "BF16", "F16")
+
+
+def check_checkpoint(path: str | os.PathLike) -> LlamaConfig:
+    """Everything ``load_llama`` would refuse in a Hugging Face directory, found from config.json and the
+    safetensors headers without reading a tensor: a run checks its model before it starts anything."""
+    d = Path(path)
+    config = load_config(d)
+    where = _weight_files(d)
+    expected = _check_keys(d, where, config)
+    from safetensors import safe_open
+
+    for fp in sorted(set(where.values())):  # _weight_files opened each: headers read, sizes covered
+        with safe_open(str(fp), framework="pt", device="cpu") as f:
+            for k in f.keys():
+                if k not in expected:
+                    continue
+                sl = f.get_slice(k)
+                shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+                if shape != expected[k]:
+                    raise ValueError(f"{fp.name}: tensor {k!r} has shape {shape} but config.json implies {expected[k]}")
+                if dtype not in FLOAT_DTYPES:
+                    raise ValueError(f"{fp.name}: tensor {k!r} has dtype {dtype}; expected fp32/bf16/fp16")
+    return config
+
+
+def load_state_dict(path: str | os.PathLike, config: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Read and validate all tensors of a checkpoint (CPU, checkpoint dtype)."""
+    from safetensors import safe_open
+
+    d = Path(path)
+    where = _weight_files(d)
+    expected = _check_keys(d, where, config)
     by_file: dict[Path, list[str]] = {}
     for k in expected:
         by_file.setdefault(where[k], []).append(k)
