@@ -39,6 +39,8 @@ from typing import Any, Literal
 
 import yaml
 
+from llamarl._fs import write_text_atomic
+
 from llamarl.reporting import check_available, parse_report_to
 from llamarl.runtime.placement import GeneratorSpec, Layout, LayoutError, RewardSpec, TrainerSpec
 
@@ -211,6 +213,9 @@ class DataConfig(_Section):
 
     def check(self) -> None:
         self._positive("few_shot", strict=False)
+        if self.few_shot:
+            _fail("data.few_shot", "few-shot prompts are supported by `python -m llamarl.eval`, not yet by training; "
+                  "set it to 0 or put the examples into data.template", self.few_shot)
         self._positive("eval_size")  # held-out accuracy before and after RL is part of every run
         for name in ("prompt_field", "answer_field"):
             if not getattr(self, name):
@@ -343,10 +348,11 @@ class TrainConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def save(self, run_dir: str | Path) -> Path:
-        """Write ``run_dir/config.yaml`` (loadable with ``--config``)."""
+        """Write ``run_dir/config.yaml``: every field of the run. ``--resume run_dir`` reads it back; to start a
+        new run from it with ``--config``, give a new ``--out`` (it names this run's) and drop ``run.resume``."""
         path = Path(run_dir) / "config.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_yaml())
+        write_text_atomic(path, self.to_yaml())
         return path
 
     @classmethod

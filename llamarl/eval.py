@@ -317,8 +317,22 @@ def run(args: argparse.Namespace) -> EvalResult:
     out = Path(args.output)
     if out.is_dir() or out.with_name(out.stem + ".summary.json").is_dir():
         raise ValueError(f"--output {args.output} is a directory; pass a file name such as {out / 'eval.jsonl'}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    if not math.isfinite(args.correct_threshold):
+        raise ValueError(f"--correct-threshold must be a finite number (a reward >= it counts as correct), got "
+                         f"{args.correct_threshold}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device {args.device!r} is not a torch device; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {args.device}: llamarl.eval runs on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: torch sees no CUDA device; use --device cpu")
+    if not Path(args.model).exists():
+        raise ValueError(f"--model {args.model} does not exist (pass a Hugging Face model directory or a run's "
+                         "checkpoints/step_NNNNNN/policy)")
+    if args.dataset.startswith("synthetic:") and not args.dataset.startswith(SYNTHETIC_PREFIX):
+        raise ValueError(f"--dataset {args.dataset}: unknown synthetic dataset; known: {SYNTHETIC_PREFIX}[:options]")
     synthetic = args.dataset.startswith(SYNTHETIC_PREFIX)
     same_file_shots = False
     if synthetic:

@@ -20,10 +20,12 @@ processes of the controller and take no rank)::
     torchrun --standalone --nproc-per-node 4 -m llamarl.train --set trainer.ranks=2 --set generator.tp=2
 
 Outputs in the run directory (``--out``, default ``runs/<timestamp>``): config.yaml, metrics.jsonl (one
-object per step), summary.json (held-out accuracy before/after RL, wall time, mode, ...), plot.png
-(reward and accuracy against step), checkpoints/ (atomic; ``--resume DIR`` continues from the newest).
+object per step, and the evaluations), samples.jsonl (decoded completions), summary.json (held-out accuracy
+before/after RL, wall time, mode, ...), plot.png (reward and accuracy against step), checkpoints/ (atomic;
+``--resume DIR`` continues from the newest).
 Exit status: 0 on success, 2 for a bad configuration (nothing started), 1 when an executor failed (the
-message names it and carries the remote error; the last checkpoint stays intact).
+message names it and carries the remote error; the last checkpoint stays intact), 130 after Ctrl-C and
+143 after SIGTERM (executors shut down, the last checkpoint intact).
 """
 
 from __future__ import annotations
@@ -244,6 +246,9 @@ def train(cfg: TrainConfig) -> dict:
         log(f"warning: generator.top_p={cfg.generator.top_p} samples from the truncated distribution, but the "
             "log-probs (mu) and the trainer's pi are the full softmax's (llamarl.generation.sampling), so the AIPO "
             "importance weights do not correct for the truncation; top_p=1 keeps mu exactly the sampler's")
+    if cfg.trainer.lr_warmup_steps >= cfg.run.max_steps:
+        log(f"warning: trainer.lr_warmup_steps={cfg.trainer.lr_warmup_steps} >= run.max_steps={cfg.run.max_steps}: the "
+            "learning rate never reaches trainer.lr")
     out = Path(cfg.run.out) if cfg.run.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")  # main resolves it
     resume = load_latest(cfg.run.resume) if cfg.run.resume else None
     tokenizer, data = load_inputs(cfg, cursor=resume.data_cursor if resume else 0)

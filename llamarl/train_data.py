@@ -66,9 +66,6 @@ class TrainData:
                 samples = kept
             self.longest_prompt = max(lengths)
             self.heldout, self._pool = _split_heldout(samples, cfg.eval_size, seed, cfg.dataset)
-        if cfg.few_shot:
-            raise ValueError("data.few_shot > 0 is supported by `python -m llamarl.eval`, not yet by training; "
-                             "set data.few_shot=0 or put the examples into data.template")
         self.cursor = 0
         self._stream = self._new_stream()
         self.seek(cursor)

@@ -221,6 +221,16 @@ def test_cli_checks_lengths_counts_and_output_up_front(checkpoint, tmp_path, cap
         assert f"{flag} must be >= 1" in capsys.readouterr().err
     assert main(base[:-1] + [str(tmp_path), "--dataset", "synthetic:arithmetic:n=3"]) == 2
     assert "is a directory" in capsys.readouterr().err
+    synthetic = ["--dataset", "synthetic:arithmetic:n=3"]
+    for extra, message in [(["--correct-threshold", "nan"], "--correct-threshold must be a finite number"),
+                           (["--device", "meta"], "--device meta: llamarl.eval runs on cpu or cuda"),
+                           (["--device", "gpu0"], "--device 'gpu0' is not a torch device")]:
+        assert main(base + synthetic + extra) == 2
+        assert message in capsys.readouterr().err
+    assert main(base + ["--dataset", "synthetic:arith"]) == 2
+    assert "--dataset synthetic:arith: unknown synthetic dataset" in capsys.readouterr().err
+    assert main(["--model", str(tmp_path / "nope")] + base[2:] + synthetic) == 2
+    assert f"--model {tmp_path / 'nope'} does not exist" in capsys.readouterr().err
 
 
 def test_python_dash_m_llamarl_eval(checkpoint, tmp_path):
