@@ -10,7 +10,7 @@ On-disk layout of a run directory::
                                        per-rank shards "optimizer.rank1.pt")
             rng.pt                     RNG states (torch.save, loadable with weights_only=True)
             state.json                 step, policy_version, data_cursor, extra (JSON)
-            MANIFEST.json              written last: every file with its size
+            MANIFEST.json              written last: every file with its size and SHA-256
         latest                         text "step_000123": the last committed checkpoint
         .tmp-step_000124-<host>-<pid>-<rand>/   a checkpoint being written (or torn by a crash)
 
@@ -19,12 +19,16 @@ every file and directory is fsynced, ``MANIFEST.json`` is written and fsynced la
 directory renamed to ``step_NNNNNN`` with ``os.replace`` (atomic), its parent fsynced and the ``latest``
 pointer replaced atomically. A crash at any point leaves either the old set of checkpoints or the old
 set plus the complete new one; never a half-written ``step_*``. Readers trust the manifest, not the
-pointer: ``load_latest`` returns the highest-step checkpoint whose manifest matches its files, so a
-crash between the rename and the pointer update still resumes from the newest complete state.
+pointer: ``load_latest`` returns the highest-step checkpoint whose manifest matches its files (sizes,
+and the SHA-256 of every file for the one it loads: a flipped byte is not loaded silently) and whose
+state parses, falling back to the next older one with a warning; so a crash between the rename and the
+pointer update still resumes from the newest complete state.
 Temporary directories left by dead writers on this host are removed by the next save or load; old
 checkpoints beyond ``keep`` are renamed away (atomic) and then deleted. History is linear: committing step N
-also removes checkpoints with a step above N (left by a continuation abandoned when resuming from an older
-checkpoint), so "newest complete" and the ``latest`` pointer agree.
+first removes checkpoints with a step above N (left by a continuation abandoned when resuming from an older
+checkpoint), before the rename, so "newest complete" and the ``latest`` pointer agree even after a crash.
+Once the rename is done the checkpoint is committed: a failure after it (the pointer, pruning) is
+reported as a warning, not as a failed save.
 
 Writers from other processes (e.g. FSDP trainer ranks writing their shards) can fill
 ``CheckpointWriter.path`` before the owner commits; the commit fsyncs whatever is there.
@@ -32,6 +36,7 @@ Writers from other processes (e.g. FSDP trainer ranks writing their shards) can 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -39,6 +44,7 @@ import re
 import secrets
 import shutil
 import socket
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -143,41 +149,78 @@ def latest_checkpoint_dir(run_dir: str | os.PathLike) -> Path | None:
 
 
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Read one checkpoint directory; raises ``CheckpointError`` if it is incomplete or corrupt."""
+    """Read one checkpoint directory; raises ``CheckpointError`` if it is incomplete or corrupt (every file
+    is checked against the SHA-256 the manifest records)."""
     path = Path(path)
-    problem = _verify(path)
+    problem = _verify(path, checksums=True)
     if problem is not None:
         raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
-    state = json.loads((path / STATE).read_text())
-    rng = torch.load(path / RNG, weights_only=True) if (path / RNG).is_file() else None
-    return Checkpoint(path=path, step=int(state["step"]), policy_version=int(state["policy_version"]),
-                      data_cursor=state.get("data_cursor"), rng_state=rng, extra=state.get("extra") or {})
+    try:
+        state = json.loads((path / STATE).read_text())
+        rng = torch.load(path / RNG, weights_only=True) if (path / RNG).is_file() else None
+        return Checkpoint(path=path, step=int(state["step"]), policy_version=int(state["policy_version"]),
+                          data_cursor=state.get("data_cursor"), rng_state=rng, extra=state.get("extra") or {})
+    except Exception as exc:  # noqa: BLE001 - any parse failure means: not usable
+        raise CheckpointError(f"checkpoint {path} is not usable: its {STATE} or {RNG} does not parse "
+                              f"({type(exc).__name__}: {exc})") from None
 
 
 def load_latest(run_dir: str | os.PathLike) -> Checkpoint | None:
-    """The newest complete checkpoint of ``run_dir`` (None if there is none); cleans dead temp dirs."""
+    """The newest usable checkpoint of ``run_dir`` (None if there is none): a newer one that fails its
+    checksums or does not parse is skipped with a warning naming the problem. Cleans dead temp dirs."""
+    run_dir = Path(run_dir)
     _clean_stale(checkpoints_dir(run_dir))
-    path = latest_checkpoint_dir(run_dir)
-    return load_checkpoint(path) if path is not None else None
+    if (run_dir / MANIFEST).is_file():  # a checkpoint directory itself: that one or nothing
+        return load_checkpoint(run_dir)
+    for step, path in reversed(list_checkpoints(run_dir)):
+        try:
+            return load_checkpoint(path)
+        except CheckpointError as exc:
+            warnings.warn(f"{exc}; falling back to an older checkpoint", stacklevel=2)
+    return None
 
 
-def _verify(path: Path) -> str | None:
-    """None if ``path`` is a complete checkpoint, else what is wrong with it."""
+def _verify(path: Path, *, checksums: bool = False) -> str | None:
+    """None if ``path`` is a complete checkpoint (every manifest file present with its size, ``state.json``
+    among them; with ``checksums`` also its SHA-256), else what is wrong with it."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except FileNotFoundError:
         return f"no {MANIFEST} (the write did not finish)"
     except (OSError, ValueError) as exc:
         return f"unreadable {MANIFEST}: {exc}"
-    if manifest.get("format") != FORMAT_VERSION:
-        return f"format {manifest.get('format')!r}, this code reads format {FORMAT_VERSION}"
-    for rel, size in manifest.get("files", {}).items():
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+        return f"format {manifest.get('format') if isinstance(manifest, dict) else None!r}, this code reads " \
+               f"format {FORMAT_VERSION}"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or STATE not in files:
+        return f"the manifest lists no {STATE}"
+    for rel, entry in files.items():
+        size = entry if isinstance(entry, int) else entry.get("bytes")  # format-1 manifests: sizes only
         f = path / rel
         if not f.is_file():
             return f"missing file {rel}"
         if f.stat().st_size != size:
             return f"file {rel} has {f.stat().st_size} bytes, manifest says {size}"
+    if checksums:
+        key = (str(path.resolve()), (path / MANIFEST).stat().st_mtime_ns)
+        if key not in _CHECKSUMS_OK:  # once per process (a resume checks the config, then loads)
+            for rel, entry in files.items():
+                if isinstance(entry, dict) and entry.get("sha256") and _sha256(path / rel) != entry["sha256"]:
+                    return f"file {rel} does not match its SHA-256 in the manifest (corrupted on disk)"
+            _CHECKSUMS_OK.add(key)
     return None
+
+
+_CHECKSUMS_OK: set[tuple[str, int]] = set()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 # -------------------------------------------------------------------- writing
@@ -246,26 +289,36 @@ class CheckpointWriter:
             raise CheckpointError(f"checkpoint {self.name} was already committed or aborted")
         if not self._state_written:
             raise CheckpointError(f"checkpoint {self.name}: call write_state(policy_version=...) before commit")
-        files = {}
-        for f in sorted(p for p in self.path.rglob("*") if p.is_file()):
-            _fsync_file(f)
-            files[f.relative_to(self.path).as_posix()] = f.stat().st_size
-        for d in sorted((p for p in self.path.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-            _fsync_dir(d)
-        manifest = {"format": FORMAT_VERSION, "step": self.step, "files": files}
-        _write_atomic(self.path / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True), fsync_parent=True)
-        final = self.root / self.name
-        if final.exists():  # re-saving a step (e.g. after resuming from an older checkpoint)
-            trash = self.root / f".trash-{self.name}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
-            os.replace(final, trash)
-            os.replace(self.path, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(self.path, final)
-        _fsync_dir(self.root)
-        _write_atomic(self.root / LATEST, self.name + "\n", fsync_parent=True)
+        try:
+            files = {}
+            for f in sorted(p for p in self.path.rglob("*") if p.is_file()):
+                _fsync_file(f)
+                files[f.relative_to(self.path).as_posix()] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+            for d in sorted((p for p in self.path.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+                _fsync_dir(d)
+            manifest = {"format": FORMAT_VERSION, "step": self.step, "files": files}
+            _write_atomic(self.path / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True), fsync_parent=True)
+            for path in [p for s, p in list_checkpoints(self.run_dir) if s > self.step]:
+                self._discard(path)  # an abandoned continuation: gone before this step becomes the newest
+            final = self.root / self.name
+            if final.exists():  # re-saving a step (e.g. after resuming from an older checkpoint)
+                trash = self._trash_name(self.name)
+                os.replace(final, trash)
+                os.replace(self.path, final)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.replace(self.path, final)
+        except BaseException:
+            self.abort()  # nothing became visible: drop the temp dir (no half checkpoint, no leak)
+            raise
         self._done = True
-        self._prune(final)
+        try:  # committed: what follows only tidies up
+            _fsync_dir(self.root)
+            _write_atomic(self.root / LATEST, self.name + "\n", fsync_parent=True)
+            self._prune(final)
+        except OSError as exc:
+            warnings.warn(f"checkpoint {final} is committed, but updating '{LATEST}' or pruning old checkpoints "
+                          f"failed: {exc}", stacklevel=2)
         return final
 
     def abort(self) -> None:
@@ -282,11 +335,17 @@ class CheckpointWriter:
         superseded = [p for s, p in found if s > self.step]
         kept = [p for s, p in found if s <= self.step]
         for path in superseded + kept[:-self.keep]:
-            if path == just_written:
-                continue
-            trash = self.root / f".trash-{path.name}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
-            os.replace(path, trash)
-            shutil.rmtree(trash, ignore_errors=True)
+            if path != just_written:
+                self._discard(path)
+
+    def _trash_name(self, name: str) -> Path:
+        return self.root / f".trash-{name}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+    def _discard(self, path: Path) -> None:
+        """Remove a committed checkpoint: renamed away first (atomic), then deleted."""
+        trash = self._trash_name(path.name)
+        os.replace(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
 
     def __enter__(self) -> CheckpointWriter:
         return self
@@ -317,7 +376,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, policy_state: Call
                              extra=extra)
     except CheckpointError:
         raise
-    except (OSError, RuntimeError) as exc:  # a full disk shows up as either (torch's writer: RuntimeError)
+    except Exception as exc:  # noqa: BLE001 - a full disk shows up as OSError, RuntimeError (torch.save), SafetensorError
         free = shutil.disk_usage(run_dir).free if Path(run_dir).is_dir() else None
         room = f"; {free / 2**20:.0f} MiB free there" if free is not None else ""
         raise CheckpointError(f"writing checkpoint step {step} under {run_dir} failed ({type(exc).__name__}: {exc})"

@@ -403,18 +403,18 @@ class TrainConfig:
                 _fail("run.device", "cuda requested but torch sees no CUDA device; use --set run.device=cpu")
         resumed_run = None
         if self.run.resume is not None:
-            from llamarl.checkpoint import CheckpointError, latest_checkpoint_dir, load_checkpoint
+            from llamarl.checkpoint import CheckpointError, load_latest
 
             if not Path(self.run.resume).is_dir():
                 _fail("run.resume", "no such directory", self.run.resume)
-            latest = latest_checkpoint_dir(self.run.resume)
+            try:
+                latest = load_latest(self.run.resume)  # checksums verified; a corrupt newest one is skipped
+            except CheckpointError as exc:
+                _fail("run.resume", str(exc))
             if latest is None:
                 _fail("run.resume", "holds no complete checkpoint (expected DIR/checkpoints/step_*/ or a "
                       "checkpoint directory); pass the --out directory of an earlier run", self.run.resume)
-            try:
-                step = load_checkpoint(latest).step
-            except CheckpointError as exc:
-                _fail("run.resume", str(exc))
+            step = latest.step
             if self.run.max_steps <= step:
                 _fail("run.max_steps", f"the run at {self.run.resume} is already at step {step}; pass --max-steps "
                       f"above it to continue (nothing was changed)", self.run.max_steps)

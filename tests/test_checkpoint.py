@@ -218,3 +218,81 @@ def test_writer_for_sharded_state_and_bad_input(tmp_path):
     with pytest.raises(CheckpointError, match="policy_version must be an integer"):
         save(tmp_path, 14, policy_version=-2)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [10]
+
+
+def _flip_a_byte(path: Path, offset: int = -3) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_bytes_corrupted_in_place_are_caught_by_the_checksums(tmp_path):
+    """Same size, other bytes: the manifest's SHA-256 refuses the file; load_latest falls back with a warning."""
+    save(tmp_path, 1)
+    two = save(tmp_path, 2, optimizer_state=adamw_state())
+    _flip_a_byte(two / "policy" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"policy/model.safetensors does not match its SHA-256"):
+        load_checkpoint(two)
+    with pytest.warns(UserWarning, match="falling back to an older checkpoint"):
+        assert load_latest(tmp_path).step == 1
+    three = save(tmp_path, 3, optimizer_state=adamw_state())
+    _flip_a_byte(three / "optimizer.pt", offset=len((three / "optimizer.pt").read_bytes()) // 2)
+    with pytest.warns(UserWarning, match=r"optimizer.pt does not match"):
+        assert load_latest(tmp_path).step == 1
+
+
+def test_a_state_that_does_not_parse_is_not_usable(tmp_path):
+    """Manifests of format 1 without checksums (older checkpoints) still load; a garbled state.json of the
+    right size is then caught when it is parsed, and the older checkpoint is used."""
+    save(tmp_path, 1)
+    two = save(tmp_path, 2)
+    manifest = json.loads((two / "MANIFEST.json").read_text())
+    manifest["files"] = {rel: entry["bytes"] for rel, entry in manifest["files"].items()}  # sizes only
+    (two / "MANIFEST.json").write_text(json.dumps(manifest))
+    assert load_checkpoint(two).step == 2
+    state = (two / "state.json").read_text()
+    (two / "state.json").write_text("x" * len(state))
+    with pytest.raises(CheckpointError, match=r"state.json or rng.pt does not parse"):
+        load_checkpoint(two)
+    with pytest.warns(UserWarning, match="falling back"):
+        assert load_latest(tmp_path).step == 1
+    del manifest["files"]["state.json"]
+    (two / "MANIFEST.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"the manifest lists no state.json"):
+        load_checkpoint(two)
+
+
+def test_a_failed_commit_leaves_no_temp_dir_and_a_late_failure_is_only_a_warning(tmp_path, monkeypatch):
+    save(tmp_path, 1)
+    real = ckpt_mod._write_atomic
+
+    def full_disk_on(name):
+        def write(path, text, *, fsync_parent):
+            if path.name == name:
+                raise OSError(28, "No space left on device")
+            real(path, text, fsync_parent=fsync_parent)
+        return write
+
+    monkeypatch.setattr(ckpt_mod, "_write_atomic", full_disk_on("MANIFEST.json"))
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        save(tmp_path, 2)
+    assert entries(tmp_path) == ["latest", "step_000001"]  # no .tmp-* left behind
+    monkeypatch.setattr(ckpt_mod, "_write_atomic", full_disk_on("latest"))
+    with pytest.warns(UserWarning, match="step_000003 is committed, but updating 'latest'"):
+        path = save(tmp_path, 3)
+    monkeypatch.undo()
+    assert load_latest(tmp_path).step == 3 and path.name == "step_000003"
+
+
+def test_an_abandoned_continuation_is_gone_before_the_new_step_appears(tmp_path, monkeypatch):
+    """Resumed from step 3 of a run that had reached 5: saving step 4 removes 4 and 5 of the abandoned
+    continuation before its rename, so a crash right after the rename still resumes from the new step 4."""
+    for step in range(1, 6):
+        save(tmp_path, step, keep=5)
+    monkeypatch.setattr(ckpt_mod.CheckpointWriter, "_prune", lambda self, final: (_ for _ in ()).throw(
+        KeyboardInterrupt("killed after the rename")))
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path, 4, keep=5, policy_version=44)
+    monkeypatch.undo()
+    assert load_latest(tmp_path).policy_version == 44
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1, 2, 3, 4]
