@@ -120,6 +120,31 @@ def test_two_slots_let_the_writer_proceed_and_tp_peers_join_a_held_version():
         c.close()
 
 
+def test_an_unbounded_claim_waits_out_a_long_hold_and_still_sees_a_dead_reader():
+    """The trainer's claims have no timeout (max_staleness >= 2 lets it push twice during one generation):
+    it waits for the reader however long the batch takes, and a reader that dies is still reported."""
+    c = VersionControl.create(nslots=2, n_writers=1, n_readers=1)
+    try:
+        c.finish(0, c.claim(1), 1)
+        slot, _ = c.acquire()  # a generation batch holding v1
+        c.finish(0, c.claim(2, timeout=float("inf")), 2)  # the idle slot: no wait
+        done = threading.Event()
+        th = threading.Thread(target=lambda: (c.finish(0, c.claim(3, timeout=float("inf")), 3), done.set()))
+        th.start()
+        assert not done.wait(0.3)  # v3 needs the held slot: it waits (past any short timeout)
+        c.release(slot)
+        assert done.wait(5) and c.latest_version == 3
+        th.join(5)
+        c.acquire()  # holds v3 ...
+        c.finish(0, c.claim(4, timeout=float("inf")), 4)
+        pid = dead_pid()
+        _native.native().ctl_register(c._mem, False, 0, pid)  # ... and the reader dies holding it
+        with pytest.raises(PeerDied, match=f"reader rank 0 \\(pid {pid}\\)"):
+            c.claim(5, timeout=float("inf"))
+    finally:
+        c.close()
+
+
 def test_dead_writer_is_named_and_abandon_recovers():
     c = VersionControl.create(nslots=2, n_writers=2)
     try:

@@ -139,7 +139,10 @@ class TrainerExecutor:
         source = TrainerLayout(world_size=self.world, replicated=self.distributed and not self.sharded)
         plan = plan_sync(llama_param_specs(self.model.config, dtype=dtype), source,
                          generator_layout(generator_tp, generator_replicas, generator_quantization))
-        self.sender = WeightSender(plan, self.rank, generator_handles, device=self.device)
+        # no timeout on a sync: with max_staleness >= 2 the trainer can push twice while one generation batch
+        # holds the slot the second push needs, and must wait for the batch however long it runs (a dead
+        # reader or writer still raises PeerDied at once; a hung generator stops the run anyway)
+        self.sender = WeightSender(plan, self.rank, generator_handles, device=self.device, timeout=float("inf"))
         self.version: int | None = None  # the last version pushed to the generators
 
     # ------------------------------------------------------------------ commands
