@@ -27,6 +27,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from llamarl._fs import write_text_atomic
+
 
 @dataclasses.dataclass(frozen=True)
 class Measurement:
@@ -238,11 +240,11 @@ class Report:
         return "\n".join(lines) + "\n"
 
     def _write(self) -> Path:
+        """Both files atomically: a benchmark killed by its time limit leaves its last complete table."""
         out = results_dir()
-        (out / f"{self.name}.md").write_text(self.markdown())
-        (out / f"{self.name}.json").write_text(
-            json.dumps({"name": self.name, "env": self.env, "rows": self.rows, "notes": self.notes}, indent=2)
-        )
+        write_text_atomic(out / f"{self.name}.md", self.markdown())
+        write_text_atomic(out / f"{self.name}.json", json.dumps(
+            {"name": self.name, "env": self.env, "rows": self.rows, "notes": self.notes}, indent=2))
         return out / f"{self.name}.md"
 
     def save(self) -> Path:

@@ -426,7 +426,7 @@ def test_bad_inputs_raise_clear_errors(device):
 # ----------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("M", [1, 4, 16, 64, 256])
+@pytest.mark.parametrize("M", [1, 16, 256])  # decode, the split-K/tile switch, prefill (each launch config compiles)
 @pytest.mark.parametrize("N,K", [(14336, 4096), (4096, 14336), (1000, 4000)])
 def test_gpu_model_shapes_against_fp64(mode, M, N, K):
     torch.manual_seed(M + N)
