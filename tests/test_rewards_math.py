@@ -5,11 +5,13 @@ hang), the box extractor, the safety screens, the thread-safe deadline, and fuzz
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -390,6 +392,37 @@ def test_no_stray_exception_after_a_finished_call():
     end = time.monotonic() + 0.2
     while time.monotonic() < end:  # an injected exception would surface in this loop
         pass
+
+
+STRIKE_STRESS = """
+import sys, threading
+from llamarl.rewards.deadline import call_with_deadline, DeadlineExceeded
+stop = False
+def churn():
+    while not stop:
+        sum(range(200))
+for _ in range(3):
+    threading.Thread(target=churn, daemon=True).start()
+sys.setswitchinterval(1e-5)  # GIL hand-offs every few bytecodes: strikes land anywhere they are allowed to
+for _ in range(3000):
+    try:
+        call_with_deadline(lambda: None, 1e-5)
+    except DeadlineExceeded:
+        pass
+stop = True
+print("ok")
+"""
+
+
+def test_strikes_never_land_outside_the_call_under_contention():
+    """Budgets shorter than starting the watchdog thread: a strike used to land in ``Thread.start`` or in
+    the ``finally`` before disarming, escaping as a stray exception (or leaving threading's locks
+    inconsistent: a hang). Run in a subprocess, so a hang is a failure rather than a stuck suite."""
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", STRIKE_STRESS], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
 def test_nested_deadlines_keep_their_own_budgets():

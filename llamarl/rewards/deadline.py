@@ -12,7 +12,9 @@ catches ``Exception`` cannot swallow it), so nested deadlines never catch each o
 Invariants:
   * ``call_with_deadline`` returns ``fn()``'s value or raises ``DeadlineExceeded``/``fn``'s exception;
     no injected exception ever escapes after it returns (a pending injection is cleared under the
-    same lock that stops the watchdog).
+    same lock that stops the watchdog), and none lands outside ``fn``: the watchdog strikes only while
+    the call is armed (after the watchdog thread has started: a strike inside ``Thread.start`` could
+    leave the threading module's locks inconsistent and hang the caller).
   * Limits: an async exception is only delivered between Python bytecodes. A single long C call (a
     huge big-integer power, a blocking syscall), or code that catches every exception in an endless
     loop, cannot be stopped from inside the process; callers must screen such inputs out beforehand,
@@ -46,14 +48,19 @@ def _inject(thread_id: int, exc_type: type[BaseException] | None) -> None:
 
 
 def call_with_deadline(fn: Callable[[], T], timeout_s: float) -> T:
-    """Return ``fn()``, or raise ``DeadlineExceeded`` once it has run for more than ``timeout_s``."""
+    """Return ``fn()``, or raise ``DeadlineExceeded`` once it has run for more than ``timeout_s``.
+
+    The watchdog strikes only while the call is *armed*: from just before ``fn()`` (under the lock,
+    inside the ``try``) until the ``finally`` has disarmed it (under the same lock), so a strike can
+    never land in ``Thread.start`` or in the caller's code; a strike that lands in the ``finally``
+    before it disarms is caught there and the disarming retried."""
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     exc_type = type("DeadlineExceeded", (DeadlineExceeded,), {"timeout_s": timeout_s})
     target = threading.get_ident()
     lock = threading.Lock()
     finished = threading.Event()
-    state = {"done": False}
+    state = {"armed": False, "done": False}
 
     def watchdog() -> None:
         if finished.wait(timeout_s):
@@ -62,19 +69,35 @@ def call_with_deadline(fn: Callable[[], T], timeout_s: float) -> T:
             with lock:
                 if state["done"]:
                     return
-                _inject(target, exc_type)
+                if state["armed"]:
+                    _inject(target, exc_type)
             if finished.wait(_REPEAT_S):
                 return
 
-    dog = threading.Thread(target=watchdog, name="reward-deadline", daemon=True)
-    dog.start()
     try:
         try:
+            dog = threading.Thread(target=watchdog, name="reward-deadline", daemon=True)
+            dog.start()
+            with lock:
+                state["armed"] = True
             return fn()
         finally:
-            with lock:
-                state["done"] = True
-                _inject(target, None)
-            finished.set()
+            _disarm(lock, state, target, finished, exc_type)
     except exc_type:
         raise DeadlineExceeded(f"call exceeded its {timeout_s:g}s budget") from None
+
+
+def _disarm(lock: threading.Lock, state: dict, target: int, finished: threading.Event,
+            exc_type: type[BaseException]) -> None:
+    """Stop the watchdog and drop a pending strike. After ``done`` is set (one bytecode) the watchdog
+    starts no new strike, so at most one already in flight can still be delivered: it is caught here and
+    the disarming repeated; once the lock is ours, a strike set but not delivered is cleared."""
+    while True:
+        try:
+            state["done"] = True
+            with lock:
+                _inject(target, None)
+            finished.set()
+            return
+        except exc_type:
+            continue
