@@ -51,7 +51,7 @@ from llamarl.generation.engine import cache_slots
 from llamarl.models import CharTokenizer, Llama, LlamaConfig, LLAMA_CONFIGS, load_tokenizer
 from llamarl.models.hf_io import check_checkpoint
 from llamarl.parallel.tensor_parallel import check_tp_size
-from llamarl.rewards import RewardPool, load_reward
+from llamarl.rewards import RewardPool, RewardPoolError, load_reward
 from llamarl.reporting import make_reporters, parse_report_to
 from llamarl.runlog import RunLog, summary_table
 from llamarl.runtime import ExecutorError, RewardSpec, TorchrunEnv, run, serve_torchrun
@@ -384,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
         check_supported(cfg)
     except ConfigError as e:
         return _config_error(e)
+    tr = TorchrunEnv.detect()
+    if tr is not None and tr.rank != 0:  # a torchrun executor rank: torchrun's SIGTERM simply ends it
+        return _run_main(cfg)
     if cfg.run.out is None:  # resolved here, so that an interrupted run can say where it stands
         out = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out=str(out)))
@@ -409,6 +412,9 @@ def _run_main(cfg: TrainConfig) -> int:
         return _config_error(e)
     except ExecutorError as e:
         print(f"llamarl.train: an executor failed, the run stopped: {e}", file=sys.stderr)
+        return 1
+    except RewardPoolError as e:  # e.g. no reward worker can start: the reward function fails to load there
+        print(f"llamarl.train: the reward workers failed, the run stopped: {e}", file=sys.stderr)
         return 1
     print("\nllamarl run summary\n" + summary_table(summary) + f"\n  outputs in {summary['out']}")
     return 0

@@ -50,6 +50,17 @@ USER_REWARDS = textwrap.dedent(
             return 1e300  # finite in Python, inf in the float32 advantages
         if completion == "str":
             return "yes"
+        if completion == "numeric-str":
+            return "1.0"  # not a number, although float() would take it
+        if completion == "overflow":
+            return 10**400  # float() raises OverflowError
+        if completion == "fork-hang":
+            if os.fork() == 0:  # a child the reward function leaves behind
+                open(os.environ["LLAMARL_TEST_CHILD_PIDS"], "a").write(f"{os.getpid()}\\n")
+                while True:
+                    pass
+            while True:
+                pass
         CALLS.append(completion)
         return 1.0 if completion == answer else 0.0
 
@@ -191,6 +202,26 @@ def test_pool_survives_misbehaving_functions(user_file):
         pool.submit("after", "a", "a")
 
 
+def test_bad_return_values_and_forked_children_cost_one_sample(user_file, tmp_path, monkeypatch):
+    """A reward returning a numeric string or a number float() cannot take costs its sample (the worker
+    lives on); one that forks a child and hangs is killed with the child at the timeout and at close."""
+    pids_file = tmp_path / "child_pids"
+    monkeypatch.setenv("LLAMARL_TEST_CHILD_PIDS", str(pids_file))
+    spec = f"{user_file / 'my_rewards.py'}:reward"
+    with RewardPool(spec, num_workers=1, timeout_s=1.0) as pool:
+        got = {r.sample_id: r for r in pool.score([("s", "numeric-str", "x"), ("o", "overflow", "x"),
+                                                    ("f", "fork-hang", "x"), ("ok", "a", "a")])}
+        assert "'1.0' (str); expected a number" in got["s"].error
+        assert "expected a number that converts to float" in got["o"].error
+        assert "timeout after 1s" in got["f"].error and got["ok"].reward == 1.0
+        assert pool.stats.worker_deaths == 0 and pool.stats.workers_started == 2  # one restart: the hang
+    child = int(pids_file.read_text().split()[0])
+    deadline = time.monotonic() + 10  # liveness: SIGKILL to the worker's process group
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(child), "the reward function's child outlived its worker"
+
+
 def test_pool_with_builtin_math_matches_in_process():
     items = [
         ("m0", r"\boxed{\frac{2}{4}}", "0.5"),
@@ -280,10 +311,20 @@ def test_a_submit_during_the_wakeup_drain_is_not_lost():
 # ------------------------------------------------------------------------------------ process hygiene
 SLEEPING_REWARD = textwrap.dedent(
     """
+    import multiprocessing
     import os
+    import signal
+    import sys
     import time
 
+    if multiprocessing.parent_process() is not None and os.environ.get("LLAMARL_TEST_SIGINT_AT_IMPORT"):
+        # a Ctrl-C while the worker is still importing (its spec's module is the first user code it runs)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)  # give a handler the chance to run here, as it would for a real Ctrl-C
+
     def reward(completion, answer):
+        if completion == "torch?":  # did the worker import torch (e.g. by re-importing its owner's main)?
+            return float("torch" in sys.modules)
         if completion == "hang":
             open(os.environ["LLAMARL_TEST_MARKER"], "w").close()  # "I am inside the function now"
             time.sleep(600)
@@ -298,11 +339,7 @@ POOL_OWNER = textwrap.dedent(
     import sys
     import time
 
-    if __name__ == "__mp_main__" and os.environ.get("LLAMARL_TEST_SIGINT_AT_IMPORT"):
-        # a worker re-importing this module ('spawn' does, before the worker's code runs): a Ctrl-C
-        # arrives while it is still importing
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.1)  # give a handler the chance to run here, as it would for a real Ctrl-C
+    import torch  # like llamarl.train, the module a run's workers are spawned from  # noqa: F401
 
     if __name__ == "__main__":
         from llamarl.rewards import RewardPool
@@ -312,7 +349,7 @@ POOL_OWNER = textwrap.dedent(
         print("MASK", int(signal.SIGINT in mask_after_spawn), flush=True)
         future = pool.submit("s0", sys.argv[2], "a")
         print("PIDS", *pool.worker_pids(), flush=True)
-        if sys.argv[2] == "a":
+        if sys.argv[2] != "hang":
             print("RESULT", future.result(timeout=300).reward, flush=True)
             print("STATS", pool.stats.workers_started, flush=True)
             pool.close()
@@ -387,9 +424,17 @@ def test_workers_stuck_in_a_reward_die_with_a_killed_owner(tmp_path):
         proc.wait()
 
 
+def test_workers_do_not_import_their_owners_main_module(tmp_path):
+    # Regression: 'spawn' re-imported the owner's __main__ (llamarl.train, hence torch) in every worker:
+    # ~2 s and ~250 MB per worker, paid again at every restart after a timeout.
+    proc, _ = _start_owner(tmp_path, "torch?")
+    lines = finish_quietly(proc)
+    assert lines["RESULT"] == "0.0"
+
+
 def test_workers_start_with_sigint_blocked_then_ignore_it(tmp_path):
-    # Regression: a Ctrl-C in the first second or two of a worker (while 'spawn' re-imports the parent's
-    # __main__) raised KeyboardInterrupt there: a traceback, and a worker lost to a start failure.
+    # Regression: a Ctrl-C in the first second or two of a worker (while it imports) raised
+    # KeyboardInterrupt there: a traceback, and a worker lost to a start failure.
     proc, _ = _start_owner(tmp_path, "a", LLAMARL_TEST_SIGINT_AT_IMPORT="1")
     lines = finish_quietly(proc)
     assert lines["MASK"] == "0"  # the parent's own mask is restored after the spawn

@@ -224,6 +224,21 @@ def test_a_failed_verifier_costs_its_sample_and_does_not_skew_its_group(tmp_path
                 assert r["advantage"] == pytest.approx(r["reward"] - mean, abs=1e-6)
 
 
+def test_reward_workers_that_cannot_start_end_the_run_with_one_line(tmp_path, capsys, monkeypatch):
+    (tmp_path / "worker_refuses.py").write_text(
+        "import multiprocessing\n"
+        "if multiprocessing.parent_process() is not None:\n"
+        "    raise RuntimeError('no GPU driver in the worker')\n"
+        "def reward(completion, answer):\n"
+        "    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    assert main(SMOKE + ["--reward", "worker_refuses:reward", "--out", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err
+    assert "llamarl.train: the reward workers failed, the run stopped" in err and "no GPU driver" in err
+    assert "Traceback" not in err
+
+
 def test_fused_loss_on_a_cpu_without_the_interpreter_is_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert main(SMOKE + ["--set", "trainer.loss=fused", "--device", "cpu", "--out", str(tmp_path / "r")]) == 2

@@ -42,11 +42,14 @@ a KeyboardInterrupt traceback) and sets SIGINT to ignored before unblocking it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import signal
+import sys
 import threading
 import time
 import traceback
@@ -104,10 +107,13 @@ _FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max; workers 
 
 
 def _as_reward(value: Any) -> float:
+    if isinstance(value, (str, bytes)):  # float("1.0") would accept a string: refuse, it is a bug upstream
+        raise TypeError(f"reward function returned {value!r:.80} ({type(value).__name__}); expected a number")
     try:
         reward = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"reward function returned {value!r} ({type(value).__name__}); expected a number") from None
+    except Exception:  # noqa: BLE001 - OverflowError (10**400), a __float__ that raises, ...: one sample's error
+        raise TypeError(f"reward function returned {value!r:.80} ({type(value).__name__}); expected a number "
+                        "that converts to float") from None
     if not math.isfinite(reward):
         raise ValueError(f"reward function returned {reward}; expected a finite number")
     if abs(reward) > _FLOAT32_MAX:
@@ -117,6 +123,7 @@ def _as_reward(value: Any) -> float:
 
 
 def _worker_main(conn: mpc.Connection, spec: str, format_weight: float, format_style: str | None) -> None:
+    os.setsid()  # its own process group: stopping it kills whatever the reward function forked too
     ignore_sigint()  # started with SIGINT blocked (sigint_blocked); Ctrl-C is the parent's to handle
     exit_when_parent_dies(name="llamarl-reward-parent-watch")
     try:
@@ -174,8 +181,8 @@ class _Worker:
         self.process = ctx.Process(
             target=_worker_main, args=(child_conn, *args), daemon=True, name=f"llamarl-reward-{index}"
         )
-        with sigint_blocked():  # the child inherits the mask: no KeyboardInterrupt while it imports
-            self.process.start()
+        with sigint_blocked(), _main_not_reimported():  # the child inherits the mask: no KeyboardInterrupt while
+            self.process.start()                            # it imports; and it imports no torch (see below)
         child_conn.close()
         self.conn = parent_conn
         self.ready = False
@@ -192,14 +199,42 @@ class _Worker:
             except (BrokenPipeError, OSError):
                 pass
             self.process.join(timeout=2.0)
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(timeout=10.0)
+        self._kill_group()  # the worker and anything its reward function forked (they share its session)
+        self.process.join(timeout=2.0)
         self.conn.close()
         if self.process.exitcode is None:  # unkillable (e.g. stuck in the kernel): report, don't hide it
             logger.error("reward worker pid %s did not exit after SIGKILL", self.process.pid)
         else:
             self.process.close()
+
+
+    def _kill_group(self) -> None:
+        pid = self.process.pid
+        try:
+            os.killpg(pid, signal.SIGKILL)  # the worker is its session's (and group's) leader: pgid == pid
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.process.is_alive():  # killed before its setsid ran: still in our group
+            self.process.kill()
+
+
+@contextlib.contextmanager
+def _main_not_reimported():
+    """Start a spawn child without re-importing ``__main__`` in it. Spawn children normally import the
+    parent's main module (``python -m llamarl.train`` → torch, ~2 s and ~250 MB per worker, at every
+    restart after a timeout). Workers load the reward by its spec, never from ``__main__``, so they need
+    none of it: multiprocessing only records the main module when it has a ``__spec__`` or ``__file__``."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if main is not None and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__dict__["__spec__"] = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
 
 
 class RewardPool:

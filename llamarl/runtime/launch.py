@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Awaitable, Callable, TypeVar
 
-from llamarl._procs import exit_when_parent_dies
+from llamarl._procs import exit_when_parent_dies, ignore_sigint
 from llamarl.runtime import server
 from llamarl.runtime.executor import ExecutorGroup, FailureCallback, RankLink
 from llamarl.runtime.net import free_port, routable_address
@@ -414,6 +414,9 @@ def serve_torchrun(layout: Layout, tr: TorchrunEnv, *, timeout_s: float = 600.0,
     assignment = layout.assignment(global_rank)
     if assignment.role == CONTROLLER:
         raise LayoutError("global rank 0 is the controller; call run() rather than serve_torchrun()")
+    # as a locally spawned rank: Ctrl-C (to the whole job) is the controller's to handle; it then closes
+    # this rank between commands, instead of the interrupt landing in the middle of one (a checkpoint write)
+    ignore_sigint()
     store = _store(tr, timeout_s)
     store.wait([STORE_KEY], datetime.timedelta(seconds=timeout_s))
     host, port, key = store.get(STORE_KEY).decode().rsplit(":", 2)
