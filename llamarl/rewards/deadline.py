@@ -13,8 +13,9 @@ Invariants:
   * ``call_with_deadline`` returns ``fn()``'s value or raises ``DeadlineExceeded``/``fn``'s exception;
     no injected exception ever escapes after it returns (a pending injection is cleared under the
     same lock that stops the watchdog), and none lands outside ``fn``: the watchdog strikes only while
-    the call is armed (after the watchdog thread has started: a strike inside ``Thread.start`` could
-    leave the threading module's locks inconsistent and hang the caller).
+    ``fn``'s frame is on the calling thread's stack (a strike inside ``Thread.start`` could leave the
+    threading module's locks inconsistent and hang the caller; one after ``fn`` was unwound, before
+    the watchdog is stopped, used to escape into the caller and leave the watchdog striking forever).
   * Limits: an async exception is only delivered between Python bytecodes. A single long C call (a
     huge big-integer power, a blocking syscall), or code that catches every exception in an endless
     loop, cannot be stopped from inside the process; callers must screen such inputs out beforehand,
@@ -24,8 +25,9 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
 
@@ -50,17 +52,17 @@ def _inject(thread_id: int, exc_type: type[BaseException] | None) -> None:
 def call_with_deadline(fn: Callable[[], T], timeout_s: float) -> T:
     """Return ``fn()``, or raise ``DeadlineExceeded`` once it has run for more than ``timeout_s``.
 
-    The watchdog strikes only while the call is *armed*: from just before ``fn()`` (under the lock,
-    inside the ``try``) until the ``finally`` has disarmed it (under the same lock), so a strike can
-    never land in ``Thread.start`` or in the caller's code; a strike that lands in the ``finally``
-    before it disarms is caught there and the disarming retried."""
+    The watchdog strikes only while ``fn`` runs: while this call's ``_run`` frame is on the calling
+    thread's stack (checked from the watchdog, under the GIL, before each strike). So a strike never
+    lands in ``Thread.start`` or in the caller's code after an earlier strike unwound ``fn``; one that
+    races past the check into the ``finally`` is caught there and the disarming repeated."""
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     exc_type = type("DeadlineExceeded", (DeadlineExceeded,), {"timeout_s": timeout_s})
     target = threading.get_ident()
     lock = threading.Lock()
     finished = threading.Event()
-    state = {"armed": False, "done": False}
+    state: dict = {"frame": None, "done": False}
 
     def watchdog() -> None:
         if finished.wait(timeout_s):
@@ -69,7 +71,7 @@ def call_with_deadline(fn: Callable[[], T], timeout_s: float) -> T:
             with lock:
                 if state["done"]:
                     return
-                if state["armed"]:
+                if _on_stack(target, state["frame"]):
                     _inject(target, exc_type)
             if finished.wait(_REPEAT_S):
                 return
@@ -78,13 +80,26 @@ def call_with_deadline(fn: Callable[[], T], timeout_s: float) -> T:
         try:
             dog = threading.Thread(target=watchdog, name="reward-deadline", daemon=True)
             dog.start()
-            with lock:
-                state["armed"] = True
-            return fn()
+            return _run(fn, state)
         finally:
             _disarm(lock, state, target, finished, exc_type)
     except exc_type:
         raise DeadlineExceeded(f"call exceeded its {timeout_s:g}s budget") from None
+
+
+def _run(fn: Callable[[], T], state: dict) -> T:
+    """``fn()``, in a frame of its own that marks "inside the deadline" for the watchdog."""
+    state["frame"] = sys._getframe()
+    return fn()
+
+
+def _on_stack(thread_id: int, frame: Any) -> bool:
+    f = sys._current_frames().get(thread_id) if frame is not None else None
+    while f is not None:
+        if f is frame:
+            return True
+        f = f.f_back
+    return False
 
 
 def _disarm(lock: threading.Lock, state: dict, target: int, finished: threading.Event,
