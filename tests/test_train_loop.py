@@ -194,16 +194,21 @@ def test_bad_config_is_rejected_before_anything_starts(tmp_path, capsys, overrid
     assert not (tmp_path / "r").exists()
 
 
+def _reward_module(tmp_path: Path, monkeypatch, name: str, source: str) -> None:
+    """Write ``name.py`` into tmp_path, importable here and in the reward worker processes."""
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+
+
 def test_a_failed_verifier_costs_its_sample_and_does_not_skew_its_group(tmp_path, monkeypatch):
     """Samples whose reward function raised are logged with their error and advantage 0; the advantages of
     their group are computed over the other samples only (mean baseline: r_i - mean of the valid r)."""
-    (tmp_path / "flaky_reward.py").write_text(
-        "def reward(completion, answer):\n"
-        "    if len(completion) % 2:\n"
-        "        raise RuntimeError('verifier crashed')\n"
-        "    return float(len(completion) % 4 == 0)  # some 1s, some 0s: the baseline matters\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    _reward_module(tmp_path, monkeypatch, "flaky_reward",
+                   "def reward(completion, answer):\n"
+                   "    if len(completion) % 2:\n"
+                   "        raise RuntimeError('verifier crashed')\n"
+                   "    return float(len(completion) % 4 == 0)  # some 1s, some 0s: the baseline matters\n")
     out = tmp_path / "run"
     cfg = load_config(SMOKE + ["--out", str(out), "--max-steps", "3", "--reward", "flaky_reward:reward",
                                "--set", "generator.samples_per_prompt=4", "--set", "run.log_samples=16"])
@@ -225,14 +230,12 @@ def test_a_failed_verifier_costs_its_sample_and_does_not_skew_its_group(tmp_path
 
 
 def test_reward_workers_that_cannot_start_end_the_run_with_one_line(tmp_path, capsys, monkeypatch):
-    (tmp_path / "worker_refuses.py").write_text(
-        "import multiprocessing\n"
-        "if multiprocessing.parent_process() is not None:\n"
-        "    raise RuntimeError('no GPU driver in the worker')\n"
-        "def reward(completion, answer):\n"
-        "    return 1.0\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    _reward_module(tmp_path, monkeypatch, "worker_refuses",
+                   "import multiprocessing\n"
+                   "if multiprocessing.parent_process() is not None:\n"
+                   "    raise RuntimeError('no GPU driver in the worker')\n"
+                   "def reward(completion, answer):\n"
+                   "    return 1.0\n")
     assert main(SMOKE + ["--reward", "worker_refuses:reward", "--out", str(tmp_path / "r")]) == 1
     err = capsys.readouterr().err
     assert "llamarl.train: the reward workers failed, the run stopped" in err and "no GPU driver" in err
