@@ -171,7 +171,8 @@ def summary_table(summary: dict) -> str:
             ("warm_start_s", "warm start (s)"), ("rl_s", "RL (s)"), ("step_s_mean", "step time (s)"),
             ("sync_s_mean", "weight sync (ms)"), ("max_staleness_seen", "max staleness seen"),
             ("tokens_per_s", "generated tokens/s"), ("reward_errors", "reward errors"),
-            ("reward_timeouts", "reward timeouts"), ("skipped_updates", "skipped updates")]
+            ("reward_timeouts", "reward timeouts"), ("reward_worker_deaths", "reward worker deaths"),
+            ("skipped_updates", "skipped updates")]
     lines = []
     for k, label in keys:
         if k not in summary:

@@ -218,6 +218,8 @@ def test_a_failed_verifier_costs_its_sample_and_does_not_skew_its_group(tmp_path
     failed = [r for r in samples if r["reward_error"] is not None]
     assert failed and all("verifier crashed" in r["reward_error"] and r["advantage"] == 0.0 for r in failed)
     assert sum(r["reward_errors"] for r in steps) == len(failed)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["reward_errors"] >= len(failed) and summary["reward_worker_deaths"] == 0
     assert any(r["reward"] == 1.0 for r in samples)
     for step in (1, 2, 3):
         rows = [r for r in samples if r["step"] == step]  # 4 prompts x 4 samples, prompt-major
