@@ -376,7 +376,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, policy_state: Call
                              extra=extra)
     except CheckpointError:
         raise
-    except Exception as exc:  # noqa: BLE001 - a full disk shows up as OSError, RuntimeError (torch.save), SafetensorError
+    except Exception as exc:  # noqa: BLE001 - a full disk: OSError, RuntimeError (torch.save), SafetensorError
         free = shutil.disk_usage(run_dir).free if Path(run_dir).is_dir() else None
         room = f"; {free / 2**20:.0f} MiB free there" if free is not None else ""
         raise CheckpointError(f"writing checkpoint step {step} under {run_dir} failed ({type(exc).__name__}: {exc})"

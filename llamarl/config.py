@@ -40,7 +40,6 @@ from typing import Any, Literal
 import yaml
 
 from llamarl._fs import write_text_atomic
-
 from llamarl.reporting import check_available, parse_report_to
 from llamarl.runtime.placement import GeneratorSpec, Layout, LayoutError, RewardSpec, TrainerSpec
 

@@ -168,10 +168,10 @@ class Controller:
         scored_ok = torch.tensor([r.reward_error is None for r in rollouts])
         advantages = group_advantages(batch.rewards(), n, method=self.cfg.trainer.advantage, valid=scored_ok)
         batch.meta["samples"] = [
-            {"step": step + 1, "sample_id": r.sample_id, "prompt": self.tok.decode(r.prompt_ids, skip_special_tokens=False),
-             "completion": r.text, "answer": r.answer, "reward": r.reward, "reward_error": r.reward_error,
-             "advantage": float(a), "finish_reason": r.finish_reason, "tokens": len(r.completion_ids),
-             "min_version": r.min_version}
+            {"step": step + 1, "sample_id": r.sample_id,
+             "prompt": self.tok.decode(r.prompt_ids, skip_special_tokens=False), "completion": r.text,
+             "answer": r.answer, "reward": r.reward, "reward_error": r.reward_error, "advantage": float(a),
+             "finish_reason": r.finish_reason, "tokens": len(r.completion_ids), "min_version": r.min_version}
             for r, a in zip(rollouts[:self.cfg.run.log_samples], advantages)]
         t = self.cfg.trainer
         exact = t.kl_coef == 0 and t.entropy_coef == 0  # A = 0 rows add nothing; see llamarl.rollouts

@@ -198,6 +198,7 @@ def evaluate(
             f"(batch_size={batch_size} x n={n}); lower batch_size or build a larger engine"
         )
 
+    eos = eos_ids(tokenizer, config)
     start = time.perf_counter()
     # (prompt index, sample index, (reward, error) or Future, completion, num tokens, finish reason)
     pending: list[tuple[int, int, Any, str, int, str]] = []
@@ -206,7 +207,7 @@ def evaluate(
         batch = token_ids[b0 : b0 + batch_size]
         batch_params = replace(params, seed=seed * 1_000_003 + b0)  # fresh randomness per batch
         with torch.inference_mode():
-            outs = engine.generate(batch, batch_params, eos_token_id=eos_ids(tokenizer, config))
+            outs = engine.generate(batch, batch_params, eos_token_id=eos)
         for out in outs:
             i = b0 + out.prompt_index
             s = samples[i]
@@ -309,6 +310,7 @@ def run(args: argparse.Namespace) -> EvalResult:
     import torch
 
     from llamarl.models import Llama, load_tokenizer
+    from llamarl.models.hf_io import generation_eos_ids
 
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1 (samples to evaluate), got {args.limit}")
@@ -379,7 +381,7 @@ def run(args: argparse.Namespace) -> EvalResult:
         return evaluate(
             model, tokenizer, samples, pool, n=n, k=ks, temperature=temperature, max_new_tokens=max_new,
             batch_size=args.batch_size, fmt=fmt, shots=shots, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-            stop_token_ids=_stop_ids(tokenizer, stops) + eos_ids(tokenizer, model.config, model_dir),
+            stop_token_ids=_stop_ids(tokenizer, stops) + list(generation_eos_ids(model_dir)),
             correct_threshold=args.correct_threshold,
             progress=not args.no_progress,
         )

@@ -25,8 +25,7 @@ import secrets
 from pathlib import Path
 from typing import Any, Protocol
 
-REPORTERS = ("tensorboard", "wandb")
-_PACKAGE = {"tensorboard": "tensorboard", "wandb": "wandb"}
+REPORTERS = ("tensorboard", "wandb")  # each is also the name of the package it needs
 
 
 class Reporter(Protocol):
@@ -50,7 +49,7 @@ def parse_report_to(value: str) -> list[str]:
 
 def check_available(names: list[str]) -> str | None:
     """None if every tracker's package imports here, else what to install."""
-    missing = [n for n in names if importlib.util.find_spec(_PACKAGE[n]) is None]
+    missing = [n for n in names if importlib.util.find_spec(n) is None]
     if missing:
         extras = ",".join(missing)
         return f"needs {' and '.join(missing)}, not installed here: pip install \"llamarl[{extras}]\""

@@ -141,10 +141,11 @@ def model_config_dict(cfg: TrainConfig) -> dict:
 
 
 def load_inputs(cfg: TrainConfig, cursor: int = 0):
-    """(tokenizer, TrainData), checked against the policy before anything is written or
-    started: unreadable files (the model's weights too: names, shapes, dtypes, file sizes), a tokenizer larger than the model's vocabulary, a generation length that
-    fills the context, and dataset errors raise ConfigError. Prompts longer than the context minus
-    ``generator.max_new_tokens`` are dropped from a file dataset (and counted)."""
+    """(tokenizer, TrainData), checked against the policy before anything is written or started:
+    unreadable files (the model's weights too: names, shapes, dtypes, file sizes), a tokenizer larger than
+    the model's vocabulary, a generation length that fills the context, and dataset errors raise
+    ConfigError. Prompts longer than the context minus ``generator.max_new_tokens`` are dropped from a file
+    dataset (and counted)."""
     model = model_config_dict(cfg)
     if cfg.policy.model not in LLAMA_CONFIGS:  # a directory: its weights must load (headers and sizes only)
         try:
@@ -249,7 +250,7 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.trainer.lr_warmup_steps >= cfg.run.max_steps:
         log(f"warning: trainer.lr_warmup_steps={cfg.trainer.lr_warmup_steps} >= run.max_steps={cfg.run.max_steps}: the "
             "learning rate never reaches trainer.lr")
-    out = Path(cfg.run.out) if cfg.run.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")  # main resolves it
+    out = Path(cfg.run.out) if cfg.run.out else default_out()
     resume = load_latest(cfg.run.resume) if cfg.run.resume else None
     tokenizer, data = load_inputs(cfg, cursor=resume.data_cursor if resume else 0)
     if cfg.policy.model in LLAMA_CONFIGS:
@@ -389,8 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     if tr is not None and tr.rank != 0:  # a torchrun executor rank: torchrun's SIGTERM simply ends it
         return _run_main(cfg)
     if cfg.run.out is None:  # resolved here, so that an interrupted run can say where it stands
-        out = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out=str(out)))
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out=str(default_out())))
     with _sigterm_as_ctrl_c() as terminated:
         try:
             return _run_main(cfg)
@@ -398,6 +398,11 @@ def main(argv: list[str] | None = None) -> int:
             what, status = ("terminated (SIGTERM)", 143) if terminated else ("interrupted", 130)
             print(f"llamarl.train: {what}; {_where_it_stands(cfg.run.out)}", file=sys.stderr)
             return status
+
+
+def default_out() -> Path:
+    """The run directory when ``--out`` is not given: ``runs/<timestamp>``."""
+    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
 
 
 def _where_it_stands(out: str) -> str:

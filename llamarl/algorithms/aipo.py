@@ -14,9 +14,9 @@ an advantage A_t and a mask m_t ∈ {0, 1} (1 = a generated token that is traine
 
 k3 (Schulman's estimator) is a non-negative estimate of KL(π‖π_ref), unbiased for tokens sampled from
 π. Here the tokens come from μ and the term is not importance-weighted (GRPO's convention), so ``kl_ref``
-is its value under μ ≈ π; and its gradient is not that of KL(π‖π_ref): differentiated through logπ at
-the sampled tokens, E_π[∇k3] = −E_π[(π_ref/π) ∇logπ] = ∇KL(π_ref‖π), the reverse KL. Both pull π toward
-π_ref; the reverse KL penalises π missing π_ref's mass rather than putting mass where π_ref has little.
+is its value under μ ≈ π; and its gradient is not that of KL(π‖π_ref): differentiated through logπ
+at the sampled tokens, E_π[∇k3] = −E_π[(π_ref/π) ∇logπ] = ∇KL(π_ref‖π), the reverse KL. Both pull π
+toward π_ref; the reverse KL penalises π missing π_ref's mass rather than putting mass where π_ref has little.
 ``rho`` may be ``math.inf`` (no truncation); β ≥ 0; γ is any finite number.
 
 Layouts: ``logprobs``, ``behavior_logprobs``, ``mask``, ``ref_logprobs``, ``entropy`` are all ``[B, T]``

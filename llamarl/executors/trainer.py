@@ -85,8 +85,8 @@ def policy_side_files(model_path: str, tokenizer_path: str | None = None) -> dic
     tok_dir = Path(tokenizer_path or model_path)
     if tok_dir.is_file():
         tok_dir = tok_dir.parent
-    files = {(tok_dir, name) for name in TOKENIZER_FILES} | {(Path(model_path), name) for name in MODEL_SIDE_FILES}
-    return {name: (d / name).read_bytes() for d, name in sorted(files) if (d / name).is_file()}
+    files = [(tok_dir, name) for name in TOKENIZER_FILES] + [(Path(model_path), name) for name in MODEL_SIDE_FILES]
+    return {name: (d / name).read_bytes() for d, name in files if (d / name).is_file()}
 
 
 class TrainerExecutor:

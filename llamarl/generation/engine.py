@@ -29,7 +29,8 @@ generate without an EOS stop. Prompts must be non-empty and shorter than the con
 ``GenerationEngine(model, max_batch_size, max_seq_len, quantization)`` allocates the KV cache
 (max_batch_size rows x max_seq_len slots; default min(max_position_embeddings, 4096)) once and reuses it
 for every call (size it with ``cache_slots`` for the prompts at hand: rows are left-padded to the longest
-prompt of their batch, so a too-small cache cuts short rows too, with a warning); ``quantization="int8"|"fp8"`` converts the decoder linears in place at construction
+prompt of their batch, so a too-small cache cuts short rows too, with a warning);
+``quantization="int8"|"fp8"`` converts the decoder linears in place at construction
 (llamarl.models.quantize.quantize_model; ``quantization_backend="eager"`` runs them as torch ops instead
 of the Triton kernels, which on a CPU run only interpreted), and then, unless ``pack_weights=False``,
 moves the weights into one flat buffer (llamarl.models.packing: q|k|v and gate|up then run as one product
@@ -187,10 +188,8 @@ class GenerationEngine:
                 raise ValueError(f"prompt {i} has {len(toks)} tokens but the {what}: no room to generate; {fix}")
         if eos_token_id is None:
             eos = self.config.eos_token_ids
-        elif isinstance(eos_token_id, Iterable) and not isinstance(eos_token_id, (str, bytes)):
-            eos = token_ids("eos_token_id", eos_token_id)
-        else:
-            eos = token_ids("eos_token_id", (eos_token_id,))
+        else:  # one id or several (token_ids refuses a str)
+            eos = token_ids("eos_token_id", eos_token_id if isinstance(eos_token_id, Iterable) else (eos_token_id,))
         stops = tuple(sorted(set(params.stop_token_ids) | set(eos)))
         bad = [t for t in stops if not 0 <= t < vocab]
         if bad:

@@ -19,10 +19,11 @@ Its chat template is the trivial ``Q: ...\\nA: ...\\n`` form (keeps prompts shor
 HFTokenizer reads ``tokenizer.json`` with the ``tokenizers`` library (any truncation or padding saved in
 it is turned off, as transformers does per call) and the special tokens and chat template from
 ``tokenizer_config.json`` (special tokens missing there from ``special_tokens_map.json``; the template
-from ``chat_template.jinja`` first, and of named templates only the one named ``default``). Templates are rendered with
-jinja2 in a sandbox, with the same conventions as transformers (``trim_blocks``, ``lstrip_blocks``,
-``raise_exception``, ``strftime_now``, a ``tojson`` that does not HTML-escape, ``{% generation %}`` blocks,
-``tools`` and ``documents`` defined as none, every special token defined). A checkpoint without a pad
+from ``chat_template.jinja`` first, and of named templates only the one named ``default``). Templates are
+rendered with jinja2 in a sandbox (compiled once per template text), with the same conventions as
+transformers (``trim_blocks``, ``lstrip_blocks``, ``raise_exception``, ``strftime_now``, a ``tojson`` that
+does not HTML-escape, ``{% generation %}`` blocks, ``tools`` and ``documents`` defined as none, every
+special token defined). A checkpoint without a pad
 token gets ``pad_id = eos_id`` (padding is always masked, the id only has to be valid).
 
 Decoding ids past the tokenizer's vocabulary: many checkpoints pad their embedding matrix beyond the
@@ -33,6 +34,7 @@ tokenizers decode such ids to nothing, as Hugging Face ``tokenizers`` does; a ne
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import os
 from pathlib import Path
@@ -80,30 +82,39 @@ def render_chat_template(
     **variables: Any,
 ) -> str:
     """Render a Hugging Face style chat template with jinja2 (sandboxed)."""
+    # what transformers always defines, so ``is defined`` / ``is not none`` tests behave the same
+    context = {"tools": None, "documents": None, **variables}
+    return _compiled(template).render(messages=_check_messages(messages), add_generation_prompt=add_generation_prompt,
+                                      **context)
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(f"chat template error: {message}")
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return _dt.datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(template: str):
+    """The compiled template (once per template text: every prompt of a chat dataset renders the same one)."""
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    def raise_exception(message: str) -> None:
-        raise ValueError(f"chat template error: {message}")
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(fmt: str) -> str:
-        return _dt.datetime.now().strftime(fmt)
-
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols", _generation_tag()])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
     try:
-        compiled = env.from_string(template)
+        return env.from_string(template)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"chat template does not parse (line {e.lineno}): {e.message}") from e
-    # what transformers always defines, so ``is defined`` / ``is not none`` tests behave the same
-    context = {"tools": None, "documents": None, **variables}
-    return compiled.render(messages=_check_messages(messages), add_generation_prompt=add_generation_prompt, **context)
 
 
 def _generation_tag():
@@ -216,6 +227,7 @@ class HFTokenizer:
         unk_token: str | None = None,
         additional_special_tokens: Sequence[str] = (),
         chat_template: str | None = None,
+        chat_template_problem: str | None = None,
         source: str = "<memory>",
     ) -> None:
         # truncation or padding saved in tokenizer.json would cut or pad every prompt and answer; transformers
@@ -227,7 +239,7 @@ class HFTokenizer:
         self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
         self.unk_token, self.additional_special_tokens = unk_token, list(additional_special_tokens)
         self.chat_template = chat_template
-        self.chat_template_problem: str | None = None  # why there is no usable template, when known
+        self.chat_template_problem = chat_template_problem  # why there is no usable template, when known
         self.bos_id = self._special_id("bos_token", bos_token)
         self.eos_id = self._special_id("eos_token", eos_token)
         if self.eos_id is None:
@@ -310,7 +322,7 @@ class HFTokenizer:
                            "'default'; llamarl renders the default one")
         if (d / CHAT_TEMPLATE_FILE).is_file():
             template, problem = (d / CHAT_TEMPLATE_FILE).read_text(), None
-        tokenizer = cls(
+        return cls(
             tok,
             bos_token=special("bos_token"),
             eos_token=special("eos_token"),
@@ -318,10 +330,9 @@ class HFTokenizer:
             unk_token=special("unk_token"),
             additional_special_tokens=[t for t in map(_token_content, extra) if t],
             chat_template=template,
+            chat_template_problem=problem,
             source=str(d),
         )
-        tokenizer.chat_template_problem = problem
-        return tokenizer
 
     def save(self, path: str | os.PathLike) -> None:
         d = Path(path)

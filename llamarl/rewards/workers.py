@@ -181,8 +181,9 @@ class _Worker:
         self.process = ctx.Process(
             target=_worker_main, args=(child_conn, *args), daemon=True, name=f"llamarl-reward-{index}"
         )
-        with sigint_blocked(), _main_not_reimported():  # the child inherits the mask: no KeyboardInterrupt while
-            self.process.start()                            # it imports; and it imports no torch (see below)
+        # the child inherits the mask (no KeyboardInterrupt while it imports) and skips the owner's __main__
+        with sigint_blocked(), _main_not_reimported():
+            self.process.start()
         child_conn.close()
         self.conn = parent_conn
         self.ready = False
