@@ -267,9 +267,13 @@ class RunConfig(_Section):
     resume: str | None = None
     layout: str | None = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # an executor command (one generate, train_step, checkpoint...) running longer is a hang: the stuck ranks
+    # print their Python stacks and the run stops with a message instead of waiting forever (0: no limit)
+    command_timeout_s: float = 1800.0
 
     def check(self) -> None:
         self._positive("max_steps")
+        self._positive("command_timeout_s", strict=False)
         self._positive("keep_checkpoints")
         for name in ("max_staleness", "seed", "eval_every", "checkpoint_every", "log_samples"):
             self._positive(name, strict=False)

@@ -54,7 +54,7 @@ from llamarl.parallel.tensor_parallel import check_tp_size
 from llamarl.rewards import RewardPool, RewardPoolError, load_reward
 from llamarl.reporting import make_reporters, parse_report_to
 from llamarl.runlog import RunLog, summary_table
-from llamarl.runtime import ExecutorError, RewardSpec, TorchrunEnv, run, serve_torchrun
+from llamarl.runtime import ExecutorError, ExecutorHung, RewardSpec, TorchrunEnv, run, serve_torchrun
 from llamarl.train_data import TrainData
 from llamarl.warmstart import cache_key, default_cache_dir, save_atomic, train_supervised
 
@@ -335,7 +335,7 @@ def train(cfg: TrainConfig) -> dict:
 
     reporters = make_reporters(parse_report_to(cfg.run.report_to), out, cfg.to_dict(), initial_step=start_step)
     try:
-        summary = run(layout, main)
+        summary = run(layout, main, command_timeout_s=cfg.run.command_timeout_s)
         summary["wall_s"] = time.perf_counter() - t_start
         write_text_atomic(out / "summary.json", json.dumps(summary, indent=2))
         for r in reporters:
@@ -416,6 +416,11 @@ def _run_main(cfg: TrainConfig) -> int:
         summary = train(cfg)
     except ConfigError as e:  # train() raises it only before it writes or starts anything
         return _config_error(e)
+    except ExecutorHung as e:
+        print(f"llamarl.train: an executor hung, the run stopped: {e}. If commands this long are expected "
+              f"(a large model, a slow first step), raise --set run.command_timeout_s={2 * e.timeout_s:g} "
+              "(0: no limit)", file=sys.stderr)
+        return 1
     except ExecutorError as e:
         print(f"llamarl.train: an executor failed, the run stopped: {e}", file=sys.stderr)
         return 1

@@ -180,6 +180,25 @@ def test_a_killed_executor_ends_the_run_with_its_name(tmp_path):
     assert _descendants(proc.pid) == []
 
 
+def test_a_hung_executor_ends_the_run_with_its_stacks(tmp_path):
+    """A generator that stops answering (SIGSTOP: not dead, so nothing else would notice) mid-run: after
+    run.command_timeout_s the run stops with exit 1, the message names the command and the setting."""
+    out = tmp_path / "run"
+    proc = _start(SMOKE + ["--out", str(out), "--max-steps", "100000", "--set", "run.command_timeout_s=10"], tmp_path)
+    _wait_for(lambda: (out / "metrics.jsonl").is_file() and len(read_metrics(out)[0]) >= 2, 180, proc)
+    victim = _executor_pid(proc.pid, "generator")
+    assert victim is not None, "could not find the generator process"
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, output
+    assert "an executor hung" in output and "generate()" in output and "run.command_timeout_s=20" in output, output
+    assert _descendants(proc.pid) == []
+
+
 @pytest.mark.parametrize("overrides, field", [(["trainer.lr=-1"], "trainer.lr"),
                                               (["generator.quantization=int8", "generator.tp=2"],
                                                "generator.quantization"),

@@ -27,12 +27,13 @@ from llamarl.runtime.placement import (
     RewardSpec,
     TrainerSpec,
 )
-from llamarl.runtime.rpc import ExecutorDied, ExecutorError, RankInfo
+from llamarl.runtime.rpc import ExecutorDied, ExecutorError, ExecutorHung, RankInfo
 
 __all__ = [
     "Assignment",
     "ExecutorDied",
     "ExecutorError",
+    "ExecutorHung",
     "ExecutorGroup",
     "GeneratorSpec",
     "GroupPlacement",

@@ -19,6 +19,13 @@ of the group fails with ``ExecutorDied``, the group's surviving ranks are termin
 member cannot run collectives), ``group.failed`` raises, and ``on_failure`` callbacks run (on the monitor
 thread: keep them short and thread-safe; use ``loop.call_soon_threadsafe`` to reach asyncio).
 
+Hangs: with ``command_timeout_s`` > 0, a rank whose current command has run longer than that (counted
+from when the rank could start it: the previous command's answer, or the send if it was idle) is taken
+for hung: the rank itself prints its Python stacks to stderr at the limit (``server.py``), and a few
+seconds later the monitor kills the group's local ranks (a SIGSTOPped rank included) and fails the group
+with ``ExecutorHung`` (an ``ExecutorDied``), exactly like a death. A long queue of commands that each
+finish in time never trips it. Remote torchrun ranks are disconnected, which makes them exit.
+
 Ctrl-C is the controller's alone: ranks are started with SIGINT blocked and ignore it (``server.py``).
 A locally spawned rank also exits by itself when the controller process dies, however it dies, even
 mid-bootstrap (``server.py``).
@@ -58,11 +65,13 @@ from llamarl.runtime.rpc import (
     Call,
     ExecutorDied,
     ExecutorError,
+    ExecutorHung,
     RemoteFailure,
     Reply,
     recv,
 )
 
+HANG_GRACE_S = 3.0  # after the command timeout, before the kill: time for the ranks' own stack dumps
 FailureCallback = Callable[["ExecutorGroup", ExecutorDied], None]
 _LIVE_GROUPS: "weakref.WeakSet[ExecutorGroup]" = weakref.WeakSet()
 
@@ -75,6 +84,7 @@ class RankLink:
     process: BaseProcess | None = None
     pending: dict[int, tuple[str, Future]] = field(default_factory=dict)
     open: bool = True
+    busy_since: float | None = None  # monotonic time the rank could start its oldest pending command
 
     @property
     def pid(self) -> int | None:
@@ -85,10 +95,16 @@ class ExecutorGroup:
     """Handle to one group of executor ranks. Build with ``spawn`` (local) or via ``Runtime``."""
 
     def __init__(self, name: str, links: Sequence[RankLink], *, role: str = "",
-                 on_failure: FailureCallback | None = None):
+                 on_failure: FailureCallback | None = None, command_timeout_s: float = 0.0):
+        if not command_timeout_s >= 0:
+            raise ValueError(f"command_timeout_s must be >= 0 seconds (0: no limit), got {command_timeout_s!r}")
         self.name, self.role = name, role or name
+        self.command_timeout_s = float(command_timeout_s)
         self._links = list(links)
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the group's state: pending calls, death, closing
+        # held across a whole submission (ids, then sends in id order): every rank gets the calls in one order.
+        # Separate from _lock, so a send blocked on a rank that stopped reading never stalls the monitor.
+        self._send_lock = threading.Lock()
         self._ids = itertools.count(BOOTSTRAP_ID + 1)
         self._closing = False
         self._closed = False
@@ -97,7 +113,7 @@ class ExecutorGroup:
         self._callbacks: list[FailureCallback] = [on_failure] if on_failure else []
         self.failed: Future = Future()  # raises ExecutorDied when a rank dies; result None after shutdown
         self._ready: Future | None = None
-        self._wake_r, self._wake_w = mp.Pipe(duplex=False)
+        self._wake_r, self._wake_w = mp.Pipe(duplex=False)  # wakes the monitor: shutdown, or a newly busy rank
         self._monitor = threading.Thread(target=self._monitor_loop, name=f"llamarl-monitor-{name}", daemon=True)
         self._monitor.start()
         _LIVE_GROUPS.add(self)
@@ -108,7 +124,7 @@ class ExecutorGroup:
               env: dict[str, str] | None = None, backend: str = "gloo", devices: Sequence[str] | None = None,
               role: str = "", global_ranks: Sequence[int] | None = None, dist_timeout_s: float = 600.0,
               start_timeout_s: float = 600.0, on_failure: FailureCallback | None = None,
-              wait_ready: bool = True) -> ExecutorGroup:
+              wait_ready: bool = True, command_timeout_s: float = 0.0) -> ExecutorGroup:
         """Start ``world_size`` local processes (``spawn`` context) running ``target`` ("pkg.module:Class").
 
         Each rank joins this group's own process group (``backend`` over 127.0.0.1 and a free port) and
@@ -117,6 +133,7 @@ class ExecutorGroup:
         gave them; ``env`` is in the child's environment from its start (e.g. ``OMP_NUM_THREADS``). With
         ``wait_ready`` (default) this returns once every rank is constructed, raising ``ExecutorError``
         (with the remote traceback) if a constructor failed; otherwise call ``wait_ready()`` later.
+        ``command_timeout_s`` > 0 treats a command running longer as a hang (module docstring).
         """
         _check_spawn_args(name, target, world_size, init_kwargs, env, backend, devices)
         devices = list(devices) if devices is not None else ["cpu"] * world_size
@@ -144,11 +161,12 @@ class ExecutorGroup:
                                        init_kwargs=dict(init_kwargs or {}), rank=rank, world_size=world_size,
                                        global_rank=global_ranks[rank], master_addr="127.0.0.1",
                                        master_port=port, backend=backend, device=devices[rank],
-                                       dist_timeout_s=dist_timeout_s, env=child_env))
+                                       dist_timeout_s=dist_timeout_s, env=child_env,
+                                       command_timeout_s=command_timeout_s))
         except BaseException:
             _kill_all(links)
             raise
-        group = cls(name, links, role=role, on_failure=on_failure)
+        group = cls(name, links, role=role, on_failure=on_failure, command_timeout_s=command_timeout_s)
         try:
             group._bootstrap(boots)
         except BaseException:
@@ -165,16 +183,19 @@ class ExecutorGroup:
                      for boot in boots]
         except Exception as exc:
             raise TypeError(f"init_kwargs/env of executor group '{self.name}' cannot be pickled: {exc}") from exc
-        futures = []
-        with self._lock:
-            for rank, link in enumerate(self._links):
-                fut: Future = Future()
-                futures.append(fut)
-                if self._death is not None:  # a rank died before we got here
-                    fut.set_exception(self._died_for("__init__"))
-                    continue
-                link.pending[BOOTSTRAP_ID] = ("__init__", fut)
-                self._send_bytes(link, blobs[rank])
+        futures, sends = [], []
+        with self._send_lock:
+            with self._lock:
+                for rank, link in enumerate(self._links):
+                    fut: Future = Future()
+                    futures.append(fut)
+                    if self._death is not None:  # a rank died before we got here
+                        fut.set_exception(self._died_for("__init__"))
+                        continue
+                    link.pending[BOOTSTRAP_ID] = ("__init__", fut)
+                    sends.append((link, blobs[rank]))
+            for link, blob in sends:
+                self._send_bytes(link, blob)
         self._ready = _gather(futures)
 
     def wait_ready(self, timeout: float | None = 600.0) -> list[int]:
@@ -248,7 +269,7 @@ class ExecutorGroup:
             raise ValueError(f"command name must be a public method name, got {method!r}")
         ranks = list(ranks)
         blobs: dict[int, bytes] = {}
-        with self._lock:
+        with self._send_lock:
             call_id = next(self._ids)
             for i, (args, kwargs) in enumerate(calls):
                 if i and calls[i - 1] is calls[i]:
@@ -259,20 +280,33 @@ class ExecutorGroup:
                 except Exception as exc:
                     raise TypeError(f"arguments of {method}() for executor group '{self.name}' cannot be "
                                     f"pickled: {exc}") from exc
-            futures = []
-            for i, rank in enumerate(ranks):
-                fut: Future = Future()
-                futures.append(fut)
-                link = self._links[rank]
-                if self._death is not None:
-                    fut.set_exception(self._died_for(method))
-                elif self._closed or self._closing:
-                    fut.set_exception(ExecutorError(self.name, rank, method, "ShutDown",
-                                                    "the executor group was shut down"))
-                else:
-                    link.pending[call_id] = (method, fut)
-                    self._send_bytes(link, blobs[i])
+            futures, sends, started = [], [], False
+            with self._lock:
+                for i, rank in enumerate(ranks):
+                    fut: Future = Future()
+                    futures.append(fut)
+                    link = self._links[rank]
+                    if self._death is not None:
+                        fut.set_exception(self._died_for(method))
+                    elif self._closed or self._closing:
+                        fut.set_exception(ExecutorError(self.name, rank, method, "ShutDown",
+                                                        "the executor group was shut down"))
+                    else:
+                        if not link.pending:
+                            link.busy_since, started = time.monotonic(), True
+                        link.pending[call_id] = (method, fut)
+                        sends.append((link, blobs[i]))
+            if started and self.command_timeout_s > 0:
+                self._wake_monitor()
+            for link, blob in sends:  # a failed send leaves the call pending: the monitor fails it on the loss
+                self._send_bytes(link, blob)
         return _gather(futures, self.name, method)
+
+    def _wake_monitor(self) -> None:
+        try:
+            self._wake_w.send_bytes(b"x")
+        except OSError:
+            pass  # shut down already
 
     def _send(self, link: RankLink, message: Any) -> None:
         self._send_bytes(link, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
@@ -295,9 +329,12 @@ class ExecutorGroup:
                 waitables.append(link.conn)
                 if link.process is not None:
                     waitables.append(link.process.sentinel)
-            ready = set(wait(waitables))
+            ready = set(wait(waitables, timeout=self._until_hang(links)))
             if self._wake_r in ready:
-                return
+                if self._closed:
+                    return
+                while self._wake_r.poll():
+                    self._wake_r.recv_bytes()  # a rank became busy: its deadline enters the next wait
             for rank, link in enumerate(self._links):
                 if not link.open:
                     continue
@@ -309,6 +346,34 @@ class ExecutorGroup:
                     lost = True
                 if lost:
                     self._on_lost(rank, link)
+            self._check_hung()
+
+    def _until_hang(self, links: Sequence[RankLink]) -> float | None:
+        """Seconds until the earliest busy rank would be taken for hung (None: no limit or none busy)."""
+        if self.command_timeout_s <= 0:
+            return None
+        starts = [lk.busy_since for lk in links if lk.busy_since is not None and BOOTSTRAP_ID not in lk.pending]
+        if not starts:
+            return None
+        return max(0.0, min(starts) + self.command_timeout_s + HANG_GRACE_S - time.monotonic())
+
+    def _check_hung(self) -> None:
+        if self._until_hang([lk for lk in self._links if lk.open]) != 0.0:
+            return
+        if self._closing or self._closed or self._death is not None:
+            return
+        # Read without the lock, and kill before taking it: a send blocked on a stopped rank's full pipe may
+        # hold it (the kill breaks that pipe). Only this thread removes pending entries.
+        since, rank = min((lk.busy_since, r) for r, lk in enumerate(self._links)
+                          if lk.open and lk.busy_since is not None and BOOTSTRAP_ID not in lk.pending)
+        method = next(iter(list(self._links[rank].pending.values())), ("?", None))[0]
+        hung = ExecutorHung(self.name, rank, method, time.monotonic() - since, self.command_timeout_s)
+        _kill_all(self._links, grace_s=1.0)
+        with self._lock:
+            if self._closing or self._closed or self._death is not None:
+                return
+            self._death = hung
+        self._fail_group()
 
     def _drain(self, rank: int, link: RankLink) -> bool:
         """Read every reply available on ``link``; returns True if the connection has closed."""
@@ -322,6 +387,7 @@ class ExecutorGroup:
     def _resolve(self, rank: int, link: RankLink, reply: Reply) -> None:
         with self._lock:
             method, fut = link.pending.pop(reply.call_id, ("?", None))
+            link.busy_since = time.monotonic() if link.pending else None  # the next command starts now
         if fut is None:
             return
         if reply.ok:
@@ -347,13 +413,21 @@ class ExecutorGroup:
             else:
                 pending_method = next(iter(link.pending.values()), ("", None))[0]
                 self._death = ExecutorDied(self.name, rank, exitcode, pending_method)
-                leftovers = [entry for lk in self._links for entry in lk.pending.values()]
-                for lk in self._links:
-                    lk.pending.clear()
-        for method, fut in leftovers:
-            _settle(fut, exc=self._died_for(method) if self._death else ExecutorDied(self.name, rank, exitcode, method))
         if expected:
+            for method, fut in leftovers:
+                _settle(fut, exc=self._died_for(method) if self._death else ExecutorDied(self.name, rank, exitcode,
+                                                                                          method))
             return
+        self._fail_group()
+
+    def _fail_group(self) -> None:
+        """After ``self._death`` was set: fail every pending call, stop every rank, run the callbacks."""
+        with self._lock:
+            leftovers = [entry for lk in self._links for entry in lk.pending.values()]
+            for lk in self._links:
+                lk.pending.clear()
+        for method, fut in leftovers:
+            _settle(fut, exc=self._died_for(method))
         failure = self._death
         _kill_all(self._links, grace_s=1.0)  # the survivors, and the lost rank if it only dropped its connection
         for lk in self._links:
@@ -370,6 +444,8 @@ class ExecutorGroup:
     def _died_for(self, method: str) -> ExecutorDied:
         d = self._death
         assert d is not None
+        if isinstance(d, ExecutorHung):  # every call of the group fails with the hang that stopped it
+            return ExecutorHung(d.group, d.rank, d.method, d.seconds, d.timeout_s)
         return ExecutorDied(d.group, d.rank, d.exitcode, method)
 
     # ---------------------------------------------------------------- shutdown
@@ -379,18 +455,26 @@ class ExecutorGroup:
         Ranks get ``timeout`` seconds in total to answer ``__close__`` and exit; stragglers are sent
         SIGTERM, then SIGKILL. Idempotent; safe to call from any thread but the monitor's callbacks.
         """
-        with self._lock:
-            if self._closed or self._closing:
-                return
-            self._closing = True
-            closes = []
-            for rank, link in enumerate(self._links):
-                if link.open:
-                    fut: Future = Future()
-                    call_id = next(self._ids)
-                    link.pending[call_id] = (CLOSE, fut)
-                    self._send(link, Call(call_id, CLOSE, (), {}))
-                    closes.append(fut)
+        # behind the calls already sent; a send blocked on a rank that stopped reading must not block this
+        sending = self._send_lock.acquire(timeout=timeout)
+        try:
+            with self._lock:
+                if self._closed or self._closing:
+                    return
+                self._closing = True
+                closes, sends = [], []
+                for link in self._links:
+                    if link.open:
+                        fut: Future = Future()
+                        call_id = next(self._ids)
+                        link.pending[call_id] = (CLOSE, fut)
+                        sends.append((link, Call(call_id, CLOSE, (), {})))
+                        closes.append(fut)
+            for link, message in sends if sending else ():
+                self._send(link, message)
+        finally:
+            if sending:
+                self._send_lock.release()
         deadline = time.monotonic() + timeout
         wait_futures(closes, timeout=timeout)
         for link in self._links:
@@ -399,10 +483,7 @@ class ExecutorGroup:
         _kill_all(self._links, grace_s=2.0)
         with self._lock:
             self._closed = True
-        try:
-            self._wake_w.send_bytes(b"x")
-        except OSError:
-            pass
+        self._wake_monitor()
         if threading.current_thread() is not self._monitor:
             self._monitor.join(timeout=5.0)
         with self._lock:

@@ -120,10 +120,12 @@ class Runtime:
 
     def __init__(self, layout: Layout | None = None, *, torchrun: TorchrunEnv | None = None,
                  env: dict[str, str] | None = None, dist_timeout_s: float = 600.0,
-                 start_timeout_s: float = 600.0, on_failure: FailureCallback | None = None):
+                 start_timeout_s: float = 600.0, on_failure: FailureCallback | None = None,
+                 command_timeout_s: float = 0.0):
         self.layout = layout
         self.env = dict(env or {})
         self.dist_timeout_s, self.start_timeout_s = dist_timeout_s, start_timeout_s
+        self.command_timeout_s = command_timeout_s  # every group's (ExecutorGroup: hang detection)
         self.groups: dict[str, ExecutorGroup] = {}
         self.failed: Future = Future()  # raises the first ExecutorDied of any group
         self._on_failure = on_failure
@@ -148,6 +150,7 @@ class Runtime:
         kwargs.setdefault("env", self.env)
         kwargs.setdefault("dist_timeout_s", self.dist_timeout_s)
         kwargs.setdefault("start_timeout_s", self.start_timeout_s)
+        kwargs.setdefault("command_timeout_s", self.command_timeout_s)
         group = ExecutorGroup.spawn(name, target, world_size, on_failure=self._record_failure, **kwargs)
         self.groups[name] = group
         return group
@@ -195,7 +198,7 @@ class Runtime:
                                         backend=group_backend(p, devices), devices=devices, role=p.role,
                                         global_ranks=p.global_ranks,
                                         dist_timeout_s=self.dist_timeout_s, on_failure=self._record_failure,
-                                        wait_ready=False)
+                                        wait_ready=False, command_timeout_s=self.command_timeout_s)
         else:
             links, boots = [], []
             with self._lock:
@@ -211,8 +214,10 @@ class Runtime:
                                        rank=rank, world_size=p.world_size, global_rank=hello.global_rank,
                                        master_addr=master_addr, master_port=master_port, backend=backend,
                                        device=devices[rank],
-                                       dist_timeout_s=self.dist_timeout_s, env=merged_env))
-            group = ExecutorGroup(p.name, links, role=p.role, on_failure=self._record_failure)
+                                       dist_timeout_s=self.dist_timeout_s, env=merged_env,
+                                       command_timeout_s=self.command_timeout_s))
+            group = ExecutorGroup(p.name, links, role=p.role, on_failure=self._record_failure,
+                                  command_timeout_s=self.command_timeout_s)
             try:
                 group._bootstrap(boots)
             except BaseException:
@@ -430,10 +435,12 @@ def serve_torchrun(layout: Layout, tr: TorchrunEnv, *, timeout_s: float = 600.0,
 
 
 def run(layout: Layout, main: Callable[[Runtime], Awaitable[T]], *, env: dict[str, str] | None = None,
-        dist_timeout_s: float = 600.0, start_timeout_s: float = 600.0, torchrun: bool | None = None) -> T:
+        dist_timeout_s: float = 600.0, start_timeout_s: float = 600.0, torchrun: bool | None = None,
+        command_timeout_s: float = 0.0) -> T:
     """Run the controller ``main(runtime)`` (async) with executors placed by ``layout``; return its result.
 
-    ``torchrun=None`` detects torchrun from the environment. Under torchrun, ranks other than 0 serve
+    ``command_timeout_s`` > 0 makes a command that runs longer fail the run as ``ExecutorHung`` (with the
+    hung ranks' Python stacks on stderr). ``torchrun=None`` detects torchrun from the environment. Under torchrun, ranks other than 0 serve
     and then exit the process (``SystemExit``) with 0 after a clean close, 1 otherwise.
     """
     tr = TorchrunEnv.detect() if torchrun in (None, True) else None
@@ -442,7 +449,7 @@ def run(layout: Layout, main: Callable[[Runtime], Awaitable[T]], *, env: dict[st
     if tr is not None and tr.rank != 0:
         sys.exit(serve_torchrun(layout, tr, timeout_s=start_timeout_s))
     with Runtime(layout, torchrun=tr, env=env, dist_timeout_s=dist_timeout_s,
-                 start_timeout_s=start_timeout_s) as rt:
+                 start_timeout_s=start_timeout_s, command_timeout_s=command_timeout_s) as rt:
         return asyncio.run(rt.supervise(main(rt)))
 
 

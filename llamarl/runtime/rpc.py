@@ -75,6 +75,7 @@ class Bootstrap:
     device: str
     dist_timeout_s: float
     env: dict = field(default_factory=dict)
+    command_timeout_s: float = 0.0  # > 0: a command running longer dumps the rank's Python stacks to stderr
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,27 @@ class ExecutorDied(ExecutorError):
 
     def __reduce__(self):
         return (type(self), (self.group, self.rank, self.exitcode, self.method if self.method != "<idle>" else ""))
+
+
+class ExecutorHung(ExecutorDied):
+    """A command ran longer than its group's command timeout; the group was stopped (its ranks killed).
+
+    ``method`` is the command the rank was running, ``seconds`` how long it had run when the controller
+    gave up, ``timeout_s`` the limit. Each busy rank printed its Python stacks to its stderr when its own
+    copy of the limit expired, just before the controller stopped the group (``server.py``).
+    """
+
+    def __init__(self, group: str, rank: int, method: str, seconds: float, timeout_s: float):
+        self.seconds, self.timeout_s = seconds, timeout_s
+        ExecutorError.__init__(self, group, rank, method or "<idle>", "ExecutorHung", "command timeout")
+        self.exitcode = None
+        self.args = (f"executor '{group}' rank {rank}: {method}() did not finish within the command timeout "
+                     f"({seconds:.0f} s running, limit {timeout_s:g} s), so its group was stopped; each busy "
+                     f"rank that could still run printed its Python stacks to stderr at the limit ('Timeout' "
+                     f"blocks above)",)
+
+    def __reduce__(self):
+        return (type(self), (self.group, self.rank, self.method, self.seconds, self.timeout_s))
 
 
 def describe_exit(exitcode: int | None) -> str:

@@ -22,6 +22,9 @@ prior close the process exits at once with code 1 (its work has no receiver any 
 spawned rank also watches its parent process as soon as its own code runs (``exit_when_parent_dies``),
 so a controller killed while the rank is still bootstrapping (importing torch, in the process-group
 rendezvous, in the executor's constructor) or inside ``close()`` does not leave it behind either.
+With a command timeout in the bootstrap, a command that runs longer has this rank print the Python
+stacks of all its threads to stderr (``faulthandler``, from a C thread, so a rank stuck in native code or
+holding the GIL still dumps); the controller stops the group a few seconds later (``ExecutorHung``).
 SIGINT is ignored in spawned ranks so that Ctrl-C reaches only the controller, which then shuts
 everything down in order; the launcher starts them with SIGINT blocked, so a Ctrl-C that arrives while
 a rank is still importing modules is discarded rather than raised there as a KeyboardInterrupt.
@@ -31,6 +34,7 @@ This module imports torch lazily (only once the bootstrap arrives), so importing
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import importlib
 import os
 import queue
@@ -116,7 +120,7 @@ def serve(conn: Connection) -> int:
         _send_or_exit(conn, Reply(BOOTSTRAP_ID, False, failure_of(exc)))
         return 1
     _send_or_exit(conn, Reply(BOOTSTRAP_ID, True, os.getpid()))
-    return _serve_commands(conn, executor)
+    return _serve_commands(conn, executor, boot.command_timeout_s)
 
 
 def _start_executor(boot: Bootstrap) -> Any:
@@ -153,7 +157,7 @@ def _start_executor(boot: Bootstrap) -> Any:
     return cls(**boot.init_kwargs, rank_info=info)
 
 
-def _serve_commands(conn: Connection, executor: Any) -> int:
+def _serve_commands(conn: Connection, executor: Any, command_timeout_s: float = 0.0) -> int:
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     closing = threading.Event()
 
@@ -180,7 +184,14 @@ def _serve_commands(conn: Connection, executor: Any) -> int:
         if message.method == CLOSE:
             _send_or_exit(conn, _close(executor, message.call_id))
             return 0
-        _send_or_exit(conn, _execute(executor, message))
+        if command_timeout_s > 0:  # a C watchdog thread: it dumps even if Python is stuck holding the GIL
+            faulthandler.dump_traceback_later(command_timeout_s, exit=False)
+        try:
+            reply = _execute(executor, message)
+        finally:
+            if command_timeout_s > 0:
+                faulthandler.cancel_dump_traceback_later()
+        _send_or_exit(conn, reply)
 
 
 def _execute(executor: Any, call: Call) -> Reply:

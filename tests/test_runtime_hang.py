@@ -1,0 +1,106 @@
+"""Hang detection (``command_timeout_s``): a command that runs too long stops its group with ``ExecutorHung``
+and the stuck ranks' Python stacks, instead of leaving the controller waiting forever.
+
+Real processes running ``llamarl.runtime.testing:ToyExecutor``; the limits are short so the tests are quick.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from llamarl.config import ConfigError
+from llamarl.config_cli import load_config
+from llamarl.runtime import ExecutorDied, ExecutorGroup, ExecutorHung
+from test_runtime import TOY, _wait_gone
+
+
+def test_a_command_over_the_limit_stops_the_group_and_dumps_its_stacks(capfd):
+    group = ExecutorGroup.spawn("hang", TOY, 2, command_timeout_s=1.5)
+    try:
+        pids = group.pids
+        time.sleep(1.0)  # let the monitor settle into waiting with no deadline: the new command must wake it
+        fut = group.call("sleep", 120)
+        with pytest.raises(ExecutorHung) as info:
+            fut.result(timeout=60)  # well before the sleep would end
+        hung = info.value
+        assert isinstance(hung, ExecutorDied)  # the runtime's failure path treats it like a death
+        assert (hung.group, hung.method, hung.timeout_s) == ("hang", "sleep", 1.5)
+        assert hung.rank in (0, 1) and hung.seconds >= 1.5
+        assert "command timeout" in str(hung) and "sleep()" in str(hung)
+        with pytest.raises(ExecutorHung):
+            group.failed.result(timeout=10)
+        with pytest.raises(ExecutorHung):
+            group.call("echo", 1).result(timeout=10)  # later calls fail the same way
+        assert _wait_gone(pids) == []
+        err = capfd.readouterr().err
+        # both ranks were busy in sleep(): each printed its stacks (faulthandler) at the limit
+        assert err.count("Timeout (0:00:01.500000)!") == 2, err
+        assert "in sleep" in err and "testing.py" in err
+    finally:
+        group.shutdown(timeout=5.0)
+
+
+def test_commands_that_each_finish_in_time_never_trip_it():
+    """Eight 0.6 s commands queued at once take 4.8 s in all, longer than the 1 s limit plus the grace:
+    the limit is per command, counted from when the rank could start it, not from when it was sent."""
+    with ExecutorGroup.spawn("queue", TOY, 2, command_timeout_s=1.0) as group:
+        futures = [group.call("sleep", 0.6) for _ in range(8)]
+        assert [f.result(timeout=60) for f in futures] == [[0, 1]] * 8
+        assert group.alive and group.call("echo", "still here").result(timeout=10)[0]["args"] == ("still here",)
+
+
+def test_no_limit_by_default():
+    with ExecutorGroup.spawn("nolimit", TOY, 1) as group:
+        assert group.command_timeout_s == 0.0
+        assert group.call_rank(0, "sleep", 4.5).result(timeout=60) == 0  # longer than any limit-plus-grace above
+
+
+def test_a_stopped_rank_is_taken_for_hung_even_while_a_send_to_it_blocks():
+    """SIGSTOP: the rank cannot dump or answer. A large command sent to it meanwhile fills the pipe and blocks
+    the sender while it holds the group's lock; the monitor must still stop the group and free the sender."""
+    group = ExecutorGroup.spawn("stopped", TOY, 2, command_timeout_s=1.0)
+    try:
+        pids = group.pids
+        first = group.call("sleep", 0.5)
+        os.kill(pids[1], signal.SIGSTOP)
+        sent: list = []
+        sender = threading.Thread(target=lambda: sent.append(group.call("echo", b"x" * (64 << 20))), daemon=True)
+        sender.start()
+        with pytest.raises(ExecutorHung) as info:
+            first.result(timeout=60)
+        assert info.value.rank == 1 and info.value.method == "sleep"
+        sender.join(timeout=30)
+        assert not sender.is_alive(), "the send to the stopped rank is still blocked"
+        with pytest.raises(ExecutorHung):
+            sent[0].result(timeout=10)
+        assert _wait_gone(pids) == []
+    finally:
+        for pid in group.pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except (ProcessLookupError, TypeError):
+                pass
+        group.shutdown(timeout=5.0)
+
+
+def test_an_idle_group_is_never_taken_for_hung():
+    with ExecutorGroup.spawn("idle", TOY, 1, command_timeout_s=0.5) as group:
+        assert group.call_rank(0, "echo", 1).result(timeout=10)["args"] == (1,)
+        time.sleep(4.0)  # idle for longer than limit + grace
+        assert group.alive
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_the_run_setting_is_validated(value):
+    with pytest.raises(ConfigError, match="run.command_timeout_s"):
+        load_config(["--set", f"run.command_timeout_s={value}"])
+
+
+def test_bad_limits_are_refused_by_the_group():
+    with pytest.raises(ValueError, match="command_timeout_s"):
+        ExecutorGroup("bad", [], command_timeout_s=-1.0)
