@@ -59,7 +59,7 @@ class Sampled(NamedTuple):
     prompts: list[list[int]]  # their token ids
     outputs: list[dict]  # generator outputs, prompt-major, samples_per_prompt per prompt
     cursor: int  # the data stream position after this step's prompts (what a checkpoint records)
-    generate_s: float
+    generate_s: float  # the slowest replica's time in its engine (not waiting behind an evaluation there)
 
 
 @dataclass
@@ -116,11 +116,13 @@ class Controller:
         """Queue each step's ``train_step`` on the trainer as soon as its batch is ready. In async mode the
         command for step s + 1 waits on the trainer while it runs step s, so the trainer never idles while
         this process handles a result. Sync mode cannot run ahead (the next batch needs this step's
-        weights), and no step is queued behind a checkpoint (it must hold exactly its step's weights)."""
+        weights), and no step is queued behind a checkpoint or an evaluation (they must see exactly their
+        step's weights: an evaluation waiting on a busy generator would otherwise measure the next update)."""
         ahead = 1 if self.max_staleness >= 1 else 0
         for step in range(self.step, self.cfg.run.max_steps):
             batch = await queue.get()
-            need = step if self._checkpoint_after(step - 1) else step - ahead
+            held = self._checkpoint_after(step - 1) or self._due(self.cfg.run.eval_every, step - 1)
+            need = step if held else step - ahead
             await self._wait_until(lambda: self._finished >= need)
             # an applied update is pushed as the trainer's next version in the same call
             await submitted.put((step, batch, self.ex.trainer.acall("train_step", batch.meta["tensors"], push=True)))
@@ -142,10 +144,9 @@ class Controller:
         samples = self.data.next(self.cfg.generator.prompts_per_step)
         prompts = self.data.encode(samples)
         cursor = self.data.cursor
-        t0 = time.perf_counter()
         params = dataclasses.replace(self.sampling, seed=self.cfg.run.seed * 1_000_003 + step)
-        outputs = await self.generate(prompts, params)
-        return Sampled(step, samples, prompts, outputs, cursor, time.perf_counter() - t0)
+        outputs, seconds = await self.generate(prompts, params)
+        return Sampled(step, samples, prompts, outputs, cursor, seconds)
 
     async def score(self, sampled: Sampled) -> RolloutBatch:
         step, samples, prompts, outputs = sampled.step, sampled.samples, sampled.prompts, sampled.outputs
@@ -200,7 +201,7 @@ class Controller:
         now = time.perf_counter()
         self.log.step({
             "step": step + 1, "policy_version": self.version, "staleness": staleness,
-            "reward_mean": float(batch.rewards().mean()), "step_s": now - self._last_step_end,
+            "reward_mean": _mean_scored(batch), "step_s": now - self._last_step_end,
             "sync_s": sync_s, "generate_s": batch.generate_s, "score_s": batch.score_s,
             "tokens": batch.num_tokens, "tokens_per_s": batch.num_tokens / max(batch.generate_s, 1e-9),
             "reward_errors": sum(r.reward_error is not None for r in batch.rollouts),
@@ -212,8 +213,10 @@ class Controller:
             self.step = step + 1
             self._progress.notify_all()
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[dict]:
-        """Split the prompts over the generator replicas; each replica's TP ranks run together. Replica g
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list[dict], float]:
+        """The prompts' samples (prompt-major) and the slowest replica's engine time.
+
+        The prompts are split over the generator replicas; each replica's TP ranks run together. Replica g
         samples with seed + g * REPLICA_SEED_STRIDE: one seed would give every replica the same random
         numbers, and the stride keeps replica seeds apart from the next steps' (seed + step)."""
         gens = self.ex.generators
@@ -224,20 +227,22 @@ class Controller:
                                          for g, p in zip(busy, per_replica)))
         n = params.n
         out: list[dict] = [None] * (len(prompts) * n)  # type: ignore[list-item]
+        seconds = 0.0
         for g, per_rank in zip(busy, results):
-            if any(r != per_rank[0] for r in per_rank[1:]):
+            if any(r["samples"] != per_rank[0]["samples"] for r in per_rank[1:]):
                 raise RuntimeError(f"the tensor-parallel ranks of generator replica {g} returned different outputs; "
                                    "they must hold the same weight version and sampling seed")
-            for j, o in enumerate(per_rank[0]):  # TP ranks return identical outputs; take rank 0's
+            seconds = max([seconds] + [r["seconds"] for r in per_rank])
+            for j, o in enumerate(per_rank[0]["samples"]):  # TP ranks return identical outputs; take rank 0's
                 prompt = g + (j // n) * len(gens)
                 out[prompt * n + j % n] = o
-        return out
+        return out, seconds
 
     async def evaluate(self, step: int) -> dict:
         """Greedy held-out accuracy of the newest weights: the fraction of problems with reward 1."""
         held = self.data.heldout
         greedy = SamplingParams(max_new_tokens=self.cfg.generator.max_new_tokens, temperature=0.0, n=1)
-        outputs = await self.generate(self.data.encode(held), greedy)
+        outputs, _ = await self.generate(self.data.encode(held), greedy)
         scores = await self.ex.rewards.score_async(
             [(s.id, self.tok.decode(o["token_ids"]), s.answer) for s, o in zip(held, outputs)])
         result = {"accuracy": sum(r.reward >= 1.0 for r in scores) / len(held),
@@ -257,6 +262,13 @@ class Controller:
         """Whether a checkpoint is written after step ``step`` (the next step must then start from exactly
         the saved state)."""
         return self.on_checkpoint is not None and self._due(self.cfg.run.checkpoint_every, step)
+
+
+def _mean_scored(batch: RolloutBatch) -> float:
+    """Mean reward of the samples whose verifier answered (failures are counted in ``reward_errors`` and
+    take no part in the advantages either); NaN when none did."""
+    scored = [r.reward for r in batch.rollouts if r.reward_error is None]
+    return sum(scored) / len(scored) if scored else float("nan")
 
 
 async def _run_stages(*stages: Awaitable[None]) -> None:

@@ -10,7 +10,8 @@ prompt, completion, answer, reward, advantage, ...), to read what the policy act
 written whole or not at all (a failed write, e.g. a full disk, is cut back), so a crashed run keeps
 everything up to its last step. A resumed run (``initial_step`` = the checkpoint's step) first drops what
 the interrupted run logged after that checkpoint (steps after it, and evaluations from it on, which the
-resumed run redoes) and any torn last line, in both files: each stays one history.
+resumed run redoes) and any torn last line, in both files: each stays one history. The kept rows are
+loaded back (``rows``, ``evals``), so the plot and the run summary cover the whole run, not the last part.
 """
 
 from __future__ import annotations
@@ -50,20 +51,22 @@ class RunLog:
         self._samples_fd: int | None = None
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-            self._fd = _open_history(out / "metrics.jsonl", initial_step)
-            self._samples_fd = _open_history(out / "samples.jsonl", initial_step)
+            self._fd, kept = _open_history(out / "metrics.jsonl", initial_step)
+            self._samples_fd, _ = _open_history(out / "samples.jsonl", initial_step)
+            for row in kept:
+                row = {k: _float_back(v) for k, v in row.items()}
+                (self.evals if row.get("event") == "eval" else self.rows).append(row)
         disable = not progress or not sys.stderr.isatty() and os.environ.get("LLAMARL_PROGRESS") != "1"
         self.bar = tqdm(total=total_steps, initial=initial_step, desc="rl", unit="step", dynamic_ncols=True,
                         disable=disable)
         self._quiet = disable
 
     def step(self, row: dict) -> None:
-        raw = {k: _item(v) for k, v in row.items()}
-        row = {k: _jsonable(v) for k, v in raw.items()}
+        row = {k: _item(v) for k, v in row.items()}  # numbers as they are; the file spells NaN/inf as text
         self.rows.append(row)
-        _append(self._fd, row)
+        _append(self._fd, {k: _jsonable(v) for k, v in row.items()})
         for r in self.reporters:
-            r.step(raw)
+            r.step(row)
         acc = self.evals[-1]["accuracy"] if self.evals else float("nan")
         post = dict(reward=f"{row['reward_mean']:.3f}", acc=f"{acc:.3f}", stale=row["staleness"],
                     tok_s=f"{row.get('tokens_per_s', 0):.0f}", sync_ms=f"{1e3 * row['sync_s']:.1f}")
@@ -73,12 +76,11 @@ class RunLog:
             print(f"step {row['step']}: " + " ".join(f"{k} {v}" for k, v in post.items()), flush=True)
 
     def eval(self, step: int, result: dict) -> None:
-        raw = {"event": "eval", "step": step, **{k: _item(v) for k, v in result.items()}}
-        row = {k: _jsonable(v) for k, v in raw.items()}
+        row = {"event": "eval", "step": step, **{k: _item(v) for k, v in result.items()}}
         self.evals.append(row)
-        _append(self._fd, row)
+        _append(self._fd, {k: _jsonable(v) for k, v in row.items()})
         for r in self.reporters:
-            r.eval(step, raw)
+            r.eval(step, row)
         self.bar.write(f"eval @ step {step}: accuracy {row['accuracy']:.3f}")
 
     def samples(self, rows: list[dict]) -> None:
@@ -141,17 +143,22 @@ def _append(fd: int | None, row: dict) -> None:
         raise
 
 
-def _open_history(path: Path, initial_step: int) -> int:
-    """An append-only descriptor of ``path``, after dropping what a resumed run redoes (``_keep_history``)."""
-    if path.exists():
-        _keep_history(path, initial_step)
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+def _float_back(v: Any) -> Any:
+    """Undo ``_jsonable`` for non-finite floats."""
+    return float(v) if v in ("nan", "inf", "-inf") else v
 
 
-def _keep_history(path: Path, initial_step: int) -> None:
+def _open_history(path: Path, initial_step: int) -> tuple[int, list[dict]]:
+    """An append-only descriptor of ``path``, after dropping what a resumed run redoes (``_keep_history``),
+    and the rows kept."""
+    kept = _keep_history(path, initial_step) if path.exists() else []
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), kept
+
+
+def _keep_history(path: Path, initial_step: int) -> list[dict]:
     """Rewrite ``path`` (atomically) with the lines a run resumed at ``initial_step`` continues: whole JSON
-    rows of steps <= initial_step and evaluations before it."""
-    kept = []
+    rows of steps <= initial_step and evaluations before it; returns those rows."""
+    kept, rows = [], []
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True):
         try:
             row = json.loads(line)
@@ -161,7 +168,9 @@ def _keep_history(path: Path, initial_step: int) -> None:
             continue
         if row["step"] < initial_step or (row["step"] == initial_step and row.get("event") != "eval"):
             kept.append(line)
+            rows.append(row)
     write_text_atomic(path, "".join(kept))
+    return rows
 
 
 def summary_table(summary: dict) -> str:

@@ -307,7 +307,7 @@ def train(cfg: TrainConfig) -> dict:
             ctrl = Controller(cfg, data, Executors(gens, trainer, pool), runlog, tokenizer=tokenizer,
                               start_step=start_step, start_version=start_version, on_checkpoint=checkpoint)
             try:
-                before = await ctrl.evaluate(start_step)
+                await ctrl.evaluate(start_step)  # resumed: the accuracy at the checkpoint (the summary takes step 0's)
                 t_rl = time.perf_counter()
                 await ctrl.run()
                 rl_s = time.perf_counter() - t_rl
@@ -316,11 +316,12 @@ def train(cfg: TrainConfig) -> dict:
             finally:
                 runlog.close()
             reward_stats = pool.stats
-        rows = runlog.rows
+        rows = runlog.rows  # a resumed run's include the steps before the checkpoint: the summary covers them
         plot = runlog.plot(out / "plot.png")
         return {
             "mode": cfg.run.mode, "max_staleness": cfg.run.max_staleness, "steps": len(rows),
-            "accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
+            "accuracy_before": runlog.evals[0]["accuracy"], "accuracy_after": after["accuracy"],
+            "resumed_from_step": start_step if resume else None,
             "eval_size": len(data.heldout), "rl_s": rl_s, "warm_start_s": warm.get("seconds", 0.0),
             "warm_start_cached": warm.get("cached"),
             "step_s_mean": sum(r["step_s"] for r in rows) / max(1, len(rows)),

@@ -62,7 +62,7 @@ def test_push_writes_the_reference_quantization_into_the_generators_buffers(tmp_
         assert quantized == 7 * CFG.num_hidden_layers
         prompts = [[1, 5, 9, 13], [1, 7, 2]]
         greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
-        got = gen.generate(prompts, greedy)
+        got = gen.generate(prompts, greedy)["samples"]
         ref_model = quantize_model(copy.deepcopy(model), mode, backend="eager")
         want = generate(ref_model, prompts, greedy, eos_token_id=())
         assert [o["token_ids"] for o in got] == [o.token_ids[:len(g["token_ids"])] for o, g in zip(want, got)]

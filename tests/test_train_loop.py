@@ -404,18 +404,20 @@ def test_generator_replicas_sample_with_different_seeds():
     from llamarl.generation import SamplingParams
 
     class Replica:
-        def __init__(self):
-            self.seeds = []
+        def __init__(self, seconds):
+            self.seeds, self.seconds = [], seconds
 
         async def acall(self, name, prompts, params):
             self.seeds.append(params.seed)
-            return [[{"prompt": p, "sample": j} for p in prompts for j in range(params.n)]]  # one TP rank
+            return [{"samples": [{"prompt": p, "sample": j} for p in prompts for j in range(params.n)],
+                     "seconds": self.seconds}]  # one TP rank
 
-    replicas = [Replica() for _ in range(3)]
+    replicas = [Replica(s) for s in (0.25, 1.5, 0.5)]
     ctrl = Controller(TrainConfig(), None, Executors(replicas, None, None), None, tokenizer=None)
     prompts = [[i] for i in range(7)]
-    outs = asyncio.run(ctrl.generate(prompts, SamplingParams(n=2, seed=5)))
+    outs, seconds = asyncio.run(ctrl.generate(prompts, SamplingParams(n=2, seed=5)))
     assert [(o["prompt"], o["sample"]) for o in outs] == [([i], j) for i in range(7) for j in range(2)]
+    assert seconds == 1.5  # the slowest replica's engine time
     seeds = [r.seeds[0] for r in replicas]
     assert seeds[0] == 5 and all(s > 5 + 10**6 for s in seeds[1:]) and len(set(seeds)) == 3  # steps use seed + step
     asyncio.run(ctrl.generate(prompts, dataclasses.replace(SamplingParams(n=2), seed=None)))
@@ -463,6 +465,10 @@ def test_a_resumed_run_continues_exactly_like_the_uninterrupted_one(tmp_path):
         assert a[0]["reward_mean"] > 0 and a[0]["grad_norm"] > 0  # the weights really move
         same = 6 if mode == "sync" else 4
         assert [_deterministic(r) for r in b[:same]] == [_deterministic(r) for r in a[:same]], mode
+        summaries = [json.loads((d / "summary.json").read_text()) for d in (whole, cut)]
+        for key in ("steps", "accuracy_before", "skipped_updates", "max_staleness_seen"):  # the whole run's
+            assert summaries[1][key] == summaries[0][key], (mode, key)
+        assert summaries[1]["resumed_from_step"] == 3 and summaries[0]["resumed_from_step"] is None
         if mode == "async":
             assert a[3]["staleness"] == b[3]["staleness"] == 0
             assert all(r["staleness"] <= 1 for r in a + b)

@@ -154,6 +154,7 @@ def test_sharded_trainer_and_tp_generator_match_one_process(tmp_path, t_ranks, g
         assert _bucket_bytes_match(handles, plan, weights, version=1) == []
 
     # generator: TP ranks agree exactly; greedy tokens and log-probs match one process
+    greedy, sampled = ([r["samples"] for r in per_rank] for per_rank in (greedy, sampled))
     for outs in (greedy, sampled):
         assert all(r == outs[0] for r in outs[1:]), "TP ranks returned different samples"
         assert all(v == 1 for o in outs[0] for v in o["policy_versions"])

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import secrets
+import time
 from typing import Iterator
 
 import torch
@@ -156,8 +157,11 @@ class GeneratorExecutor:
         """What a trainer rank needs to write into this rank's buckets (small, picklable)."""
         return self.buckets.handle()
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[dict]:
-        """Samples for ``prompts`` on the newest complete weights; per-token log μ and versions."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> dict:
+        """Samples for ``prompts`` on the newest complete weights, per-token log μ and versions:
+        ``{"samples": [GenerationOutput as dict, prompt-major], "seconds": time in the engine}`` (the
+        engine's own time: the caller's wall time also counts waiting behind this rank's other commands)."""
+        t0 = time.perf_counter()
         if self.tp_size == 1:
             with self.receiver.reading() as version:
                 self.model.policy_version = version
@@ -166,7 +170,8 @@ class GeneratorExecutor:
             with self._tp_reading(params) as (version, params):
                 self.model.policy_version = version
                 outs = self.engine.generate(prompts, params, eos_token_id=self.eos, pad_token_id=self.pad_id)
-        return [dataclasses.asdict(o) | {"prompt_token_ids": None} for o in outs]
+        return {"samples": [dataclasses.asdict(o) | {"prompt_token_ids": None} for o in outs],
+                "seconds": time.perf_counter() - t0}
 
     @contextlib.contextmanager
     def _tp_reading(self, params: SamplingParams) -> Iterator[tuple[int, SamplingParams]]:

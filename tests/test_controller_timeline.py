@@ -1,0 +1,114 @@
+"""The real ``Controller`` against fake executors with chosen timings: what each step and evaluation saw.
+
+The fakes keep the real executors' contract: an executor runs its commands one at a time in arrival order;
+a generator call holds the newest published version for the whole call and tags every token with it;
+``train_step(push=True)`` publishes version + 1 before it answers. Sleeps only shape the timeline (the
+margins are tenfold); every assertion is on versions and values, none on time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from llamarl.config import DataConfig, GeneratorConfig, RunConfig, TrainConfig
+from llamarl.controller import Controller, Executors
+from llamarl.models import CharTokenizer
+from llamarl.rewards import RewardResult
+from llamarl.runlog import RunLog
+from llamarl.train_data import TrainData
+
+
+class _Serial:
+    """Commands run one at a time, first come first served (an asyncio.Lock is FIFO)."""
+
+    def __init__(self):
+        self._lock = asyncio.Lock()
+
+    def acall(self, method, *args, **kwargs):
+        async def run():
+            async with self._lock:
+                return await getattr(self, method)(*args, **kwargs)
+        return asyncio.ensure_future(run())
+
+
+class FakeGenerator(_Serial):
+    def __init__(self, world, delay=0.01, eval_delay=0.01, slow_steps=(), slow_delay=0.5):
+        super().__init__()
+        self.world, self.delay, self.eval_delay = world, delay, eval_delay
+        self.slow_steps, self.slow_delay = set(slow_steps), slow_delay
+
+    async def generate(self, prompts, params):
+        version = self.world["published"]
+        greedy = params.temperature == 0.0
+        step = None if greedy else params.seed  # run.seed 0: a step's seed is its index
+        seconds = self.eval_delay if greedy else self.slow_delay if step in self.slow_steps else self.delay
+        await asyncio.sleep(seconds)
+        samples = [{"token_ids": [5, 6], "logprobs": [-1.0, -1.0], "policy_versions": [version, version],
+                    "finish_reason": "stop"} for _ in prompts for _ in range(params.n)]
+        return [{"samples": samples, "seconds": seconds}]  # one TP rank
+
+
+class FakeTrainer(_Serial):
+    def __init__(self, world, delay=0.1):
+        super().__init__()
+        self.world, self.delay = world, delay
+
+    async def train_step(self, tensors, push=False):
+        await asyncio.sleep(self.delay)
+        self.world["published"] += 1
+        return [{"applied": True, "loss": 0.0, "version": self.world["published"], "sync": {"seconds": 0.0}}]
+
+
+class FakeRewards:
+    def __init__(self, fail_every: int = 0):
+        self.fail_every = fail_every
+
+    async def score_async(self, items):
+        out = []
+        for i, (sid, _, _) in enumerate(items):
+            failed = self.fail_every and i % self.fail_every == 0
+            out.append(RewardResult(sample_id=sid, reward=0.0 if failed else 1.0,
+                                    error="ValueError: flaky" if failed else None, elapsed_s=0.0))
+        return out
+
+
+def _run(run: dict, *, generator: dict = None, trainer_delay: float = 0.1, fail_every: int = 0) -> RunLog:
+    cfg = TrainConfig(generator=GeneratorConfig(prompts_per_step=2, samples_per_prompt=2, max_new_tokens=4),
+                      data=DataConfig(eval_size=4), run=RunConfig(checkpoint_every=0, **run))
+    tok = CharTokenizer()
+    world = {"published": 0}
+    log = RunLog(None, cfg.run.max_steps, progress=False)
+    log.bar.write = lambda *a, **k: None
+    ex = Executors([FakeGenerator(world, **(generator or {}))], FakeTrainer(world, trainer_delay),
+                   FakeRewards(fail_every))
+    ctrl = Controller(cfg, TrainData(cfg.data, tok, seed=0), ex, log, tokenizer=tok)
+    asyncio.run(ctrl.run())
+    return log
+
+
+@pytest.mark.parametrize("staleness", [1, 2, 3])
+def test_an_evaluation_sees_exactly_its_steps_weights(staleness):
+    """Step index 3's sampling is slow, so the evaluation after step 2 queues behind it on the generator while
+    the trainer could already train step 3: the trainer must wait, or the step-2 evaluation measures v3."""
+    log = _run(dict(mode="async", max_staleness=staleness, max_steps=6, eval_every=2),
+               generator=dict(slow_steps={3}))
+    assert [(e["step"], e["policy_version"]) for e in log.evals] == [(2, 2), (4, 4)]
+    assert all(r["staleness"] <= staleness for r in log.rows)
+
+
+@pytest.mark.parametrize("mode, staleness", [("sync", 0), ("async", 1), ("async", 2)])
+def test_generate_time_is_the_engines_not_the_wait_behind_an_evaluation(mode, staleness):
+    log = _run(dict(mode=mode, max_staleness=staleness, max_steps=6, eval_every=2),
+               generator=dict(delay=0.01, eval_delay=0.3))
+    assert [r["generate_s"] for r in log.rows] == [0.01] * 6
+    assert [r["tokens_per_s"] for r in log.rows] == [8 / 0.01] * 6  # 4 samples of 2 tokens
+
+
+def test_reward_mean_is_over_the_samples_that_were_scored():
+    log = _run(dict(mode="sync", max_staleness=0, max_steps=2, eval_every=0), fail_every=2, trainer_delay=0.0)
+    assert [(r["reward_mean"], r["reward_errors"]) for r in log.rows] == [(1.0, 2), (1.0, 2)]
+    log = _run(dict(mode="sync", max_staleness=0, max_steps=1, eval_every=0), fail_every=1, trainer_delay=0.0)
+    assert math.isnan(log.rows[0]["reward_mean"]) and log.rows[0]["reward_errors"] == 4
