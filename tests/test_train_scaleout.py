@@ -64,16 +64,17 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMARL_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def _batch(share_prompts: bool = False) -> dict[str, torch.Tensor]:
+def _batch(share_prompts: bool = False, empty: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
     """Groups of 2 samples of one prompt (ragged prompts and completions); micro-batches of 3 rows split
-    groups, so the shared-prompt layout also runs a prompt in two micro-batches."""
+    groups, so the shared-prompt layout also runs a prompt in two micro-batches. Rows in ``empty`` have no
+    completion tokens."""
     g = torch.Generator().manual_seed(7)
     rollouts = []
     for i in range(ROWS):
         if i % 2 == 0:
             prompt = torch.randint(3, CFG.vocab_size, (2 + int(torch.randint(0, 4, (), generator=g)),),
                                    generator=g).tolist()
-        c = 1 + int(torch.randint(0, 6, (), generator=g))
+        c = 0 if i in empty else 1 + int(torch.randint(0, 6, (), generator=g))
         completion = torch.randint(3, CFG.vocab_size, (c,), generator=g).tolist()
         logprobs = (-4.2 + 0.5 * torch.randn(c, generator=g)).tolist()  # μ near uniform: some ratios truncate
         rollouts.append(Rollout(f"s{i}", i // 2, prompt, completion, logprobs, [0] * c, "", "length"))
@@ -103,18 +104,19 @@ def _bucket_bytes_match(handles, plan, weights: dict[str, torch.Tensor], version
     return bad
 
 
-@pytest.mark.parametrize("t_ranks, g_ranks, trainer_cfg, shared",
-                         [(2, 2, TRAINER, False), (2, 2, CHECKPOINTED, True), (1, 3, TRAINER, False),
-                          (2, 1, FUSED, True), (2, 2, DDP, True)],
+@pytest.mark.parametrize("t_ranks, g_ranks, trainer_cfg, shared, empty",
+                         [(2, 2, TRAINER, False, ()), (2, 2, CHECKPOINTED, True, ()), (1, 3, TRAINER, False, ()),
+                          (2, 1, FUSED, True, ()), (2, 2, DDP, True, ()), (2, 1, TRAINER, False, (3,))],
                          ids=["2+2", "2+2-shared-prompts-checkpointed", "1+3", "2+1-fused-shared-prompts",
-                              "2+2-ddp-shared-prompts"])
-def test_sharded_trainer_and_tp_generator_match_one_process(tmp_path, t_ranks, g_ranks, trainer_cfg, shared):
+                              "2+2-ddp-shared-prompts", "2+1-a-micro-batch-without-tokens-on-one-rank"])
+def test_sharded_trainer_and_tp_generator_match_one_process(tmp_path, t_ranks, g_ranks, trainer_cfg, shared, empty):
     """The shared-prompt cases check that layout's forward (llamarl.models.shared_prefix) under FSDP, which
     runs every layer twice per micro-batch (prompts, then completions); tests/test_shared_prefix.py checks
-    the layout itself against the flat one."""
+    the layout itself against the flat one. With row 3 empty, rank 0's second micro-batch has no tokens
+    while rank 1's has: the ranks must still run the same collectives (the KL reference's forward too)."""
     model_dir = tmp_path / "model"
     random_model(CFG).save_pretrained(model_dir)
-    batch = _batch(shared)
+    batch = _batch(shared, empty)
     ref_stats, ref_weights = single_process_train_step(model_dir, CFG, batch, trainer_cfg)
     prompts = [[1, 5, 9, 13], [1, 7], [1, 30, 31]]
 

@@ -229,7 +229,10 @@ class TrainerExecutor:
             share = self._units(part) / total
             if share == 0 and not self.sharded:
                 return None  # ddp: nothing to add (the all-reduce treats missing gradients as zeros)
-            if share == 0:  # no tokens: still a forward/backward, FSDP's collectives need every rank
+            if share == 0:  # no tokens: still the forwards and backward, FSDP's collectives need every rank
+                if self.ref is not None:  # the sharded KL reference's forward gathers too (as in _loss)
+                    with torch.no_grad():
+                        _logits(self.ref, part)
                 return _logits(self.model, part).float().sum() * 0.0
             loss, m = self._loss(part)
             metrics.append((float(part["mask"].sum() / kept_tokens), m))
