@@ -48,7 +48,7 @@ import sys
 import threading
 import time
 import weakref
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -57,6 +57,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from llamarl._procs import sigint_blocked
 from llamarl.runtime import server
+from llamarl.runtime.futures import first_result, gather_ranks, settle
 from llamarl.runtime.net import free_port
 from llamarl.runtime.rpc import (
     BOOTSTRAP_ID,
@@ -196,7 +197,7 @@ class ExecutorGroup:
                     sends.append((link, blobs[rank]))
             for link, blob in sends:
                 self._send_bytes(link, blob)
-        self._ready = _gather(futures)
+        self._ready = gather_ranks(futures)
 
     def wait_ready(self, timeout: float | None = 600.0) -> list[int]:
         """Block until every rank constructed its executor; returns the ranks' pids.
@@ -238,7 +239,7 @@ class ExecutorGroup:
         """Run ``method`` on one rank; the future gives its result."""
         if not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise IndexError(f"executor group '{self.name}' has ranks 0..{self.world_size - 1}, got rank {rank!r}")
-        return _first(self._submit(method, [(args, kwargs)], [rank]))
+        return first_result(self._submit(method, [(args, kwargs)], [rank]))
 
     def call_each(self, method: str, per_rank_args: Sequence[Sequence[Any]], **kwargs: Any) -> Future:
         """Rank r runs ``method(*per_rank_args[r], **kwargs)``; the future gives the results by rank."""
@@ -300,7 +301,7 @@ class ExecutorGroup:
                 self._wake_monitor()
             for link, blob in sends:  # a failed send leaves the call pending: the monitor fails it on the loss
                 self._send_bytes(link, blob)
-        return _gather(futures, self.name, method)
+        return gather_ranks(futures, self.name, method)
 
     def _wake_monitor(self) -> None:
         try:
@@ -391,12 +392,12 @@ class ExecutorGroup:
         if fut is None:
             return
         if reply.ok:
-            _settle(fut, result=reply.payload)
+            settle(fut, result=reply.payload)
         else:
             if reply.call_id == BOOTSTRAP_ID:
                 self._start_failed = True  # that rank now exits on purpose; wait_ready shuts the group down
             failure: RemoteFailure = reply.payload
-            _settle(fut, exc=ExecutorError(self.name, rank, method, failure.exc_type, failure.message,
+            settle(fut, exc=ExecutorError(self.name, rank, method, failure.exc_type, failure.message,
                                            failure.traceback))
 
     def _on_lost(self, rank: int, link: RankLink) -> None:
@@ -415,7 +416,7 @@ class ExecutorGroup:
                 self._death = ExecutorDied(self.name, rank, exitcode, pending_method)
         if expected:
             for method, fut in leftovers:
-                _settle(fut, exc=self._died_for(method) if self._death else ExecutorDied(self.name, rank, exitcode,
+                settle(fut, exc=self._died_for(method) if self._death else ExecutorDied(self.name, rank, exitcode,
                                                                                           method))
             return
         self._fail_group()
@@ -427,14 +428,14 @@ class ExecutorGroup:
             for lk in self._links:
                 lk.pending.clear()
         for method, fut in leftovers:
-            _settle(fut, exc=self._died_for(method))
+            settle(fut, exc=self._died_for(method))
         failure = self._death
         _kill_all(self._links, grace_s=1.0)  # the survivors, and the lost rank if it only dropped its connection
         for lk in self._links:
             lk.open = False
             if lk.process is None:
                 lk.conn.close()  # a remote (torchrun) rank exits when its controller connection drops
-        _settle(self.failed, exc=failure)
+        settle(self.failed, exc=failure)
         for callback in list(self._callbacks):
             try:
                 callback(self, failure)
@@ -491,14 +492,14 @@ class ExecutorGroup:
             for lk in self._links:
                 lk.pending.clear()
         for method, fut in leftovers:
-            _settle(fut, exc=ExecutorError(self.name, -1, method, "ShutDown",
+            settle(fut, exc=ExecutorError(self.name, -1, method, "ShutDown",
                                            "the executor group was shut down before the call finished"))
         for link in self._links:
             link.open = False
             link.conn.close()
         self._wake_r.close()
         self._wake_w.close()
-        _settle(self.failed, result=None)
+        settle(self.failed, result=None)
         _LIVE_GROUPS.discard(self)
 
     def __enter__(self) -> ExecutorGroup:
@@ -555,59 +556,6 @@ def _environment(env: dict[str, str]):
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-
-
-def _settle(fut: Future, *, result: Any = None, exc: BaseException | None = None) -> None:
-    """Complete ``fut`` unless it is already done (e.g. cancelled by its caller)."""
-    try:
-        if exc is not None:
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)
-    except InvalidStateError:
-        pass
-
-
-def _gather(futures: Sequence[Future], group: str = "", method: str = "") -> Future:
-    """One future for the list of results; fails with the lowest-rank error, naming the other failures."""
-    out: Future = Future()
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def done(_: Future) -> None:
-        with lock:
-            remaining[0] -= 1
-            if remaining[0]:
-                return
-        errors = [(i, f.exception()) for i, f in enumerate(futures) if f.cancelled() or f.exception()]
-        if not errors:
-            _settle(out, result=[f.result() for f in futures])
-            return
-        first = errors[0][1]
-        if len(errors) > 1 and isinstance(first, ExecutorError) and not isinstance(first, ExecutorDied):
-            others = [i for i, _ in errors[1:]]
-            first = ExecutorError(first.group, first.rank, first.method, first.exc_type, first.remote_message,
-                                  first.remote_traceback, note=f"(ranks {others} of the call failed too)")
-        _settle(out, exc=first)
-
-    if not futures:
-        out.set_result([])
-    for f in futures:
-        f.add_done_callback(done)
-    return out
-
-
-def _first(fut: Future) -> Future:
-    out: Future = Future()
-
-    def done(f: Future) -> None:
-        if f.exception() is not None:
-            _settle(out, exc=f.exception())
-        else:
-            _settle(out, result=f.result()[0])
-
-    fut.add_done_callback(done)
-    return out
 
 
 def _kill_all(links: Sequence[RankLink], grace_s: float = 2.0) -> None:
