@@ -186,10 +186,14 @@ class RewardConfig(_Section):
     # reward worker processes of the controller (0 counts as 1: scoring always runs in a worker, under the timeout)
     workers: int = 2
     timeout_s: float = 5.0  # per completion
+    # stop the run once the reward function failed (raised, timed out) on every sample of this many steps in a
+    # row: such a run trains on nothing (0: never stop)
+    max_failed_steps: int = 3
 
     def check(self) -> None:
         self._positive("workers", strict=False)
         self._positive("timeout_s")
+        self._positive("max_failed_steps", strict=False)
         module, sep, fn = self.reward.rpartition(":")
         if self.reward not in REWARD_NAMES and not (sep and module.strip() and fn.strip()):
             _fail("reward.reward", f"must be one of {', '.join(REWARD_NAMES)}, 'module:function' or "

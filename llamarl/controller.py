@@ -42,7 +42,7 @@ import torch
 from llamarl.algorithms import group_advantages
 from llamarl.config import TrainConfig
 from llamarl.generation import SamplingParams
-from llamarl.rewards import RewardPool
+from llamarl.rewards import RewardPool, RewardPoolError
 from llamarl.rollouts import Rollout, RolloutBatch, collate
 from llamarl.runlog import RunLog
 from llamarl.runtime import ExecutorGroup
@@ -80,6 +80,7 @@ class Controller:
         self._finished = start_step  # steps done with their evaluation and checkpoint (self.step: trained)
         self._progress = asyncio.Condition()  # notified when self.step or self._finished grows
         self._last_step_end = time.perf_counter()
+        self._failed_steps = 0  # consecutive steps whose every sample's verifier failed
         g = cfg.generator
         self.sampling = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                                        top_p=g.top_p, n=g.samples_per_prompt)
@@ -162,6 +163,7 @@ class Controller:
         scores = await self.ex.rewards.score_async([(r.sample_id, r.text, r.answer) for r in rollouts])
         for r, s in zip(rollouts, scores):
             r.reward, r.reward_error = s.reward, s.error
+        self._check_verifier(step, [r.reward_error for r in rollouts])
         batch = RolloutBatch(rollouts, n=n, generate_s=sampled.generate_s, score_s=time.perf_counter() - t2,
                              meta={"step": step, "cursor_after": sampled.cursor})
         # advantages, the trainer's tensors and the logged samples are prepared here, off the trainer's path
@@ -251,6 +253,16 @@ class Controller:
         return result
 
     # ------------------------------------------------------------------ helpers
+    def _check_verifier(self, step: int, errors: list[str | None]) -> None:
+        """One failed sample costs that sample; a reward function that fails on every sample of
+        ``reward.max_failed_steps`` steps in a row is broken, and the run stops instead of training on nothing."""
+        limit = self.cfg.reward.max_failed_steps
+        self._failed_steps = self._failed_steps + 1 if all(e is not None for e in errors) else 0
+        if limit and self._failed_steps >= limit:
+            raise RewardPoolError(f"the reward function failed on every sample of {limit} steps in a row (steps "
+                                  f"{step + 2 - limit}-{step + 1}); the last error: {errors[-1]}. Fix it (or raise "
+                                  f"reward.timeout_s if these are timeouts); reward.max_failed_steps=0 never stops")
+
     async def _wait_until(self, predicate: Callable[[], bool]) -> None:
         async with self._progress:
             await self._progress.wait_for(predicate)

@@ -112,3 +112,12 @@ def test_reward_mean_is_over_the_samples_that_were_scored():
     assert [(r["reward_mean"], r["reward_errors"]) for r in log.rows] == [(1.0, 2), (1.0, 2)]
     log = _run(dict(mode="sync", max_staleness=0, max_steps=1, eval_every=0), fail_every=1, trainer_delay=0.0)
     assert math.isnan(log.rows[0]["reward_mean"]) and log.rows[0]["reward_errors"] == 4
+
+
+def test_a_verifier_failing_on_every_sample_stops_the_run_after_max_failed_steps():
+    from llamarl.rewards import RewardPoolError
+
+    with pytest.raises(RewardPoolError, match=r"every sample of 3 steps in a row \(steps 1-3\).*ValueError: flaky"):
+        _run(dict(mode="sync", max_staleness=0, max_steps=10, eval_every=0), fail_every=1, trainer_delay=0.0)
+    log = _run(dict(mode="sync", max_staleness=0, max_steps=6, eval_every=0), fail_every=2, trainer_delay=0.0)
+    assert len(log.rows) == 6  # failures on some samples of every step: the run goes on

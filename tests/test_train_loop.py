@@ -250,6 +250,18 @@ def test_a_failed_verifier_costs_its_sample_and_does_not_skew_its_group(tmp_path
                 assert r["advantage"] == pytest.approx(r["reward"] - mean, abs=1e-6)
 
 
+def test_a_reward_function_that_always_fails_stops_the_run(tmp_path, capsys, monkeypatch):
+    _reward_module(tmp_path, monkeypatch, "broken_reward",
+                   "def reward(completion, answer):\n"
+                   "    return {'score': 1.0}['scroe']  # a bug that only shows when called\n")
+    out = tmp_path / "run"
+    assert main(SMOKE + ["--out", str(out), "--max-steps", "50", "--reward", "broken_reward:reward",
+                         "--set", "reward.max_failed_steps=2"]) == 1
+    err = capsys.readouterr().err
+    assert "failed on every sample of 2 steps in a row (steps 1-2)" in err and "KeyError" in err, err
+    assert [r["step"] for r in read_metrics(out)[0]] in ([], [1])  # step 2 was scored, never trained
+
+
 def test_reward_workers_that_cannot_start_end_the_run_with_one_line(tmp_path, capsys, monkeypatch):
     _reward_module(tmp_path, monkeypatch, "worker_refuses",
                    "import multiprocessing\n"
