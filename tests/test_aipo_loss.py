@@ -200,3 +200,23 @@ def _bad(**overrides):
 def test_aipo_loss_bad_input(args, match):
     with pytest.raises(ValueError, match=match):
         aipo_loss(**args)
+
+
+def test_token_logprobs_entropy_modes():
+    """"detached" is the same entropy outside autograd (a metric: no [..., V] tensor saved for backward),
+    "none" skips it; the log-probs and their gradient are the same in every mode."""
+    logits = torch.randn(3, 5, 37, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 37, (3, 5))
+    results = {}
+    for mode in ("grad", "detached", "none"):
+        lp, ent = token_logprobs(logits, targets, 0.7, entropy=mode)
+        (grad,) = torch.autograd.grad(lp.sum(), logits)
+        results[mode] = (lp.detach(), ent, grad)
+    ref = torch.log_softmax(logits.detach() / 0.7, -1)
+    assert torch.allclose(results["grad"][0], ref.gather(-1, targets[..., None]).squeeze(-1), atol=1e-12)
+    assert results["grad"][1].requires_grad and not results["detached"][1].requires_grad
+    assert torch.equal(results["grad"][1].detach(), results["detached"][1]) and results["none"][1] is None
+    for mode in ("detached", "none"):
+        assert torch.equal(results[mode][0], results["grad"][0]) and torch.equal(results[mode][2], results["grad"][2])
+    with pytest.raises(ValueError, match="entropy must be one of"):
+        token_logprobs(logits, targets, entropy="yes")

@@ -47,16 +47,21 @@ import math
 import torch
 
 NORMS = ("token", "sequence")
+ENTROPY_MODES = ("grad", "detached", "none")
 
 
 def token_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *, validate: bool = True
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of ``targets`` and entropy under ``softmax(logits / temperature)``, both differentiable.
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *, validate: bool = True,
+    entropy: str = "grad",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of ``targets`` and entropy under ``softmax(logits / temperature)``.
 
     ``logits [..., V]`` (any float dtype, computed in at least float32), ``targets [...]`` integer ids
-    in ``[0, V)``. Returns ``(logprobs [...], entropy [...])`` in the compute dtype. ``validate=False``
-    skips the target range check (a device sync; out-of-range ids then fail inside ``gather``).
+    in ``[0, V)``. Returns ``(logprobs [...], entropy [...])`` in the compute dtype; the log-probs are
+    differentiable. ``entropy``: "grad" (differentiable, for an entropy term), "detached" (a metric only:
+    computed outside autograd, so it saves no [..., V] tensor for the backward pass) or "none" (returns
+    None; the plain log-softmax-and-gather). ``validate=False`` skips the target range check (a device
+    sync; out-of-range ids then fail inside ``gather``).
     """
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.dim() < 1:
         raise ValueError("token_logprobs: logits must be a floating-point tensor [..., V]")
@@ -70,6 +75,8 @@ def token_logprobs(
     if targets.device != logits.device:
         raise ValueError(f"token_logprobs: targets on {targets.device} but logits on {logits.device}")
     _check_temperature("token_logprobs", temperature)
+    if entropy not in ENTROPY_MODES:
+        raise ValueError(f"token_logprobs: entropy must be one of {ENTROPY_MODES}, got {entropy!r}")
     vocab = logits.shape[-1]
     if validate and targets.numel() > 0 and bool((targets < 0).any() | (targets >= vocab).any()):
         raise ValueError(
@@ -80,8 +87,10 @@ def token_logprobs(
     scaled = logits.to(compute) / temperature
     logp_all = torch.log_softmax(scaled, dim=-1)
     logprobs = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logprobs, entropy
+    if entropy == "none":
+        return logprobs, None
+    with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
+        return logprobs, -(logp_all.exp() * logp_all).sum(-1)
 
 
 def aipo_loss(

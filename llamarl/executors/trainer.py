@@ -128,6 +128,8 @@ class TrainerExecutor:
                 apply_fsdp(self.ref, None, FSDPConfig())
         loss = trainer["loss"]
         self.fused = loss == "fused" or (loss == "auto" and self.device.type == "cuda")
+        # the reference loss's entropy: a term of the loss, or only the logged metric (no autograd tensors)
+        self._entropy_mode = "grad" if self.cfg["entropy_coef"] else "detached"
         if resume:
             ckpt = load_checkpoint(resume)
             if self.sharded:
@@ -330,7 +332,7 @@ class TrainerExecutor:
         ref = None
         if self.ref is not None:
             with torch.no_grad():
-                ref, _ = token_logprobs(_logits(self.ref, part), part["targets"], self.temperature)
+                ref, _ = token_logprobs(_logits(self.ref, part), part["targets"], self.temperature, entropy="none")
         if c["correction"] == "none":
             return self._uncorrected_loss(part, adv, ref)
         if self.fused:
@@ -351,7 +353,8 @@ class TrainerExecutor:
                                    ref_logprobs=None if ref is None else pick(ref), kl_coef=c["kl_coef"],
                                    entropy_coef=c["entropy_coef"], norm=c["norm"],
                                    sequence_ids=idx // width if c["norm"] == "sequence" else None)
-        logprobs, entropy = token_logprobs(_logits(self.model, part), part["targets"], self.temperature)
+        logprobs, entropy = token_logprobs(_logits(self.model, part), part["targets"], self.temperature,
+                                           entropy=self._entropy_mode)
         return aipo_loss(logprobs, part["behavior_logprobs"], adv, part["mask"], rho=c["rho"], norm=c["norm"],
                          ref_logprobs=ref, kl_coef=c["kl_coef"], entropy=entropy, entropy_coef=c["entropy_coef"])
 
@@ -361,7 +364,8 @@ class TrainerExecutor:
 
         Mismatch metrics are still measured against the real μ, so the two runs are comparable."""
         c = self.cfg
-        logprobs, entropy = token_logprobs(_logits(self.model, part), part["targets"], self.temperature)
+        logprobs, entropy = token_logprobs(_logits(self.model, part), part["targets"], self.temperature,
+                                           entropy=self._entropy_mode)
         loss, _ = aipo_loss(logprobs, logprobs.detach(), adv, part["mask"], rho=c["rho"], norm=c["norm"],
                             ref_logprobs=ref, kl_coef=c["kl_coef"], entropy=entropy, entropy_coef=c["entropy_coef"])
         _, metrics = aipo_loss(logprobs.detach(), part["behavior_logprobs"], adv, part["mask"], rho=c["rho"],
