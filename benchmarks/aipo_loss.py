@@ -3,14 +3,16 @@
 Every method computes the same token-mean policy-gradient loss over N = B·T tokens from the last hidden
 states h [N, D] and the lm_head weight W [V, D], and back-propagates into both:
 
-- eager:    logits = h @ Wᵀ, ``token_logprobs`` + ``aipo_loss`` (llamarl.algorithms), autograd
+- eager:    logits = h @ Wᵀ, log-softmax + gather (``token_logprobs(entropy="none")``) + ``aipo_loss``
+            (llamarl.algorithms), autograd: only what the loss needs
 - compile:  ``torch.compile`` of that same eager function
 - liger:    Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (PPO-style clipping rather than AIPO's one-sided
             truncation, no KL term; same GEMM work), only if ``liger_kernel`` is importable
 - ours:     ``llamarl_kernels.fused_aipo_loss`` (chunked logits, gradients produced in the forward)
 
 and the floor: the three GEMMs any exact method needs (h Wᵀ, G W, Gᵀ h) timed alone. Columns: median
-and 20/80 % quantiles in ms, extra peak memory, speed-up vs eager, % of the 3-GEMM floor (floor / time),
+and 20/80 % quantiles in ms, ``TFLOPs`` = the 3 GEMMs' 6·N·D·V flops / time (the achieved rate if the
+GEMMs were all the work), extra peak memory, speed-up vs eager, % of the 3-GEMM floor (floor / time),
 |loss − eager loss|.
 
     python -m benchmarks.aipo_loss            # full: N = 2048, 4096, 16384, D = 4096, V = 128256, bf16 (GPU)
@@ -42,7 +44,7 @@ SEQ_LEN = 1024  # tokens per sequence in full mode (B = N / SEQ_LEN)
 
 def eager_loss(hidden, weight, targets, behavior, advantages, mask):
     logits = hidden @ weight.t()
-    logprobs, _ = token_logprobs(logits, targets, TEMPERATURE, validate=False)
+    logprobs, _ = token_logprobs(logits, targets, TEMPERATURE, validate=False, entropy="none")
     loss, _ = aipo_loss(logprobs, behavior, advantages, mask, RHO, validate=False)
     return loss
 
@@ -146,8 +148,10 @@ def main() -> None:
             raise SystemExit(f"--sizes: N={n} must be a multiple of the sequence length {seq_len}")
         inputs = make_inputs(n, d, v, seq_len, dtype, device)
         floor = measure(lambda: gemm_floor(inputs[0], inputs[1]), warmup=warmup, iters=iters, device=device)
+        flops = 6.0 * n * d * v
         report.add(method="3-GEMM floor", N=n, median_ms=floor.median_ms, p20_ms=floor.p20_s * 1e3,
-                   p80_ms=floor.p80_s * 1e3, extra_peak_GiB=floor.peak_mem_bytes / 2**30)
+                   p80_ms=floor.p80_s * 1e3, TFLOPs=flops / floor.median_s / 1e12,
+                   extra_peak_GiB=floor.peak_mem_bytes / 2**30)
         methods = [("eager", eager_loss)]
         if use_compile:
             # a fresh static-shape compile per size: with dynamo's automatic dynamic shapes the second
@@ -171,7 +175,7 @@ def main() -> None:
             if name == "eager":
                 eager_ms, eager_loss_value = m.median_ms, loss_value
             report.add(method=name, N=n, median_ms=m.median_ms, p20_ms=m.p20_s * 1e3, p80_ms=m.p80_s * 1e3,
-                       extra_peak_GiB=m.peak_mem_bytes / 2**30, speedup_vs_eager=eager_ms / m.median_ms,
+                       TFLOPs=flops / m.median_s / 1e12, extra_peak_GiB=m.peak_mem_bytes / 2**30, speedup_vs_eager=eager_ms / m.median_ms,
                        floor_pct=100.0 * floor.median_ms / m.median_ms,
                        loss_diff=abs(loss_value - eager_loss_value) if name != "liger" else "n/a (other loss)")
         del inputs

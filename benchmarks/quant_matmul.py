@@ -24,6 +24,7 @@ GPU targets (issue #8, checked and printed as notes, not asserted): int8 and fp8
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 
 import torch
@@ -97,16 +98,18 @@ def sweep(report: Report, K: int, N: int, M: int, x: torch.Tensor, weights: dict
 
 
 def time_op(fns, warmup: int, iters: int, device: torch.device) -> Measurement:
-    """CPU: plain timing of fns[0]. CUDA: per-call time from CUDA-graph replays over all weight copies
-    (harness.measure_graph: no launch overhead, weights streamed from HBM, as in a graph-captured
-    decode step); ops slower than 0.5 ms (launch overhead irrelevant) are timed plainly."""
-    rough = measure(fns[0], warmup=warmup, iters=3, device=device)
+    """CPU: plain timing of fns[0]. CUDA: per-call time from ``iters`` CUDA-graph replays over all weight
+    copies (harness.measure_graph: no launch overhead, weights streamed from HBM, as in a graph-captured
+    decode step); ops slower than 0.5 ms (launch overhead irrelevant) are timed plainly, ``iters`` calls
+    cycling over the weight copies."""
     if device.type != "cuda":
-        return measure(fns[0], warmup=0, iters=iters, device=device)
+        return measure(fns[0], warmup=warmup, iters=iters, device=device)
+    rough = measure(fns[0], warmup=warmup, iters=3, device=device)
     if rough.median_s > 5e-4:
-        return rough
+        calls = itertools.cycle(fns)
+        return measure(lambda: next(calls)(), warmup=0, iters=iters, device=device)
     reps = max(1, min(20, int(2e-3 / (rough.median_s * len(fns)))))
-    return measure_graph(fns, reps=reps, iters=10)
+    return measure_graph(fns, reps=reps, iters=iters)
 
 
 def check(y: torch.Tensor, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> float:
@@ -126,7 +129,7 @@ def main() -> None:
     device = torch.device("cuda" if cuda else "cpu")
     quick = args.quick or not cuda
     shapes, ms = (QUICK_SHAPES, QUICK_MS) if quick else (FULL_SHAPES, FULL_MS)
-    iters = args.iters or (50 if cuda else 3)
+    iters = args.iters or (10 if cuda else 3)  # CUDA: graph replays of up to 20 calls per weight copy
     warmup = 10 if cuda else 1
 
     report = Report("quant_matmul", "Weight-only int8/fp8 matmul vs bf16 F.linear")

@@ -307,7 +307,9 @@ def dominant(terms: dict[str, float]) -> str:
 
 
 # ------------------------------------------------------------------------------------ CLI
-H100 = {"hbm_gb": 80.0, "decode_tbps": round(1.925 * 3.35 / 4.8, 3), "quantize_gbps": round(216.0 * 3.35 / 4.8, 1)}
+H100_HBM_RATIO = 3.35 / 4.8  # HBM bandwidth spec, H100 SXM / H200
+H100 = {"hbm_gb": 80.0, "decode_tbps": round(Rates.decode_tbps * H100_HBM_RATIO, 3),
+        "quantize_gbps": round(Rates.quantize_gbps * H100_HBM_RATIO, 1)}  # the H200 defaults, scaled
 BASELINE_SWEEP_GBPS = (50.0, 10.0, 5.0, 1.25)
 
 

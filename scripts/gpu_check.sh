@@ -23,14 +23,16 @@
 #
 # PLAN=kernels / PLAN=loops: the two device calls that together fit one session's 15 minutes of device
 # time (start-up, ~1 min, and the transfers included); each only sets defaults, so any variable above
-# still overrides it. Give each call timeout_s = BUDGET + 40 and give the machine back right after the
-# second one.
+# still overrides it. Give each call timeout_s = BUDGET + 40, issue the loops call AT ONCE after the
+# kernels call returns (the machine stays warm only ~30 s after a call: a fresh one costs another start-up,
+# and the loops call would then spend its budget rebuilding _C), and give the machine back after it.
 #   kernels: build, gpu tests (IPC/graph tests first, the compile-heavy quant grid last),
 #            quant_matmul (quantize table, then the launch-config sweep), generation   (BUDGET 400 s)
 #   loops:   weight_sync (no baselines: measured 11-30), quant_quality, aipo_loss at N=16384 and 4096
 #            (ours, floor, eager), the training loop and the scale-out run on CUDA      (BUDGET 280 s)
-# Before the loops call, warm the cache here (`bash scripts/gpu_check.sh warm-cache`, CPU, ~45 s) and carry
-# .cache: the training loop then skips its warm start (the cache key does not depend on the device).
+# Before the FIRST device call, warm the cache here (`bash scripts/gpu_check.sh warm-cache`, CPU, ~45 s) and
+# carry .wheels and .cache in both calls: the training loop then skips its warm start (the cache key does
+# not depend on the device).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export LLAMARL_CACHE_DIR=${LLAMARL_CACHE_DIR:-$PWD/.cache}
@@ -92,7 +94,13 @@ if [ "${TESTS:-1}" != "0" ] && t=$(limit "${LIMIT_tests:-150}"); then
   # SIGINT first: pytest then still prints its failures and summary (SIGTERM would lose them); -v names
   # every test as it ends, so a stage cut off by its limit still says how far it got
   # files in this order: the CUDA IPC / graph / engine tests first, the compile-heavy quant grid last
-  mapfile -t gpu_files < <(grep -l "mark.gpu" tests/test_*.py | grep -v test_quant.py; echo tests/test_quant.py)
+  gpu_files=()
+  for f in tests/test_weight_sync_buckets.py tests/test_weight_sync_multiproc.py tests/test_native.py \
+           tests/test_generation.py $(grep -l "mark.gpu" tests/test_*.py); do
+    [ "$f" = tests/test_quant.py ] && continue
+    case " ${gpu_files[*]} " in *" $f "*) ;; *) gpu_files+=("$f") ;; esac
+  done
+  gpu_files+=(tests/test_quant.py)
   timeout -s INT -k 20 "$t" python3 -m pytest -m gpu ${TESTS_K:+-k "$TESTS_K"} -v -p no:cacheprovider -o addopts="" \
     --timeout 60 -rfE --durations=10 "${gpu_files[@]}" > "$OUT/tests.log" 2>&1
   summary "gpu tests: exit $? — $(tail -n 1 "$OUT/tests.log")"
