@@ -113,6 +113,21 @@ CASES = [
     # a later mention of the word \boxed is prose, not the answer
     (r"\boxed{5}. (I used \boxed as requested.)", "5", 1.0),
     (r"\boxed{5}. (I used \boxed as requested.)", "6", 0.0),
+    # LaTeX spaces between digits separate numbers too; a thin space before three digits groups thousands
+    (r"\boxed{1\;2}", "12", 0.0),
+    (r"\boxed{1\,2}", "12", 0.0),
+    (r"\boxed{1\,000}", "1000", 1.0),
+    # a bare box token ends before trailing punctuation
+    (r"The answer is \boxed 5, which is prime.", "5", 1.0),
+    (r"\boxed 5; done", "5", 1.0),
+    # eagerly evaluated arguments that are small still compare
+    (r"\boxed{\sqrt[3]{8}}", "2", 1.0),
+    (r"\boxed{\gcd(12, 18)}", "6", 1.0),
+    (r"\boxed{x^2|_{x=3}}", "9", 1.0),
+    # powers whose digits the screen once overestimated
+    (r"\boxed{x+x^{101}}", r"x^{101}+x", 1.0),
+    (r"\boxed{2^{16384}+0}", r"2^{16384}", 1.0),
+    (r"\boxed{99^{9000}+0}", r"99^{9000}", 1.0),
 ]
 
 
@@ -203,6 +218,17 @@ def test_reference_answer(answer, expected):
         (r"\Gamma(\operatorname{lcm}(1, 2, 3, 4, 5, 6, 7, 8, 9, 10))", False),
         (r"\Gamma 10^{9}", False),  # unclear argument: the rest of the string is screened
         (r"{10 \choose 3}^2", False),
+        # more arguments latex2sympy evaluates while parsing: root indices, evaluation bars, det/gcd/lcm
+        (r"\sqrt[3]{8}", True),
+        (r"\sqrt[9^{9^{9}}]{2}", False),
+        (r"\sqrt{9^{9^{9}}}", True),  # no index: the tree screen catches the radicand
+        (r"x^2|_{x=3}", True),
+        (r"x^2|_{x=9^{9^{9}}}", False),
+        (r"\left.x^{2}\right|_{x=10^{9}, y=2}", False),
+        (r"\gcd(12, 18)", True),
+        (r"\gcd(9^{9^{9}}, 6)", False),
+        (r"\operatorname{lcm}(9^{9^{9}}, 6)", False),
+        (r"\det\begin{pmatrix}9^{9^{9}}&1\\1&2\end{pmatrix}", False),
     ],
 )
 def test_parse_screen(latex, safe):
@@ -284,6 +310,10 @@ _HANG_CASES = [
     (r"\boxed{\prod_{i=1}^{1000}\prod_{j=1}^{1000}\prod_{k=1}^{1000} 9}", "1"),
     (r"\boxed{1}", r"\prod_{i=1}^{10^{9}} 9"),  # the gold side is screened too
     (r"\boxed{1}", r"\boxed{\sum_{i=0}^{10^{9}} 9^{i}}"),
+    (r"\boxed{\sqrt[9^{9^{9}}]{2}}", "1"),  # evaluated while parsing, before any tree screen
+    (r"\boxed{x^2|_{x=9^{9^{9}}}}", "1"),
+    (r"\boxed{\det\begin{pmatrix}9^{9^{9}}&1\\1&9^{9^{9}}\end{pmatrix}}", "1"),
+    (r"\boxed{\sqrt[10^{10^{7}}]{2}}", "1"),
 ]
 _HANG_LIMIT_S = 20
 _HANG_CHILD = """
@@ -319,6 +349,10 @@ def test_huge_sums_products_integrals_limits_score_zero_without_hanging():
         ("(1, 2)", "(1,2)", True),
         ("12 34", "1234", False),
         ("1  000", "1000", False),
+        ("1\\;2", "12", False),  # LaTeX spaces separate digits like a space does
+        ("1\\ 2", "12", False),
+        ("1\\,2", "12", False),
+        ("1~000", "1000", True),
     ],
 )
 def test_normalize_keeps_digits_apart(a, b, same):

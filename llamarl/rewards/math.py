@@ -10,10 +10,10 @@ Extraction:
     whole string with surrounding ``$``/``\\(``/``\\[`` delimiters removed.
 
 Equivalence, cheapest first:
-  1. the two strings are equal after removing spacing and sizing noise (whitespace, ``\\left``,
-     ``\\right``, ``\\!``, ``\\,`` ..., ``\\dfrac``/``\\tfrac`` -> ``\\frac``, a trailing period); whitespace
-     between two digits is kept (``1 2`` is not ``12``) unless it is one space before a group of exactly
-     three digits (``1 000`` = ``1000``);
+  1. the two strings are equal after removing spacing and sizing noise (whitespace and the LaTeX spaces
+     ``\\,`` ``\\;`` ``\\:`` ``\\ `` ``~``, ``\\left``, ``\\right``, ``\\!``, ``\\dfrac``/``\\tfrac`` -> ``\\frac``,
+     a trailing period); a space between two digits is kept (``1 2`` and ``1\\;2`` are not ``12``) unless it
+     is one space before a group of exactly three digits (``1 000`` = ``1\\,000`` = ``1000``);
   2. math-verify (Hugging Face; sympy underneath): each side is parsed from LaTeX to sympy and compared
      numerically and symbolically, which covers equal fractions (2/4 = 1/2 = 0.5), radicals (sqrt 8 =
      2 sqrt 2), intervals, sets, percentages (50% = 50 = 0.5, as math-verify grades them), units and
@@ -24,8 +24,9 @@ Bounding the cost (the verifier must never hang a run, in any thread):
     the whole parse+compare runs under ``call_with_deadline`` (``timeout_s``, default 2 s) instead;
   * answers longer than ``MAX_ANSWER_CHARS`` skip step 2;
   * LaTeX that latex2sympy evaluates while parsing (``\\binom``/``\\Gamma``/``\\gamma(..)`` of big
-    arguments, matrix constructors like ``\\operatorname{zeros}``) is screened out before parsing; only
-    the arguments of a binomial or Gamma are screened, so ``\\binom{6}{3}\\cdot 2`` still parses;
+    arguments, the index of ``\\sqrt[n]{..}``, the values substituted at an evaluation bar ``f|_{x=a}``,
+    ``\\det``/``\\gcd``/``\\lcm``, matrix constructors like ``\\operatorname{zeros}``) is screened out
+    before parsing; only those arguments are screened, so ``\\binom{6}{3}\\cdot 2`` still parses;
   * parsed expressions whose evaluation needs huge integers (``9^{9^{9}}``, ``100000!``) or expansion of
     high symbolic powers are rejected before sympy touches them: big-integer arithmetic runs inside
     one C call that no in-process timer can interrupt (see ``deadline.py``). A non-integer exponent
@@ -50,6 +51,7 @@ from llamarl.rewards.deadline import DeadlineExceeded, call_with_deadline
 MAX_ANSWER_CHARS = 1000
 MAX_RESULT_DIGITS = 20_000  # rejects a numeric subexpression that may need more decimal digits
 MAX_SYMBOLIC_EXPONENT = 100  # rejects (expr with symbols)^N for a rational or integer-valued |N| above this
+MAX_SYMBOL_EXPONENT = 10_000  # the same for a plain symbol (x^N is never expanded into terms)
 MAX_COMBINATORIAL_ARG = 5_000  # rejects n!, binomial(n, k), gamma(n) ... for n above this
 MAX_RANGE_BOUND = 1_000  # rejects sums/products/integrals/limits with a numeric bound or point above this
 DEFAULT_TIMEOUT_S = 2.0
@@ -95,7 +97,7 @@ def last_boxed(text: str) -> str | None:
             return _braced(text, start)
         # "\boxed 5": one bare token up to whitespace or '$' (no slicing here: the scan stays linear)
         if start > match.end() and _MATH_TOKEN_RE.match(text, start) and not _BOX_RE.match(text, start):
-            return _BARE_TOKEN_RE.match(text, start).group(0)
+            return _BARE_TOKEN_RE.match(text, start).group(0).rstrip(".,;:!?")  # "\boxed 5, so" -> 5
     return None
 
 
@@ -116,7 +118,8 @@ def reference_answer(answer: str) -> str:
     return _strip_delimiters(answer)
 
 
-_NOISE_RE = re.compile(r"\\left(?![A-Za-z])|\\right(?![A-Za-z])|\\[!,;: ]|\\displaystyle")
+_NOISE_RE = re.compile(r"\\left(?![A-Za-z])|\\right(?![A-Za-z])|\\!|\\displaystyle")
+_SPACING_RE = re.compile(r"\\[,;: ]|~")  # LaTeX spaces: a space like any other (``1\;2`` is not ``12``)
 # whitespace between two digits: a thousands separator before exactly three digits ("1 000"), else it
 # separates two numbers ("1 2" is not "12") and is kept as one space
 _DIGIT_GAP_RE = re.compile(r"(?<=\d)\s+(?=\d)")
@@ -130,7 +133,7 @@ def _digit_gap(match: re.Match) -> str:
 
 def normalize_latex(s: str) -> str:
     """Spacing/sizing-insensitive form used for the cheap string comparison (step 1)."""
-    s = _NOISE_RE.sub("", s)
+    s = _SPACING_RE.sub(" ", _NOISE_RE.sub("", s))
     s = _DIGIT_GAP_RE.sub(_digit_gap, s)
     s = re.sub(r"\s+", "", s).replace("\0", " ")
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
@@ -201,10 +204,9 @@ def _digits(e: Any, env: dict | None = None) -> float:
         return 20.0
     if isinstance(e, sympy.Pow):
         if e.exp.is_Rational:
-            exp_digits = _digits(e.exp)
-            if exp_digits > 9:  # |exponent| >= 1e9: hopeless
+            if _digits(e.exp) > 9:  # numerator or denominator >= 1e9: hopeless
                 return math.inf
-            return _digits(e.base, env) * 10.0**exp_digits
+            return _digits(e.base, env) * max(1.0, abs(float(e.exp)))  # digits(b^n) <= n digits(b)
         exponent = _magnitude(e.exp, env)  # pi, 0.5, sqrt(2), an unevaluated 10^{10}, i ...
         if exponent > 1e9:
             return math.inf
@@ -249,7 +251,7 @@ def is_safe_to_evaluate(expr: Any) -> bool:
                 if _digits(node) > MAX_RESULT_DIGITS:
                     return False
             elif node.exp.is_Rational:  # (x+1)^N is expanded: bound N
-                if abs(node.exp) > MAX_SYMBOLIC_EXPONENT:
+                if abs(node.exp) > (MAX_SYMBOL_EXPONENT if node.base.is_Symbol else MAX_SYMBOLIC_EXPONENT):
                     return False
             elif not node.exp.free_symbols:  # x^pi, x^{0.5}: only a huge or integer-valued one is bad
                 exponent = _magnitude(node.exp)
@@ -296,6 +298,11 @@ _EAGER_MATRIX_RE = re.compile(
     r"\\operatorname\s*\{?\s*(?:eye|zeros|ones|diag|rank|trace|tr|rref|nullspace|norm|eig\w*|"
     r"diagonalize|svd|SVD|hstack|vstack|orth\w*)(?![A-Za-z])"
 )
+# more arguments latex2sympy evaluates while parsing (one big-integer power in C, which no deadline stops):
+# the index of a root, the values substituted at an evaluation bar, and determinants, gcd, lcm
+_ROOT_INDEX_RE = re.compile(r"\\sqrt\s*(?=\[)")
+_EVALUATION_BAR_RE = re.compile(r"\|\s*_\s*")
+_EAGER_FUNCTION_RE = re.compile(r"\\(?:det|gcd|lcm)(?![A-Za-z])|\\operatorname\s*\{\s*(?:det|gcd|lcm)\s*\}")
 _SKIP_RE = re.compile(r"(?:\s|\\[,;:! ]|[\^_](?:\{[^{}]*\}|\\?[A-Za-z0-9]))*")  # spaces, ^{2}, _1 ...
 # what may follow \Gamma/\gamma when it is not applied to anything (\gamma is then Euler's constant)
 _NOT_APPLIED_RE = re.compile(
@@ -370,12 +377,24 @@ def _small_argument(arg: str) -> bool:
 def is_safe_to_parse(latex: str) -> bool:
     """False for LaTeX whose mere parsing could take unbounded time or memory (see the regexes).
 
-    Only the arguments of ``\\binom``/``\\Gamma``/``\\gamma`` are screened (``_small_argument``), so
-    ``\\binom{6}{3}\\cdot 2`` and ``\\cos^2\\gamma`` parse; where the arguments cannot be delimited,
-    everything after the command (all of the string for ``\\choose``) is screened instead.
+    Only the arguments of ``\\binom``/``\\Gamma``/``\\gamma``, root indices, substituted values and what
+    follows ``\\det``/``\\gcd``/``\\lcm`` are screened (``_small_argument``), so ``\\binom{6}{3}\\cdot 2``
+    and ``\\cos^2\\gamma`` parse; where the arguments cannot be delimited, everything after the command
+    (all of the string for ``\\choose``) is screened instead.
     """
     if _EAGER_MATRIX_RE.search(latex):
         return False
+    for match in _ROOT_INDEX_RE.finditer(latex):
+        index = _group(latex, match.end())
+        if index is None or not _small_argument(index[0]):
+            return False
+    for match in _EVALUATION_BAR_RE.finditer(latex):  # f|_{x=a, y=b}: a and b are substituted
+        found = _group(latex, match.end()) if latex[match.end():match.end() + 1] == "{" else None
+        values = found[0] if found is not None else latex[match.end():]
+        if not _small_argument(values.replace("=", " ")):
+            return False
+    if any(not _small_argument(latex[m.end():]) for m in _EAGER_FUNCTION_RE.finditer(latex)):
+        return False  # their arguments, up to the end (\det's matrix is refused: answers rarely hold one)
     for match in _EAGER_COMBINATORIAL_RE.finditer(latex):
         args = _eager_arguments(latex, match)
         if args is None:  # screen the rest of the string (all of it for the infix \choose)
