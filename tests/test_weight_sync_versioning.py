@@ -172,6 +172,33 @@ def test_dead_writer_is_named_and_abandon_recovers():
         c.close()
 
 
+def test_a_sync_that_fails_on_one_replica_leaves_no_claim_behind_on_the_others():
+    """Replica 1's reader holds its only slot: the claim there times out after replica 0's succeeded. The
+    claim on replica 0 is dropped, so once the reader lets go the same sync goes through (it waited forever
+    behind its own unfinished version before)."""
+    plan = plan_sync(SPECS, TrainerLayout(1), GeneratorLayout(replicas=2))
+    buckets = [GeneratorBuckets.create(plan, g, storage="shm", slots=1) for g in range(2)]
+    try:
+        sender = WeightSender(plan, 0, [b.handle() for b in buckets], timeout=0.5)
+        sender.sync(filled(plan, 0, 1), 1)
+        reader = WeightReceiver(buckets[1])
+        with reader.reading() as v:
+            assert v == 1
+            with pytest.raises(SyncTimeout, match="must release"):
+                sender.sync(filled(plan, 0, 2), 2)
+        sender.sync(filled(plan, 0, 2), 2)
+        for b in buckets:
+            r = WeightReceiver(b)
+            with r.reading() as v:
+                assert v == 2 and torn(r.named_tensors(), 2) == []
+            r.close()
+        reader.close()
+        sender.close()
+    finally:
+        for b in buckets:
+            b.close()
+
+
 # ---- across processes: a writer process and concurrent readers -------------------------------------------
 def _writer(handles, slots, versions, conn):
     plan = plan_sync(SPECS, TrainerLayout(2), GeneratorLayout(tp_size=2))

@@ -197,10 +197,14 @@ class WeightSender:
         t0 = time.perf_counter()
         src = self._source_table(shards)
         t1 = time.perf_counter()
-        slots = {}
-        for r, ctl in enumerate(self.controls):
-            slots[r] = (ctl.claim(version, self.timeout) if self.rank == 0
-                        else ctl.wait_claim(self.rank, version, self.timeout))
+        slots: dict[int, int] = {}
+        try:
+            for r, ctl in enumerate(self.controls):
+                slots[r] = (ctl.claim(version, self.timeout) if self.rank == 0
+                            else ctl.wait_claim(self.rank, version, self.timeout))
+        except BaseException:
+            self._abandon(slots)
+            raise
         t2 = time.perf_counter()
         slot_of = np.asarray([slots[r] for r in range(len(self.controls))], dtype=np.int64)
         dst_ptrs = self._base + (slot_of[self._replica_of] * self._slot_nbytes).astype(np.uint64)
@@ -222,6 +226,18 @@ class WeightSender:
         t4 = time.perf_counter()
         return SyncStats(version=version, bytes=self.bytes_per_sync, seconds=t4 - t0, wait_seconds=t2 - t1,
                          copy_seconds=(t1 - t0) + (t3 - t2), slots=slots, published=all(published))
+
+    def _abandon(self, claimed: dict[int, int]) -> None:
+        """After a claim failed part-way (e.g. one replica's reader never released its slot): writer 0 drops
+        the claims it already holds, so a later sync is not stuck behind a version nobody will finish. Only
+        a lone writer can (``abandon`` refuses while other live writers are still on the version)."""
+        if self.rank != 0 or self.plan.trainer.world_size != 1:
+            return
+        for r in claimed:
+            try:
+                self.controls[r].abandon()
+            except Exception:  # noqa: BLE001 - best effort; the original error is what the caller needs
+                pass
 
     def close(self) -> None:
         """Deregister as a writer and unmap the buckets (the generator keeps the published versions)."""
