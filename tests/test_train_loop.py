@@ -161,21 +161,28 @@ def test_resume_after_kill_continues_from_the_checkpoint(tmp_path):
         assert r["lr"] == pytest.approx(lr_at(r["step"] - 1, trainer, target), rel=1e-12), r["step"]
 
 
-def test_a_killed_executor_ends_the_run_with_its_name(tmp_path):
+def _signal_the_generator_mid_run(tmp_path: Path, sig: int, args: list[str], timeout: float):
+    """Start a long smoke run, send ``sig`` to its generator executor after two steps, and wait for the run
+    to end: (process, its output, seconds from the signal to the end)."""
     out = tmp_path / "run"
-    proc = _start(SMOKE + ["--out", str(out), "--max-steps", "100000"], tmp_path)
+    proc = _start(SMOKE + ["--out", str(out), "--max-steps", "100000", *args], tmp_path)
     _wait_for(lambda: (out / "metrics.jsonl").is_file() and len(read_metrics(out)[0]) >= 2, 180, proc)
     victim = _executor_pid(proc.pid, "generator")
     assert victim is not None, "could not find the generator process"
     t0 = time.monotonic()
-    os.kill(victim, signal.SIGKILL)
+    os.kill(victim, sig)
     try:
-        output, _ = proc.communicate(timeout=60)
+        output, _ = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    return proc, output, time.monotonic() - t0
+
+
+def test_a_killed_executor_ends_the_run_with_its_name(tmp_path):
+    proc, output, seconds = _signal_the_generator_mid_run(tmp_path, signal.SIGKILL, [], timeout=60)
     assert proc.returncode == 1, output
-    assert time.monotonic() - t0 < 30
+    assert seconds < 30
     assert "generator" in output and "executor failed" in output
     assert _descendants(proc.pid) == []
 
@@ -183,17 +190,8 @@ def test_a_killed_executor_ends_the_run_with_its_name(tmp_path):
 def test_a_hung_executor_ends_the_run_with_its_stacks(tmp_path):
     """A generator that stops answering (SIGSTOP: not dead, so nothing else would notice) mid-run: after
     run.command_timeout_s the run stops with exit 1, the message names the command and the setting."""
-    out = tmp_path / "run"
-    proc = _start(SMOKE + ["--out", str(out), "--max-steps", "100000", "--set", "run.command_timeout_s=10"], tmp_path)
-    _wait_for(lambda: (out / "metrics.jsonl").is_file() and len(read_metrics(out)[0]) >= 2, 180, proc)
-    victim = _executor_pid(proc.pid, "generator")
-    assert victim is not None, "could not find the generator process"
-    os.kill(victim, signal.SIGSTOP)
-    try:
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    proc, output, _ = _signal_the_generator_mid_run(tmp_path, signal.SIGSTOP, ["--set", "run.command_timeout_s=10"],
+                                                    timeout=120)
     assert proc.returncode == 1, output
     assert "an executor hung" in output and "generate()" in output and "run.command_timeout_s=20" in output, output
     assert _descendants(proc.pid) == []
