@@ -56,7 +56,7 @@ from llamarl.reporting import make_reporters, parse_report_to
 from llamarl.runlog import RunLog, summary_table
 from llamarl.runtime import ExecutorError, ExecutorHung, RewardSpec, TorchrunEnv, run, serve_torchrun
 from llamarl.train_data import TrainData
-from llamarl.warmstart import cache_key, default_cache_dir, save_atomic, train_supervised
+from llamarl.warmstart import cache_key, content_fingerprint, default_cache_dir, save_atomic, train_supervised
 
 
 def log(msg: str) -> None:
@@ -70,10 +70,13 @@ def prepare_policy(cfg: TrainConfig, tokenizer, data: TrainData) -> tuple[Path, 
         return Path(cfg.policy.model), {"cached": None, "seconds": 0.0}
     ws = cfg.warm_start
     model_cfg = LLAMA_CONFIGS[cfg.policy.model]
-    # everything the warm-started weights depend on (the probe uses the reward and the generation length)
+    # everything the warm-started weights depend on (the probe uses the reward and the generation length),
+    # input files by their contents
+    files = [cfg.data.dataset, cfg.reward.reward.rpartition(":")[0], cfg.policy.tokenizer]
     key = cache_key("warmstart-v2", model_cfg.to_hf_dict(), dataclasses.replace(ws, cache_dir=None), cfg.data,
                     cfg.run.seed, cfg.reward.reward, cfg.generator.max_new_tokens,
-                    *([cfg.policy.tokenizer] if cfg.policy.tokenizer else []))
+                    *([cfg.policy.tokenizer] if cfg.policy.tokenizer else []),
+                    *[content_fingerprint(f) for f in files if f and os.path.exists(f)])
     path = (Path(ws.cache_dir) if ws.cache_dir else default_cache_dir()) / f"{cfg.policy.model}-{key}"
     if (path / "warmstart.json").is_file():
         info = json.loads((path / "warmstart.json").read_text())

@@ -42,6 +42,23 @@ def cache_key(*parts: object) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def content_fingerprint(path: str | os.PathLike) -> str | None:
+    """SHA-256 of a file's bytes, or of a directory's files (names and bytes, sorted); None if ``path`` is
+    neither. A cache key that names an input file by its path alone would keep serving weights trained on
+    the file's old contents after it was edited."""
+    p = Path(path)
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else []
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.relative_to(p) if p.is_dir() else f.name).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
 def _plain(x: object) -> object:
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return {k: _plain(v) for k, v in dataclasses.asdict(x).items()}

@@ -344,6 +344,24 @@ def test_over_long_prompts_are_dropped_from_a_file_dataset(tmp_path):
     assert sorted(len(s.prompt) for s in seen) == [3, 4, 5, 6]
 
 
+def test_an_edited_dataset_file_gets_its_own_warm_start(tmp_path):
+    """The warm-start cache key holds the dataset file's contents, not only its path: editing the file must
+    not serve weights trained on its old rows."""
+    from llamarl.train import load_inputs, prepare_policy
+
+    path = tmp_path / "sums.jsonl"
+    rows = [{"question": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(5)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(SMOKE + ["--dataset", str(path), "--set", "warm_start.steps=2"])
+    first, info = prepare_policy(cfg, *load_inputs(cfg))
+    assert info["cached"] is False
+    again, info = prepare_policy(cfg, *load_inputs(cfg))
+    assert info["cached"] is True and again == first
+    path.write_text("".join(json.dumps({**r, "answer": r["answer"] + "0"}) + "\n" for r in rows))
+    edited, info = prepare_policy(cfg, *load_inputs(cfg))
+    assert info["cached"] is False and edited != first
+
+
 def test_a_prompt_repeated_in_the_file_is_held_out_with_all_its_copies(tmp_path):
     from llamarl.config import DataConfig
     from llamarl.models import CharTokenizer
