@@ -8,7 +8,10 @@
 #include <pybind11/stl.h>
 #include <unistd.h>
 
+#include <climits>
 #include <cstdio>
+#include <initializer_list>
+#include <utility>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -33,6 +36,10 @@ using OpsArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>
 using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
 
+// The ops as an owned copy: validated and executed with the GIL released, they must be exactly the ops
+// checked, whatever another Python thread does to the caller's array meanwhile.
+std::vector<CopyOp> ops_copy(const OpsArray& ops);
+
 const CopyOp* ops_view(const OpsArray& ops, size_t* n) {
   if (ops.ndim() != 2 || ops.shape(1) != 6)
     throw std::invalid_argument(
@@ -49,9 +56,29 @@ llamarl::CudaCopyEngine cuda_engine(const std::string& name) {
   throw std::invalid_argument("CUDA copy engine must be 'memcpy' or 'kernel', got '" + name + "'");
 }
 
+std::vector<CopyOp> ops_copy(const OpsArray& ops) {
+  size_t n;
+  const CopyOp* p = ops_view(ops, &n);
+  return std::vector<CopyOp>(p, p + n);
+}
+
 void check_ptr(uint64_t ptr, int64_t nbytes, const char* name) {
-  if (nbytes < 0) throw std::invalid_argument(std::string(name) + "_nbytes must be >= 0");
+  if (nbytes < 0) throw std::invalid_argument(std::string("nbytes of ") + name + " must be >= 0");
   if (ptr == 0 && nbytes > 0) throw std::invalid_argument(std::string(name) + " is a null pointer");
+}
+
+// Raw-address kernels: every required pointer must be non-null and every count positive.
+void check_addresses(std::initializer_list<std::pair<uint64_t, const char*>> ptrs) {
+  for (const auto& [p, name] : ptrs)
+    if (p == 0) throw std::invalid_argument(std::string(name) + " is a null pointer");
+}
+
+// a * b * c bytes of a buffer, refusing negative counts and sizes that overflow int64
+int64_t extent(int64_t a, int64_t b, int64_t c, const char* what) {
+  int64_t ab, abc;
+  if (a < 0 || b < 0 || c < 0 || __builtin_mul_overflow(a, b, &ab) || __builtin_mul_overflow(ab, c, &abc))
+    throw std::invalid_argument(std::string(what) + ": sizes must be >= 0 and their product must fit in int64");
+  return abc;
 }
 
 const llamarl::IndexedCopyOp* indexed_ops_view(const OpsArray& ops, size_t* n) {
@@ -145,11 +172,24 @@ py::dict cuda_array_interface(const DeviceRegion& b) {
   return d;
 }
 
-// The control block inside a writable Python buffer (a ShmSegment, or a bytearray for one process).
-llamarl::SyncCtl* ctl_from(const py::buffer& buf) {
-  py::buffer_info info = buf.request(/*writable=*/true);
-  return llamarl::ctl_view(info.ptr, static_cast<size_t>(info.size * info.itemsize));
-}
+// A writable, C-contiguous export of a Python buffer (a ShmSegment, or a bytearray for one process): the
+// export pins the memory (a bytearray cannot be resized while it is held), so keep it alive for as long as
+// the native side uses the pointer, waits without the GIL included.
+struct HeldBuffer {
+  py::buffer_info info;
+  explicit HeldBuffer(const py::buffer& buf) : info(buf.request(/*writable=*/true)) {
+    int64_t expect = info.itemsize;
+    for (ssize_t d = info.ndim - 1; d >= 0; --d) {
+      if (info.shape[d] != 1 && info.strides[d] != expect)
+        throw std::invalid_argument("the control block buffer must be C-contiguous (got strides that are not)");
+      expect *= info.shape[d];
+    }
+  }
+  size_t nbytes() const { return static_cast<size_t>(info.size * info.itemsize); }
+};
+
+// The control block inside a held buffer.
+llamarl::SyncCtl* ctl_from(const HeldBuffer& held) { return llamarl::ctl_view(held.info.ptr, held.nbytes()); }
 
 }  // namespace
 
@@ -189,12 +229,11 @@ PYBIND11_MODULE(_C, m) {
           if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1");
           check_ptr(src, src_nbytes, "src");
           check_ptr(dst, dst_nbytes, "dst");
-          size_t n;
-          const CopyOp* p = ops_view(ops, &n);
-          llamarl::validate_ops(p, n, src_nbytes, dst_nbytes);
+          const std::vector<CopyOp> own = ops_copy(ops);
+          llamarl::validate_ops(own.data(), own.size(), src_nbytes, dst_nbytes);
           py::gil_scoped_release nogil;
           llamarl::copy_ops_cpu(reinterpret_cast<const uint8_t*>(src), reinterpret_cast<uint8_t*>(dst),
-                                p, n, num_threads);
+                                own.data(), own.size(), num_threads);
         },
         py::arg("src"), py::arg("src_nbytes"), py::arg("dst"), py::arg("dst_nbytes"), py::arg("ops"),
         py::arg("num_threads") = 1,
@@ -202,9 +241,10 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("linear_f32_cpu",
         [](uint64_t x, uint64_t w, uint64_t y, int64_t M, int64_t K, int64_t N, int num_threads) {
-          check_ptr(x, M * K * 4, "x");
-          check_ptr(w, N * K * 4, "w");
-          check_ptr(y, M * N * 4, "y");
+          if (M < 1 || K < 1 || N < 1) throw std::invalid_argument("linear_f32_cpu: M, K and N must be >= 1");
+          check_ptr(x, extent(M, K, 4, "linear_f32_cpu x"), "x");
+          check_ptr(w, extent(N, K, 4, "linear_f32_cpu w"), "w");
+          check_ptr(y, extent(M, N, 4, "linear_f32_cpu y"), "y");
           py::gil_scoped_release nogil;
           llamarl::linear_f32_cpu(reinterpret_cast<const float*>(x), reinterpret_cast<const float*>(w),
                                   reinterpret_cast<float*>(y), M, K, N, num_threads);
@@ -217,6 +257,7 @@ PYBIND11_MODULE(_C, m) {
   // Fused decode ops (fused_cpu.cpp): a few hundred values per call, so the GIL stays held (cheaper).
   m.def("rms_norm_f32_cpu",
         [](uint64_t x, uint64_t residual, uint64_t w, uint64_t y, uint64_t h, int64_t rows, int64_t D, float eps) {
+          check_addresses({{x, "x"}, {w, "w"}, {y, "y"}});
           llamarl::rms_norm_f32_cpu(reinterpret_cast<const float*>(x), reinterpret_cast<const float*>(residual),
                                     reinterpret_cast<const float*>(w), reinterpret_cast<float*>(y),
                                     reinterpret_cast<float*>(h), rows, D, eps);
@@ -228,6 +269,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("rope_f32_cpu",
         [](uint64_t x, int64_t x_token_stride, uint64_t cos, uint64_t sin, uint64_t out, int64_t tokens,
            int64_t heads, int64_t head_dim) {
+          check_addresses({{x, "x"}, {cos, "cos"}, {sin, "signed_sin"}, {out, "out"}});
           llamarl::rope_f32_cpu(reinterpret_cast<const float*>(x), x_token_stride, reinterpret_cast<const float*>(cos),
                                 reinterpret_cast<const float*>(sin), reinterpret_cast<float*>(out), tokens, heads,
                                 head_dim);
@@ -243,6 +285,8 @@ PYBIND11_MODULE(_C, m) {
           if (strides.size() != 6 || cache_strides.size() != 6)
             throw std::invalid_argument("rope_kv_f32_cpu: strides are (q_sb, q_st, k_sb, k_st, v_sb, v_st) and "
                                         "cache_strides (kc_sb, kc_sh, kc_ss, vc_sb, vc_sh, vc_ss)");
+          check_addresses({{q, "q"}, {k, "k"}, {v, "v"}, {cos, "cos"}, {sin, "signed_sin"}, {q_out, "q_out"},
+                           {kc, "k_cache"}, {vc, "v_cache"}});
           auto f = [](uint64_t p) { return reinterpret_cast<float*>(p); };
           llamarl::RopeKvArgs a{f(q), f(k), f(v), f(cos), f(sin), strides[0], strides[1], strides[2], strides[3],
                                 strides[4], strides[5], f(q_out), f(kc), f(vc), cache_strides[0], cache_strides[1],
@@ -259,6 +303,9 @@ PYBIND11_MODULE(_C, m) {
         [](const std::vector<uint64_t>& p, const std::vector<int64_t>& n, float eps, int num_threads) {
           if (p.size() != 15 || n.size() != 16)
             throw std::invalid_argument("decode_layer_f32_cpu: expects 15 addresses and 16 sizes (see bindings.cpp)");
+          for (int i : {0, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13})  // residual (1) and mask (14) may be 0
+            if (p[i] == 0) throw std::invalid_argument("decode_layer_f32_cpu: address " + std::to_string(i) +
+                                                       " is a null pointer");
           auto c = [](uint64_t v) { return reinterpret_cast<const float*>(v); };
           auto m = [](uint64_t v) { return reinterpret_cast<float*>(v); };
           llamarl::DecodeLayerArgs a{c(p[0]), c(p[1]), m(p[2]), m(p[3]), c(p[4]), c(p[5]), c(p[6]), c(p[7]), c(p[8]),
@@ -277,6 +324,7 @@ PYBIND11_MODULE(_C, m) {
         [](uint64_t q, uint64_t k, uint64_t v, uint64_t mask, uint64_t out, int64_t B, int64_t Hkv, int64_t G,
            int64_t S, int64_t D, int64_t k_sb, int64_t k_sh, int64_t k_ss, int64_t v_sb, int64_t v_sh, int64_t v_ss,
            int64_t mask_sb, float scale, int num_threads) {
+          check_addresses({{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}});
           py::gil_scoped_release nogil;
           llamarl::decode_attention_f32_cpu(reinterpret_cast<const float*>(q), reinterpret_cast<const float*>(k),
                                             reinterpret_cast<const float*>(v), reinterpret_cast<const float*>(mask),
@@ -291,6 +339,17 @@ PYBIND11_MODULE(_C, m) {
   m.def("sample_f32_cpu",
         [](uint64_t logits, int64_t N, int64_t V, float temperature, uint64_t u, uint64_t tokens, uint64_t logprobs,
            int num_threads) {
+          if (N > 0) {
+            check_addresses({{logits, "logits"}, {tokens, "tokens"}, {logprobs, "logprobs"}});
+            if (temperature != 0.0f) {
+              check_addresses({{u, "u"}});
+              const double* uu = reinterpret_cast<const double*>(u);
+              for (int64_t i = 0; i < N; ++i)
+                if (!(uu[i] >= 0.0 && uu[i] < 1.0))
+                  throw std::invalid_argument("sample_f32_cpu: u[" + std::to_string(i) + "] = " + std::to_string(uu[i]) +
+                                              " is not a uniform in [0, 1)");
+            }
+          }
           py::gil_scoped_release nogil;
           llamarl::sample_f32_cpu(reinterpret_cast<const float*>(logits), N, V, temperature,
                                   reinterpret_cast<const double*>(u), reinterpret_cast<int64_t*>(tokens),
@@ -308,11 +367,10 @@ PYBIND11_MODULE(_C, m) {
           check_ptr(src, src_nbytes, "src");
           check_ptr(dst, dst_nbytes, "dst");
           const auto eng = cuda_engine(engine);
-          size_t n;
-          const CopyOp* p = ops_view(ops, &n);
-          llamarl::validate_ops(p, n, src_nbytes, dst_nbytes);
+          const std::vector<CopyOp> own = ops_copy(ops);
+          llamarl::validate_ops(own.data(), own.size(), src_nbytes, dst_nbytes);
           py::gil_scoped_release nogil;
-          llamarl::copy_ops_cuda(src, dst, p, n, num_streams, stream, device, eng);
+          llamarl::copy_ops_cuda(src, dst, own.data(), own.size(), num_streams, stream, device, eng);
         },
         py::arg("src"), py::arg("src_nbytes"), py::arg("dst"), py::arg("dst_nbytes"), py::arg("ops"),
         py::arg("num_streams") = 4, py::arg("stream") = 0, py::arg("device") = 0, py::arg("engine") = "memcpy",
@@ -398,40 +456,46 @@ PYBIND11_MODULE(_C, m) {
   m.attr("CTL_MAX_SLOTS") = llamarl::kMaxSlots;
   m.attr("CTL_MAX_PEERS") = llamarl::kMaxPeers;
   m.def("ctl_init", [](const py::buffer& buf, int nslots, int n_writers, int n_readers) {
-          py::buffer_info info = buf.request(true);
-          llamarl::ctl_init(info.ptr, static_cast<size_t>(info.size * info.itemsize), nslots, n_writers, n_readers);
+          HeldBuffer held(buf);
+          llamarl::ctl_init(held.info.ptr, held.nbytes(), nslots, n_writers, n_readers);
         }, py::arg("buf"), py::arg("nslots"), py::arg("n_writers"), py::arg("n_readers"));
   m.def("ctl_register", [](const py::buffer& buf, bool writer, int rank, int64_t pid) {
-          llamarl::ctl_register(ctl_from(buf), writer, rank, pid);
+          if (pid < 0 || pid > INT32_MAX) throw std::invalid_argument("pid " + std::to_string(pid) + " is not a process id");
+          llamarl::ctl_register(ctl_from(HeldBuffer(buf)), writer, rank, pid);
         }, py::arg("buf"), py::arg("writer"), py::arg("rank"), py::arg("pid"));
   m.def("ctl_acquire", [](const py::buffer& buf, int64_t version, double timeout_s) {
-          auto* c = ctl_from(buf);
+          HeldBuffer held(buf);  // pinned until the wait is over
+          auto* c = ctl_from(held);
           py::gil_scoped_release nogil;
           return llamarl::ctl_acquire(c, version, timeout_s);
         }, py::arg("buf"), py::arg("version"), py::arg("timeout_s"), "-> (slot, version)");
-  m.def("ctl_release", [](const py::buffer& buf, int slot) { llamarl::ctl_release(ctl_from(buf), slot); },
+  m.def("ctl_release", [](const py::buffer& buf, int slot) { llamarl::ctl_release(ctl_from(HeldBuffer(buf)), slot); },
         py::arg("buf"), py::arg("slot"));
   m.def("ctl_claim", [](const py::buffer& buf, int64_t version, double timeout_s) {
-          auto* c = ctl_from(buf);
+          HeldBuffer held(buf);
+          auto* c = ctl_from(held);
           py::gil_scoped_release nogil;
           return llamarl::ctl_claim(c, version, timeout_s);
         }, py::arg("buf"), py::arg("version"), py::arg("timeout_s"), "-> slot");
   m.def("ctl_wait_claim", [](const py::buffer& buf, int writer, int64_t version, double timeout_s) {
-          auto* c = ctl_from(buf);
+          HeldBuffer held(buf);
+          auto* c = ctl_from(held);
           py::gil_scoped_release nogil;
           return llamarl::ctl_wait_claim(c, writer, version, timeout_s);
         }, py::arg("buf"), py::arg("writer"), py::arg("version"), py::arg("timeout_s"), "-> slot");
   m.def("ctl_finish", [](const py::buffer& buf, int writer, int slot, int64_t version) {
-          return llamarl::ctl_finish(ctl_from(buf), writer, slot, version);
+          return llamarl::ctl_finish(ctl_from(HeldBuffer(buf)), writer, slot, version);
         }, py::arg("buf"), py::arg("writer"), py::arg("slot"), py::arg("version"), "-> True if it published");
   m.def("ctl_wait_version", [](const py::buffer& buf, int64_t version, double timeout_s) {
-          auto* c = ctl_from(buf);
+          HeldBuffer held(buf);
+          auto* c = ctl_from(held);
           py::gil_scoped_release nogil;
           llamarl::ctl_wait_version(c, version, timeout_s);
         }, py::arg("buf"), py::arg("version"), py::arg("timeout_s"));
-  m.def("ctl_abandon", [](const py::buffer& buf) { llamarl::ctl_abandon(ctl_from(buf)); }, py::arg("buf"));
+  m.def("ctl_abandon", [](const py::buffer& buf) { llamarl::ctl_abandon(ctl_from(HeldBuffer(buf))); }, py::arg("buf"));
   m.def("ctl_snapshot", [](const py::buffer& buf) {
-          auto* c = ctl_from(buf);
+          HeldBuffer held(buf);
+          auto* c = ctl_from(held);
           py::dict d;
           d["nslots"] = c->nslots;
           d["n_writers"] = c->n_writers;

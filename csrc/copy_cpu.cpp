@@ -15,6 +15,18 @@
 
 namespace llamarl {
 
+namespace {
+
+// offset + (rows - 1) * stride + row_bytes, the end of an op's footprint; false if it overflows int64
+// (a wrapped end would pass the bounds check and let the copy write anywhere).
+bool footprint_end(int64_t offset, int64_t rows, int64_t stride, int64_t row_bytes, int64_t* end) {
+  int64_t span;
+  return !__builtin_mul_overflow(rows - 1, stride, &span) && !__builtin_add_overflow(offset, span, &span) &&
+         !__builtin_add_overflow(span, row_bytes, end);
+}
+
+}  // namespace
+
 void validate_ops(const CopyOp* ops, size_t n, int64_t src_nbytes, int64_t dst_nbytes) {
   for (size_t i = 0; i < n; ++i) {
     const CopyOp& op = ops[i];
@@ -32,8 +44,11 @@ void validate_ops(const CopyOp* ops, size_t n, int64_t src_nbytes, int64_t dst_n
     if (op.rows == 0 || op.row_bytes == 0) continue;
     if (op.rows > 1 && (op.src_stride < op.row_bytes || op.dst_stride < op.row_bytes))
       fail("stride smaller than row_bytes: rows would overlap");
-    const int64_t src_end = op.src_offset + (op.rows - 1) * op.src_stride + op.row_bytes;
-    const int64_t dst_end = op.dst_offset + (op.rows - 1) * op.dst_stride + op.row_bytes;
+    int64_t src_end, dst_end;
+    if (!footprint_end(op.src_offset, op.rows, op.src_stride, op.row_bytes, &src_end))
+      fail("the source footprint overflows int64");
+    if (!footprint_end(op.dst_offset, op.rows, op.dst_stride, op.row_bytes, &dst_end))
+      fail("the destination footprint overflows int64");
     if (src_end > src_nbytes)
       fail("reads past the end of the source buffer (" + std::to_string(src_end) + " > " +
            std::to_string(src_nbytes) + " bytes)");

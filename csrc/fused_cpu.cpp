@@ -79,12 +79,15 @@ void rope_f32_cpu(const float* x, int64_t x_token_stride, const float* cos, cons
 void rope_kv_f32_cpu(const RopeKvArgs& a) {
   if (a.B < 0 || a.T < 0 || a.H < 0 || a.Hkv < 0 || a.Dh < 2 || a.Dh % 2)
     throw std::invalid_argument("rope_kv_f32_cpu: head_dim must be even and >= 2, sizes >= 0");
+  for (int64_t t = 0; t < a.T; ++t) {  // every slot first: a bad one must leave the cache untouched
+    const int64_t slot = a.slots != nullptr ? a.slots[t] : a.slot0 + t;
+    if (slot < 0 || slot >= a.S)
+      throw std::invalid_argument("rope_kv_f32_cpu: slot " + std::to_string(slot) + " outside the cache's " +
+                                  std::to_string(a.S) + " slots");
+  }
   for (int64_t b = 0; b < a.B; ++b) {
     for (int64_t t = 0; t < a.T; ++t) {
       const int64_t slot = a.slots != nullptr ? a.slots[t] : a.slot0 + t;
-      if (slot < 0 || slot >= a.S)
-        throw std::invalid_argument("rope_kv_f32_cpu: slot " + std::to_string(slot) + " outside the cache's " +
-                                    std::to_string(a.S) + " slots");
       const int64_t token = b * a.T + t;
       const float* c = a.cos + token * a.Dh;
       const float* s = a.sin + token * a.Dh;

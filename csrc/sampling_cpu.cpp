@@ -70,6 +70,8 @@ RowResult row_scalar(const float* z, int64_t V, float T, double u, std::vector<f
     if (std::isnan(x)) return {j, std::numeric_limits<float>::quiet_NaN()};
     if (x > m) m = x, arg = j;
   }
+  // every logit -inf (a fully masked row) or one +inf: exp(z - m) is undefined, there is no distribution
+  if (!std::isfinite(m)) return {arg, std::numeric_limits<float>::quiet_NaN()};
   e.resize(static_cast<size_t>(V));
   double S = 0.0;
   for (int64_t b = 0; b < V; b += kBlock) {
@@ -125,6 +127,7 @@ __attribute__((target("avx512f,avx2,fma"))) RowResult row_avx512(const float* z,
   const float m = _mm512_reduce_max_ps(vmax);
   const __mmask16 at_max = _mm512_cmp_ps_mask(vmax, _mm512_set1_ps(m), _CMP_EQ_OQ);
   const int64_t arg = _mm512_mask_reduce_min_epi32(at_max, varg);  // first occurrence overall
+  if (!std::isfinite(m)) return {arg, std::numeric_limits<float>::quiet_NaN()};  // as in row_scalar
   // pass 2: e = exp(z' - m), block sums added in double
   const __m512 mv = _mm512_set1_ps(m);
   if (!greedy) e.resize(static_cast<size_t>(V));

@@ -20,9 +20,10 @@ namespace llamarl {
 namespace {
 
 void check_name(const std::string& name) {
-  if (name.size() < 2 || name[0] != '/' || name.find('/', 1) != std::string::npos || name.size() > 250)
+  if (name.size() < 2 || name[0] != '/' || name.find('/', 1) != std::string::npos || name.size() > 250 ||
+      name.find('\0') != std::string::npos)  // shm_open would stop at a NUL: another segment's name
     throw std::invalid_argument("shared-memory segment name must look like '/llamarl-...' (one leading '/', "
-                                "no other '/', at most 250 characters), got '" + name + "'");
+                                "no other '/', no NUL, at most 250 characters), got '" + name + "'");
 }
 
 std::string errno_text(int err) { return std::string(std::strerror(err)) + " (errno " + std::to_string(err) + ")"; }

@@ -56,9 +56,10 @@ void check_alive(const SyncCtl* c, bool writers, const std::string& context, int
 // `check` (which throws PeerDied); at the deadline throws SyncTimeout with `what()`.
 void wait_until(const std::function<bool()>& ready, double timeout_s, const std::function<void()>& check,
                 const std::function<std::string()>& what) {
+  if (std::isnan(timeout_s)) throw std::invalid_argument("timeout must be a number of seconds, got nan");
   if (ready()) return;
   const auto start = Clock::now();
-  const bool forever = std::isinf(timeout_s);
+  const bool forever = timeout_s > 1e9;  // inf, or past what a duration in nanoseconds holds (~292 years)
   const auto deadline = forever ? Clock::time_point::max()
                                 : start + std::chrono::duration_cast<Clock::duration>(
                                               std::chrono::duration<double>(std::max(timeout_s, 0.0)));
@@ -137,6 +138,15 @@ SyncCtl* ctl_view(void* mem, size_t nbytes) {
   if (c->magic.load() != kMagic)
     throw std::runtime_error("memory is not an initialised llamarl sync control block (bad magic): the handle "
                              "is stale or from another llamarl version");
+  // the header is shared with other processes: never index with a field that is out of range
+  const int64_t slots = c->nslots, writers = c->n_writers, readers = c->n_readers;
+  const int64_t latest = c->latest_slot.load(), claimed = c->claim_slot.load();
+  if (slots < 1 || slots > kMaxSlots || writers < 1 || writers > kMaxPeers || readers < 1 || readers > kMaxPeers ||
+      latest < -1 || latest >= slots || claimed < -1 || claimed >= slots)
+    throw std::runtime_error("sync control block is corrupt (nslots " + std::to_string(slots) + ", writers " +
+                             std::to_string(writers) + ", readers " + std::to_string(readers) + ", latest slot " +
+                             std::to_string(latest) + ", claimed slot " + std::to_string(claimed) +
+                             "): recreate the generator's buckets");
   return c;
 }
 
@@ -297,7 +307,10 @@ bool ctl_finish(SyncCtl* c, int writer, int slot, int64_t version) {
   if (c->claim_version.load() != version || c->claim_slot.load() != slot)
     throw std::runtime_error("finish(slot " + std::to_string(slot) + ", version " + std::to_string(version) +
                              ") does not match the current claim [" + describe(c) + "]");
-  c->writer_done[writer].store(version);
+  // one finish per writer and version: a repeated one must not stand in for a writer that has not written
+  if (c->writer_done[writer].exchange(version) == version)
+    throw std::runtime_error("writer " + std::to_string(writer) + " already finished version " +
+                             std::to_string(version) + " [" + describe(c) + "]");
   if (c->done.fetch_add(1) + 1 < c->n_writers) return false;
   SlotCtl& sl = c->slots[slot];
   sl.version.store(version);
@@ -331,6 +344,10 @@ void ctl_abandon(SyncCtl* c) {
   if (s >= 0) {
     c->slots[s].version.store(-1);
     c->slots[s].state.store(kSlotFree);
+  }
+  for (int k = 0; k < c->n_writers; ++k) {  // the version may be written again: its finishes start over
+    int64_t expected = cv;
+    c->writer_done[k].compare_exchange_strong(expected, -1);
   }
   c->claim_version.store(-1);
 }

@@ -7,6 +7,9 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
+#include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -16,17 +19,27 @@ namespace llamarl {
 class ThreadPool {
  public:
   explicit ThreadPool(int n) {
-    for (int i = 0; i < n; ++i) workers_.emplace_back([this, i] { loop(i); });
+    try {
+      for (int i = 0; i < n; ++i) workers_.emplace_back([this, i] { loop(i); });
+    } catch (const std::system_error& e) {  // out of threads: stop the ones started, then say so
+      stop_all();
+      throw std::runtime_error("could not start " + std::to_string(n) + " worker threads (" + e.what() +
+                               "); lower the thread count or raise the process/thread limits");
+    }
   }
-  ~ThreadPool() {
+  ~ThreadPool() { stop_all(); }
+  int size() const { return static_cast<int>(workers_.size()); }
+
+  void stop_all() {
     {
       std::lock_guard<std::mutex> g(mu_);
       stop_ = true;
     }
     cv_.notify_all();
-    for (auto& t : workers_) t.join();
+    for (auto& t : workers_)
+      if (t.joinable()) t.join();
+    workers_.clear();
   }
-  int size() const { return static_cast<int>(workers_.size()); }
 
   // Runs task(i) for i in [0, n) with n <= size(); the caller runs task(0) itself.
   void run(int n, const std::function<void(int)>& task) {

@@ -48,7 +48,10 @@ def _schedule(ops, columns: int, what: str) -> np.ndarray:
     """``ops`` (lists of tuples, arrays, tensors) as a C-contiguous int64 [n, columns] array."""
     if isinstance(ops, torch.Tensor):
         ops = ops.cpu().numpy()
-    arr = np.ascontiguousarray(np.asarray(ops, dtype=np.int64))
+    raw = np.asarray(ops)
+    if raw.size and not (np.issubdtype(raw.dtype, np.integer) and not np.issubdtype(raw.dtype, np.bool_)):
+        raise ValueError(f"{what} must hold integers (byte offsets, counts, strides), got dtype {raw.dtype}")
+    arr = np.ascontiguousarray(raw.astype(np.int64, copy=False))
     if arr.size == 0:
         return np.zeros((0, columns), dtype=np.int64)
     if arr.ndim != 2 or arr.shape[1] != columns:

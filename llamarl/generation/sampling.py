@@ -164,8 +164,13 @@ def sample_native_cpu(
     logits: torch.Tensor, temperature: float, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The native CPU step (module docstring) on fp32 CPU ``logits`` [N, V]: temperature 0 is greedy."""
+    if logits.dtype != torch.float32 or not logits.is_cpu or logits.dim() != 2:
+        raise ValueError(f"sample_native_cpu needs fp32 CPU logits [N, V], got {logits.dtype} {tuple(logits.shape)} "
+                         f"on {logits.device}")
     logits = logits.contiguous()
     N, V = logits.shape
+    if N and not V:
+        raise ValueError("sample_native_cpu: logits have an empty vocabulary (V = 0): there is no token to sample")
     tokens = torch.empty(N, dtype=torch.long)
     logprobs = torch.empty(N, dtype=torch.float32)
     u = None if temperature == 0 else torch.rand(N, dtype=torch.float64, generator=generator)
