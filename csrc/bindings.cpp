@@ -50,6 +50,15 @@ const CopyOp* ops_view(const OpsArray& ops, size_t* n) {
   return reinterpret_cast<const CopyOp*>(ops.data());
 }
 
+// CUDA copies spread over this many streams, created once per device and kept: a bound, not a resource leak
+constexpr int kMaxCopyStreams = 64;
+
+void check_streams(int num_streams) {
+  if (num_streams < 1 || num_streams > kMaxCopyStreams)
+    throw std::invalid_argument("num_streams must be in [1, " + std::to_string(kMaxCopyStreams) + "], got " +
+                                std::to_string(num_streams));
+}
+
 llamarl::CudaCopyEngine cuda_engine(const std::string& name) {
   if (name == "memcpy") return llamarl::CudaCopyEngine::kMemcpy;
   if (name == "kernel") return llamarl::CudaCopyEngine::kKernel;
@@ -367,6 +376,7 @@ PYBIND11_MODULE(_C, m) {
           check_ptr(src, src_nbytes, "src");
           check_ptr(dst, dst_nbytes, "dst");
           const auto eng = cuda_engine(engine);
+          check_streams(num_streams);
           const std::vector<CopyOp> own = ops_copy(ops);
           llamarl::validate_ops(own.data(), own.size(), src_nbytes, dst_nbytes);
           py::gil_scoped_release nogil;
@@ -397,6 +407,7 @@ PYBIND11_MODULE(_C, m) {
            const I64Array& dst_nbytes, const OpsArray& ops, int num_streams, uint64_t stream, int device,
            const std::string& engine) {
           const auto eng = cuda_engine(engine);
+          check_streams(num_streams);
           auto segs = resolve_indexed(src_ptrs, src_nbytes, dst_ptrs, dst_nbytes, ops);
           py::gil_scoped_release nogil;
           llamarl::copy_segments_cuda(segs.data(), segs.size(), num_streams, stream, device, eng);

@@ -142,3 +142,10 @@ def test_a_bad_cache_slot_leaves_the_kv_cache_untouched():
     with pytest.raises(ValueError, match="slot 99"):
         cpu_fused.rope_kv(q, k, v, cos, sin, k_cache, v_cache, torch.tensor([0, 99]))
     assert not k_cache.any() and not v_cache.any()
+
+
+def test_cuda_copies_refuse_unbounded_stream_counts():
+    from llamarl._native import as_ops
+
+    with pytest.raises(ValueError, match=r"num_streams must be in \[1, 64\]"):
+        C.copy_ops_cuda(1, 1, 1, 1, as_ops([]), num_streams=1000)
