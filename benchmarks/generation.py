@@ -128,6 +128,9 @@ def fixed_length_row(args, cfg, ours, hf, device, B: int, param_bytes: int, eage
     prompt_lists = prompts.tolist()
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0)
     fns, first, resident, engines = {}, {}, {}, {}
+    if device.type == "cuda":  # cuBLAS's workspace is the process's, not the first engine's: allocate it first
+        torch.ones(8, 8, device=device, dtype=torch.bfloat16) @ torch.ones(8, 8, device=device, dtype=torch.bfloat16)
+        torch.cuda.synchronize(device)
     variants = [("ours", dict())]
     if eager and device.type == "cuda":  # the eager decode, and 8 greedy steps per graph replay (opt-in)
         variants += [("ours_eager", dict(cuda_graphs=False)), ("ours_graph8", dict(graph_steps=8))]

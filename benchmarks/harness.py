@@ -135,10 +135,9 @@ def measure_graph(fns: Sequence[Callable[[], object]], *, reps: int = 20, iters:
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     throwaway = torch.cuda.CUDAGraph()  # a first capture allocates cuBLAS's workspace for the capture stream,
-    with torch.cuda.graph(throwaway):  # which would otherwise count as this op's peak memory
-        for fn in fns:
+    with torch.cuda.graph(throwaway):  # which would otherwise count as this op's peak memory; kept alive to
+        for fn in fns:  # the end (deleting it may free that workspace again)
             fn()
-    del throwaway
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -158,7 +157,7 @@ def measure_graph(fns: Sequence[Callable[[], object]], *, reps: int = 20, iters:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / (reps * len(fns)))
     peak = torch.cuda.max_memory_allocated() - base
-    del graph
+    del graph, throwaway
     return Measurement(median_s=statistics.median(times), p20_s=quantile(times, 0.2), p80_s=quantile(times, 0.8),
                        peak_mem_bytes=int(max(peak, 0)), iters=iters)
 

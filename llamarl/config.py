@@ -278,6 +278,9 @@ class RunConfig(_Section):
     def check(self) -> None:
         self._positive("max_steps")
         self._positive("command_timeout_s", strict=False)
+        if self.command_timeout_s > 1e6:  # the runtime's MAX_COMMAND_TIMEOUT_S (its waits count milliseconds)
+            _fail("run.command_timeout_s", "must be at most 1e6 seconds (about 11 days); 0 means no limit",
+                  self.command_timeout_s)
         self._positive("keep_checkpoints")
         for name in ("max_staleness", "seed", "eval_every", "checkpoint_every", "log_samples"):
             self._positive(name, strict=False)

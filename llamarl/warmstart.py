@@ -42,6 +42,9 @@ def cache_key(*parts: object) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+BIG_FILE_BYTES = 64 << 20  # files above this are fingerprinted by size and mtime, not read
+
+
 def content_fingerprint(path: str | os.PathLike) -> str | None:
     """SHA-256 of a file's bytes, or of a directory's files (names and bytes, sorted); None if ``path`` is
     neither. A cache key that names an input file by its path alone would keep serving weights trained on
@@ -53,6 +56,10 @@ def content_fingerprint(path: str | os.PathLike) -> str | None:
     h = hashlib.sha256()
     for f in files:
         h.update(str(f.relative_to(p) if p.is_dir() else f.name).encode() + b"\0")
+        st = f.stat()
+        if st.st_size > BIG_FILE_BYTES:  # e.g. a model's weights in a tokenizer directory: size and mtime
+            h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+            continue
         with open(f, "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)

@@ -120,6 +120,7 @@ CASES = [
     # a bare box token ends before trailing punctuation
     (r"The answer is \boxed 5, which is prime.", "5", 1.0),
     (r"\boxed 5; done", "5", 1.0),
+    (r"\boxed 5! is the count", "120", 1.0),  # ... but a factorial keeps its "!"
     # eagerly evaluated arguments that are small still compare
     (r"\boxed{\sqrt[3]{8}}", "2", 1.0),
     (r"\boxed{\gcd(12, 18)}", "6", 1.0),

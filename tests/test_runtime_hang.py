@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from multiprocessing.connection import Listener
 
 import pytest
 
 from llamarl.config import ConfigError
 from llamarl.config_cli import load_config
 from llamarl.runtime import ExecutorDied, ExecutorGroup, ExecutorHung
+from llamarl.runtime.executor import RankLink
 from test_runtime import TOY, _wait_gone
 
 
@@ -95,12 +99,56 @@ def test_an_idle_group_is_never_taken_for_hung():
         assert group.alive
 
 
-@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "2e6"])
 def test_the_run_setting_is_validated(value):
     with pytest.raises(ConfigError, match="run.command_timeout_s"):
         load_config(["--set", f"run.command_timeout_s={value}"])
 
 
 def test_bad_limits_are_refused_by_the_group():
-    with pytest.raises(ValueError, match="command_timeout_s"):
-        ExecutorGroup("bad", [], command_timeout_s=-1.0)
+    for bad in (-1.0, 3e6, float("nan")):  # above 1e6 s the waits' millisecond counts overflow
+        with pytest.raises(ValueError, match="command_timeout_s"):
+            ExecutorGroup("bad", [], command_timeout_s=bad)
+    group = ExecutorGroup("inf", [], command_timeout_s=float("inf"))
+    assert group.command_timeout_s == 0.0  # inf: no limit
+    group.shutdown()
+
+
+_SILENT_PEER = """
+import sys, time
+from multiprocessing.connection import Client
+c = Client(("127.0.0.1", int(sys.argv[1])), family="AF_INET", authkey=b"k" * 16)
+print("connected", flush=True)
+time.sleep(float(sys.argv[2]))  # a rank stuck holding the GIL: its reader thread cannot read either
+try:
+    c.recv_bytes()
+    print("got the command", flush=True)
+except (EOFError, OSError):
+    print("disconnected", flush=True)
+"""
+
+
+def test_a_hung_remote_rank_is_disconnected_and_frees_a_send_blocked_on_it():
+    """A torchrun rank (no local process to kill) that stopped reading while a large command is being sent
+    to it: the hang stops the group, wakes the blocked sender and gives the rank its end of file."""
+    listener = Listener(("127.0.0.1", 0), family="AF_INET", authkey=b"k" * 16)
+    peer = subprocess.Popen([sys.executable, "-c", _SILENT_PEER, str(listener.address[1]), "30"],
+                            stdout=subprocess.PIPE, text=True)
+    group = ExecutorGroup("remote", [RankLink(listener.accept())], command_timeout_s=1.0)
+    try:
+        assert peer.stdout.readline().strip() == "connected"
+        sent: list = []
+        sender = threading.Thread(target=lambda: sent.append(group.call("echo", b"x" * (64 << 20))), daemon=True)
+        sender.start()
+        with pytest.raises(ExecutorHung):
+            group.failed.result(timeout=30)
+        sender.join(timeout=10)
+        assert not sender.is_alive(), "the send to the hung remote rank is still blocked"
+        with pytest.raises(ExecutorHung):
+            sent[0].result(timeout=10)
+        assert peer.stdout.readline().strip() == "disconnected"  # it never saw the command: it can exit
+    finally:
+        peer.kill()
+        peer.wait()
+        listener.close()
+        group.shutdown(timeout=2.0)

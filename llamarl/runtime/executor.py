@@ -19,12 +19,10 @@ of the group fails with ``ExecutorDied``, the group's surviving ranks are termin
 member cannot run collectives), ``group.failed`` raises, and ``on_failure`` callbacks run (on the monitor
 thread: keep them short and thread-safe; use ``loop.call_soon_threadsafe`` to reach asyncio).
 
-Hangs: with ``command_timeout_s`` > 0, a rank whose current command has run longer than that (counted
-from when the rank could start it: the previous command's answer, or the send if it was idle) is taken
-for hung: the rank itself prints its Python stacks to stderr at the limit (``server.py``), and a few
-seconds later the monitor kills the group's local ranks (a SIGSTOPped rank included) and fails the group
-with ``ExecutorHung`` (an ``ExecutorDied``), exactly like a death. A long queue of commands that each
-finish in time never trips it. Remote torchrun ranks are disconnected, which makes them exit.
+Hangs: with ``command_timeout_s`` > 0, a rank whose current command has run longer than that (counted from
+when the rank could start it) is taken for hung: it prints its Python stacks at the limit (``server.py``),
+a few seconds later the monitor kills the group's local ranks (SIGSTOPped ones too), disconnects remote
+ones (which then exit) and fails the group with ``ExecutorHung`` (an ``ExecutorDied``), like a death.
 
 Ctrl-C is the controller's alone: ranks are started with SIGINT blocked and ignore it (``server.py``).
 A locally spawned rank also exits by itself when the controller process dies, however it dies, even
@@ -44,6 +42,7 @@ import itertools
 import multiprocessing as mp
 import os
 import pickle
+import socket
 import sys
 import threading
 import time
@@ -73,6 +72,7 @@ from llamarl.runtime.rpc import (
 )
 
 HANG_GRACE_S = 3.0  # after the command timeout, before the kill: time for the ranks' own stack dumps
+MAX_COMMAND_TIMEOUT_S = 1e6  # ~11 days; longer limits overflow the waits' millisecond counts (use 0: none)
 FailureCallback = Callable[["ExecutorGroup", ExecutorDied], None]
 _LIVE_GROUPS: "weakref.WeakSet[ExecutorGroup]" = weakref.WeakSet()
 
@@ -97,8 +97,11 @@ class ExecutorGroup:
 
     def __init__(self, name: str, links: Sequence[RankLink], *, role: str = "",
                  on_failure: FailureCallback | None = None, command_timeout_s: float = 0.0):
-        if not command_timeout_s >= 0:
-            raise ValueError(f"command_timeout_s must be >= 0 seconds (0: no limit), got {command_timeout_s!r}")
+        if command_timeout_s == float("inf"):
+            command_timeout_s = 0.0  # no limit
+        if not 0 <= command_timeout_s <= MAX_COMMAND_TIMEOUT_S:
+            raise ValueError(f"command_timeout_s must be in [0, {MAX_COMMAND_TIMEOUT_S:g}] seconds (0 or inf: no "
+                             f"limit), got {command_timeout_s!r}")
         self.name, self.role = name, role or name
         self.command_timeout_s = float(command_timeout_s)
         self._links = list(links)
@@ -315,7 +318,7 @@ class ExecutorGroup:
     def _send_bytes(self, link: RankLink, blob: bytes) -> None:
         try:
             link.conn.send_bytes(blob)
-        except (OSError, EOFError, ValueError):
+        except (OSError, EOFError, ValueError, TypeError):  # TypeError: the connection was closed mid-send
             pass  # the rank is gone; the monitor fails its pending calls with ExecutorDied
 
     # ---------------------------------------------------------------- monitoring
@@ -351,8 +354,8 @@ class ExecutorGroup:
 
     def _until_hang(self, links: Sequence[RankLink]) -> float | None:
         """Seconds until the earliest busy rank would be taken for hung (None: no limit or none busy)."""
-        if self.command_timeout_s <= 0:
-            return None
+        if self.command_timeout_s <= 0 or self._closing or self._closed or self._death is not None:
+            return None  # (a closing group's busy ranks are the shutdown's business, not a hang)
         starts = [lk.busy_since for lk in links if lk.busy_since is not None and BOOTSTRAP_ID not in lk.pending]
         if not starts:
             return None
@@ -433,8 +436,8 @@ class ExecutorGroup:
         _kill_all(self._links, grace_s=1.0)  # the survivors, and the lost rank if it only dropped its connection
         for lk in self._links:
             lk.open = False
-            if lk.process is None:
-                lk.conn.close()  # a remote (torchrun) rank exits when its controller connection drops
+            if lk.process is None:  # a remote (torchrun) rank exits when its controller connection drops
+                _disconnect(lk.conn)
         settle(self.failed, exc=failure)
         for callback in list(self._callbacks):
             try:
@@ -556,6 +559,20 @@ def _environment(env: dict[str, str]):
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+
+
+def _disconnect(conn: Connection) -> None:
+    """Shut a remote rank's socket down, then close it: closing alone neither wakes a send blocked on it
+    (a hung peer stopped reading) nor sends the peer its end of file while that send is in flight."""
+    try:
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            sock.close()
+    except OSError:
+        pass  # not a socket, or already gone
+    conn.close()
 
 
 def _kill_all(links: Sequence[RankLink], grace_s: float = 2.0) -> None:
