@@ -237,8 +237,11 @@ def test_bytes_corrupted_in_place_are_caught_by_the_checksums(tmp_path):
         assert load_latest(tmp_path).step == 1
     three = save(tmp_path, 3, optimizer_state=adamw_state())
     _flip_a_byte(three / "optimizer.pt", offset=len((three / "optimizer.pt").read_bytes()) // 2)
-    with pytest.warns(UserWarning, match=r"optimizer.pt does not match"):
+    with pytest.warns(UserWarning) as caught:  # step 3's optimizer state, then step 2's weights (as above)
         assert load_latest(tmp_path).step == 1
+    messages = [str(w.message) for w in caught]
+    assert any("optimizer.pt does not match" in m for m in messages)
+    assert any("model.safetensors does not match" in m for m in messages)
 
 
 def test_a_state_that_does_not_parse_is_not_usable(tmp_path):
