@@ -137,7 +137,8 @@ def fixed_length_row(args, cfg, ours, hf, device, B: int, param_bytes: int, eage
     for name, kw in variants:
         before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         engine = GenerationEngine(ours, max_batch_size=B, max_seq_len=args.prompt_len + args.new_tokens, **kw)
-        fns[name], engines[name] = (lambda e=engine: e.generate(prompt_lists, params, eos_token_id=())), engine
+        engines[name] = engine
+        fns[name] = lambda e=engine: e.generate(prompt_lists, params, eos_token_id=())
         try:
             first[name] = torch.tensor([o.token_ids for o in fns[name]()])  # warm-up, CUDA-graph capture
             # what the engine holds between calls (its preallocated KV cache, graph pools): transformers

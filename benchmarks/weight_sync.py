@@ -258,13 +258,15 @@ def main() -> None:
     phase("weights + generator process")
     weights = make_weights(specs, device)
     gen = Remote(str(device))
-    want = {n: checksum(t) for n, t in weights.items()}
+    want = {n: checksum(t) for n, t in weights.items()}  # every path's result is checked against these
 
-    def verify_bf16(what: str) -> None:
-        _, sums = gen("checksums", "bf16")
+    def verify(sums: dict, what: str) -> None:
         bad = [n for n in weights if sums[n] != want[n]]
         if bad:
-            raise RuntimeError(f"DDMA sync ({what}) produced wrong bytes for {bad[:3]}")
+            raise RuntimeError(f"{what} produced wrong bytes for {bad[:3]}")
+
+    def verify_bf16(what: str) -> None:
+        verify(gen("checksums", "bf16")[1], f"DDMA sync ({what})")
     version = itertools.count(1)
     try:
         # 2. ours: DDMA into the generator's flat buckets
@@ -330,9 +332,7 @@ def main() -> None:
                 synchronize(device)
 
             m_pt = measure(per_tensor, warmup=1, iters=iters, device=device)
-            sums = gen("state_dict_checksums")
-            if any(sums[n] != checksum(t) for n, t in weights.items()):
-                raise RuntimeError("per-tensor baseline produced wrong bytes")
+            verify(gen("state_dict_checksums"), "per-tensor baseline")
             del shared
             row("per-tensor state_dict copy", m_pt, nbytes, ref_s=m_ours.median_s, ceiling_s=ceiling.median_s)
 
@@ -358,9 +358,7 @@ def main() -> None:
             phase("gather + broadcast baseline")
             # full mode: one timed pass (16 GB through host memory and gloo takes seconds, ~100x ours)
             m_gb = measure(gather_broadcast, warmup=1 if args.quick else 0, iters=2 if args.quick else 1, device=device)
-            sums = gen("state_dict_checksums")
-            if any(sums[n] != checksum(t) for n, t in weights.items()):
-                raise RuntimeError("gather+broadcast baseline produced wrong bytes")
+            verify(gen("state_dict_checksums"), "gather+broadcast baseline")
             dist.destroy_process_group()
             os.unlink(init_file)
             gen("drop_state_dict")

@@ -11,10 +11,10 @@
 #include <climits>
 #include <cstdio>
 #include <initializer_list>
-#include <utility>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "copy_engine.h"
@@ -35,10 +35,6 @@ namespace {
 using OpsArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
-
-// The ops as an owned copy: validated and executed with the GIL released, they must be exactly the ops
-// checked, whatever another Python thread does to the caller's array meanwhile.
-std::vector<CopyOp> ops_copy(const OpsArray& ops);
 
 const CopyOp* ops_view(const OpsArray& ops, size_t* n) {
   if (ops.ndim() != 2 || ops.shape(1) != 6)
@@ -65,6 +61,8 @@ llamarl::CudaCopyEngine cuda_engine(const std::string& name) {
   throw std::invalid_argument("CUDA copy engine must be 'memcpy' or 'kernel', got '" + name + "'");
 }
 
+// The ops as an owned copy: validated and executed with the GIL released, they must be exactly the ops
+// checked, whatever another Python thread does to the caller's array meanwhile.
 std::vector<CopyOp> ops_copy(const OpsArray& ops) {
   size_t n;
   const CopyOp* p = ops_view(ops, &n);
@@ -76,7 +74,7 @@ void check_ptr(uint64_t ptr, int64_t nbytes, const char* name) {
   if (ptr == 0 && nbytes > 0) throw std::invalid_argument(std::string(name) + " is a null pointer");
 }
 
-// Raw-address kernels: every required pointer must be non-null and every count positive.
+// Raw-address kernels: every required pointer must be non-null (their sizes are checked by the kernels).
 void check_addresses(std::initializer_list<std::pair<uint64_t, const char*>> ptrs) {
   for (const auto& [p, name] : ptrs)
     if (p == 0) throw std::invalid_argument(std::string(name) + " is a null pointer");

@@ -333,7 +333,7 @@ class ExecutorGroup:
                 waitables.append(link.conn)
                 if link.process is not None:
                     waitables.append(link.process.sentinel)
-            ready = set(wait(waitables, timeout=self._until_hang(links)))
+            ready = set(wait(waitables, timeout=self._until_hang(self._oldest_busy())))
             if self._wake_r in ready:
                 if self._closed:
                     return
@@ -352,24 +352,28 @@ class ExecutorGroup:
                     self._on_lost(rank, link)
             self._check_hung()
 
-    def _until_hang(self, links: Sequence[RankLink]) -> float | None:
-        """Seconds until the earliest busy rank would be taken for hung (None: no limit or none busy)."""
+    def _oldest_busy(self) -> tuple[float, int] | None:
+        """(busy_since, rank) of the open rank busiest for longest (a bootstrap has its own timeout); None
+        if no limit applies now: none set, none busy, or the group closing or failed. Read without the lock."""
         if self.command_timeout_s <= 0 or self._closing or self._closed or self._death is not None:
-            return None  # (a closing group's busy ranks are the shutdown's business, not a hang)
-        starts = [lk.busy_since for lk in links if lk.busy_since is not None and BOOTSTRAP_ID not in lk.pending]
-        if not starts:
             return None
-        return max(0.0, min(starts) + self.command_timeout_s + HANG_GRACE_S - time.monotonic())
+        busy = [(lk.busy_since, r) for r, lk in enumerate(self._links)
+                if lk.open and lk.busy_since is not None and BOOTSTRAP_ID not in lk.pending]
+        return min(busy) if busy else None
+
+    def _until_hang(self, oldest: tuple[float, int] | None) -> float | None:
+        """Seconds until the ``oldest`` busy rank is taken for hung (None: never, as things stand)."""
+        if oldest is None:
+            return None
+        return max(0.0, oldest[0] + self.command_timeout_s + HANG_GRACE_S - time.monotonic())
 
     def _check_hung(self) -> None:
-        if self._until_hang([lk for lk in self._links if lk.open]) != 0.0:
-            return
-        if self._closing or self._closed or self._death is not None:
+        oldest = self._oldest_busy()
+        if self._until_hang(oldest) != 0.0:
             return
         # Read without the lock, and kill before taking it: a send blocked on a stopped rank's full pipe may
         # hold it (the kill breaks that pipe). Only this thread removes pending entries.
-        since, rank = min((lk.busy_since, r) for r, lk in enumerate(self._links)
-                          if lk.open and lk.busy_since is not None and BOOTSTRAP_ID not in lk.pending)
+        since, rank = oldest
         method = next(iter(list(self._links[rank].pending.values())), ("?", None))[0]
         hung = ExecutorHung(self.name, rank, method, time.monotonic() - since, self.command_timeout_s)
         _kill_all(self._links, grace_s=1.0)
@@ -401,7 +405,7 @@ class ExecutorGroup:
                 self._start_failed = True  # that rank now exits on purpose; wait_ready shuts the group down
             failure: RemoteFailure = reply.payload
             settle(fut, exc=ExecutorError(self.name, rank, method, failure.exc_type, failure.message,
-                                           failure.traceback))
+                                          failure.traceback))
 
     def _on_lost(self, rank: int, link: RankLink) -> None:
         link.open = False

@@ -440,8 +440,9 @@ def run(layout: Layout, main: Callable[[Runtime], Awaitable[T]], *, env: dict[st
     """Run the controller ``main(runtime)`` (async) with executors placed by ``layout``; return its result.
 
     ``command_timeout_s`` > 0 makes a command that runs longer fail the run as ``ExecutorHung`` (with the
-    hung ranks' Python stacks on stderr). ``torchrun=None`` detects torchrun from the environment. Under torchrun, ranks other than 0 serve
-    and then exit the process (``SystemExit``) with 0 after a clean close, 1 otherwise.
+    hung ranks' Python stacks on stderr). ``torchrun=None`` detects torchrun from the environment. Under
+    torchrun, ranks other than 0 serve and then exit the process (``SystemExit``) with 0 after a clean
+    close, 1 otherwise.
     """
     tr = TorchrunEnv.detect() if torchrun in (None, True) else None
     if torchrun is True and tr is None:
