@@ -28,13 +28,17 @@ def test_a_command_over_the_limit_stops_the_group_and_dumps_its_stacks(capfd):
     try:
         pids = group.pids
         time.sleep(1.0)  # let the monitor settle into waiting with no deadline: the new command must wake it
-        fut = group.call("sleep", 120)
+        fut = group.call_rank(0, "sleep", 120)
+        time.sleep(0.5)  # rank 1 starts later, so the two ranks' stack dumps do not interleave on stderr
+        later = group.call_rank(1, "sleep", 120)
         with pytest.raises(ExecutorHung) as info:
             fut.result(timeout=60)  # well before the sleep would end
+        with pytest.raises(ExecutorHung):
+            later.result(timeout=10)
         hung = info.value
         assert isinstance(hung, ExecutorDied)  # the runtime's failure path treats it like a death
         assert (hung.group, hung.method, hung.timeout_s) == ("hang", "sleep", 1.5)
-        assert hung.rank in (0, 1) and hung.seconds >= 1.5
+        assert hung.rank == 0 and hung.seconds >= 1.5  # the rank busy for longest
         assert "command timeout" in str(hung) and "sleep()" in str(hung)
         with pytest.raises(ExecutorHung):
             group.failed.result(timeout=10)
