@@ -211,14 +211,11 @@ class DataConfig(_Section):
     # ``template``; ``system`` adds a system message. As llamarl.eval --chat/--system.
     chat: bool = False
     system: str | None = None
-    few_shot: int = 0
+    few_shot: int = 0  # solved examples before every prompt, drawn from the training side (llamarl.train_data)
     eval_size: int = 64
 
     def check(self) -> None:
         self._positive("few_shot", strict=False)
-        if self.few_shot:
-            _fail("data.few_shot", "few-shot prompts are supported by `python -m llamarl.eval`, not yet by training; "
-                  "set it to 0 or put the examples into data.template", self.few_shot)
         self._positive("eval_size")  # held-out accuracy before and after RL is part of every run
         for name in ("prompt_field", "answer_field"):
             if not getattr(self, name):

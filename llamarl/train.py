@@ -96,7 +96,8 @@ def prepare_policy(cfg: TrainConfig, tokenizer, data: TrainData) -> tuple[Path, 
 
         def probe() -> float:  # greedy accuracy on training problems (never the held-out split)
             return evaluate(model, tokenizer, probe_samples, reward_fn, max_new_tokens=cfg.generator.max_new_tokens,
-                            batch_size=len(probe_samples), fmt=stream.formatter.fmt).accuracy
+                            batch_size=len(probe_samples), fmt=stream.formatter.fmt,
+                            shots=stream.formatter.shots).accuracy
 
         info = train_supervised(model, stream.next, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size,
                                 encode_prompt=stream.formatter.encode, encode_answer=tokenizer.encode,

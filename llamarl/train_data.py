@@ -8,6 +8,11 @@
 * a ``.jsonl`` / ``.parquet`` file — the first ``eval_size`` samples of a seeded permutation are held
   out, the rest are visited epoch by epoch, each epoch in a fresh seeded order.
 
+``data.few_shot = k`` prefixes every prompt (training, warm start and held-out alike) with k solved
+examples drawn once, with the run's seed, from the training side: for a file, k samples of distinct
+prompts that are then removed from it (never held out, never trained on); for the synthetic task, k of
+its first 10k training problems, and the training stream skips any later problem with the same prompt.
+
 The stream position is one integer, ``cursor`` (samples handed out so far), which checkpoints record:
 ``TrainData(..., cursor=c)`` continues exactly where a run with that cursor stopped.
 
@@ -25,7 +30,7 @@ import random
 from typing import Iterator, Sequence
 
 from llamarl.config import DataConfig
-from llamarl.data import PromptFormat, PromptFormatter, Sample, load_dataset
+from llamarl.data import PromptFormat, PromptFormatter, Sample, load_dataset, select_shots
 from llamarl.eval import SYNTHETIC_PREFIX, parse_synthetic_spec
 
 
@@ -38,13 +43,19 @@ class TrainData:
     def __init__(self, cfg: DataConfig, tokenizer, *, seed: int = 0, cursor: int = 0,
                  max_prompt_tokens: int | None = None):
         self.cfg = cfg
-        self.formatter = PromptFormatter(PromptFormat(template=cfg.template, chat=cfg.chat, system=cfg.system),
-                                         tokenizer=tokenizer)
         self.dropped = 0
         self._seed = seed
         self._task, self._pool = None, None  # the training stream's source: the synthetic task or the file's pool
         if cfg.dataset.startswith(SYNTHETIC_PREFIX):
             self._task, _ = parse_synthetic_spec(cfg.dataset)
+            shots = _pick_shots(self._task.train_samples(10 * cfg.few_shot), cfg.few_shot, seed, cfg.dataset)
+        else:
+            samples = load_dataset(cfg.dataset, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field)
+            shots = _pick_shots(samples, cfg.few_shot, seed, cfg.dataset)
+        self._shot_prompts = {s.prompt.strip() for s in shots}
+        self.formatter = PromptFormatter(PromptFormat(template=cfg.template, chat=cfg.chat, system=cfg.system),
+                                         shots=shots, tokenizer=tokenizer)
+        if self._task is not None:
             self.heldout = self._task.heldout_samples(cfg.eval_size)
             empty = Sample(id="", prompt="", answer="")
             text = self.formatter.render(empty)
@@ -53,7 +64,7 @@ class TrainData:
             self.longest_prompt = (len(text.encode("utf-8")) + self._task.max_prompt_chars + 1
                                    + len(self.formatter.encode(empty)))
         else:
-            samples = load_dataset(cfg.dataset, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field)
+            samples = [s for s in samples if s.prompt.strip() not in self._shot_prompts]
             lengths = [len(self.formatter.encode(s)) for s in samples]
             if max_prompt_tokens is not None:
                 kept = [s for s, n in zip(samples, lengths) if n <= max_prompt_tokens]
@@ -62,7 +73,8 @@ class TrainData:
                 if not kept:
                     raise ValueError(f"data.dataset {cfg.dataset}: every one of its {len(samples)} prompts is longer "
                                      f"than {max_prompt_tokens} tokens, the model context minus "
-                                     "generator.max_new_tokens; lower max_new_tokens or shorten data.template")
+                                     "generator.max_new_tokens; lower max_new_tokens, shorten data.template or "
+                                     "use fewer data.few_shot examples")
                 samples = kept
             self.longest_prompt = max(lengths)
             self.heldout, self._pool = _split_heldout(samples, cfg.eval_size, seed, cfg.dataset)
@@ -71,7 +83,9 @@ class TrainData:
         self.seek(cursor)
 
     def _new_stream(self) -> Iterator[Sample]:
-        return self._task.iter_split("train") if self._task is not None else _epochs(self._pool, self._seed)
+        if self._task is None:
+            return _epochs(self._pool, self._seed)
+        return (s for s in self._task.iter_split("train") if s.prompt.strip() not in self._shot_prompts)
 
     def fork(self, seed: int) -> "TrainData":
         """A stream over this one's training pool (the same held-out split and dropped prompts), in the order
@@ -96,6 +110,17 @@ class TrainData:
 
     def encode(self, samples: Sequence[Sample]) -> list[list[int]]:
         return [self.formatter.encode(s) for s in samples]
+
+
+def _pick_shots(pool: list[Sample], k: int, seed: int, name: str) -> list[Sample]:
+    """``k`` examples of distinct prompts from ``pool``, drawn with ``seed`` (none for k = 0)."""
+    if not k:
+        return []
+    distinct = list({s.prompt.strip(): s for s in pool}.values())
+    if k >= len(distinct):
+        raise ValueError(f"data.few_shot={k}: data.dataset {name} has only {len(distinct)} distinct prompts, and "
+                         "the examples must leave some to train on; lower data.few_shot")
+    return select_shots(distinct, k, seed=seed)
 
 
 def _epochs(samples: list[Sample], seed: int) -> Iterator[Sample]:

@@ -153,7 +153,6 @@ def _messages(tmp_path):
         (["--set", "reward.timeout_s=0"], r"reward.timeout_s: must be > 0"),
         (["--set", "warm_start.steps=-1"], r"warm_start.steps: must be >= 0"),
         (["--set", "data.few_shot=-2"], r"data.few_shot: must be >= 0"),
-        (["--set", "data.few_shot=2"], r"data.few_shot: few-shot prompts are supported by `python -m llamarl.eval`"),
         (["--set", "data.eval_size=0"], r"data.eval_size: must be > 0"),
         (["--set", "data.template=Q:"], r"data.template: must contain \{prompt\}"),
         (["--set", "data.template={question}"], r"data.template: must contain \{prompt\}"),
