@@ -111,6 +111,29 @@ def test_masked_entries_do_not_matter_and_all_masked_is_zero():
     assert all(v.item() == 0.0 for v in metrics.values())
 
 
+@pytest.mark.parametrize("norm", ["token", "sequence"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_masked_overflowing_ratio_and_kl_term_stay_out_of_loss_and_gradient(norm, dtype):
+    """rho = inf with a masked ratio that overflows (and a masked exp(ref - logπ) that does): the loss and
+    the gradient are those of the same inputs with the masked entries made harmless (was NaN)."""
+    lp = torch.tensor([[-1.0, -0.5, -2.0], [-0.3, -1.5, -0.7]], dtype=dtype)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1]])
+    adv, blp, ref = torch.tensor([1.0, -0.5], dtype=dtype), lp - 0.1, lp + 0.2
+    wild_blp, wild_ref = blp.clone(), ref.clone()
+    wild_blp[0, 2] = wild_ref[1, 1] = -1e4 if dtype == torch.float64 else -200.0  # ratio overflows there
+    wild_ref[0, 2] = wild_blp[1, 1] = 1e4 if dtype == torch.float64 else 200.0  # exp(ref - logπ) overflows
+    results = []
+    for b, r in ((blp, ref), (wild_blp, wild_ref)):
+        x = lp.clone().requires_grad_()
+        loss, metrics = aipo_loss(x, b, adv, mask, rho=math.inf, ref_logprobs=r, kl_coef=0.1, norm=norm)
+        loss.backward()
+        results.append((loss.detach(), x.grad, metrics))
+    (loss, grad, metrics), (wild_loss, wild_grad, wild_metrics) = results
+    assert torch.isfinite(wild_loss) and torch.equal(wild_loss, loss)
+    assert torch.equal(wild_grad, grad) and torch.equal(grad[mask == 0], torch.zeros(2, dtype=dtype))
+    assert all(torch.equal(wild_metrics[k], metrics[k]) for k in metrics)
+
+
 def test_mismatch_kl_estimates_kl_of_mu_from_pi():
     """On tokens sampled from μ, mean(r − 1 − log r) with r = π/μ is an unbiased estimate of KL(μ‖π)."""
     gen = torch.Generator().manual_seed(1)

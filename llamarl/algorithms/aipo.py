@@ -35,7 +35,8 @@ Metrics (detached 0-d tensors, always token means over the masked tokens, whatev
 (it is ≥ 0 and 0 exactly when π = μ on the sampled tokens), ``entropy`` (if given), ``kl_ref`` (mean
 k3, if ``ref_logprobs`` given), ``tokens`` = Σ m_t (``trained_tokens`` in a run's metrics.jsonl).
 
-Invariants: masked positions never affect the loss or receive gradient. An all-zero mask is defined:
+Invariants: masked positions never affect the loss or receive gradient, even where their ratio or
+exp(ref − logπ) overflows (as in the fused kernel). An all-zero mask is defined:
 loss 0 (still attached to the graph, so ``backward()`` works and yields zero gradients) and all
 metrics 0.
 """
@@ -123,14 +124,18 @@ def aipo_loss(
     if adv.dim() == 1 and logp.dim() == 2:
         adv = adv.unsqueeze(1)  # per-sequence advantage, broadcast over the tokens of the row
 
+    live = m > 0
+    zero = torch.zeros((), dtype=compute, device=logp.device)
     log_ratio = logp.detach() - behavior_logprobs.detach().to(compute)
     ratio = log_ratio.exp()
-    weight = ratio.clamp(max=rho)  # w_t = min(r_t, rho), a constant for autograd
+    # w_t = min(r_t, rho), a constant for autograd; 0 where masked, so that a masked ratio that overflows
+    # (rho = inf) cannot turn the zero gradient there into inf * 0 = NaN
+    weight = torch.where(live, ratio.clamp(max=rho), zero)
     per_token = -weight * adv * logp
 
     metrics: dict[str, torch.Tensor] = {}
     if ref_logprobs is not None:
-        ref_diff = ref_logprobs.detach().to(compute) - logp
+        ref_diff = torch.where(live, ref_logprobs.detach().to(compute) - logp, zero)  # exp() stays finite where masked
         k3_ref = ref_diff.exp() - ref_diff - 1.0
         if kl_coef != 0.0:
             per_token = per_token + kl_coef * k3_ref
@@ -158,11 +163,14 @@ def _token_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 def _masked_mean(per_token: torch.Tensor, m: torch.Tensor, norm: str) -> torch.Tensor:
-    """The loss reduction: multiplying by m keeps masked entries in the graph with zero gradient."""
+    """The loss reduction over Σ m_t x_t. Masked entries are selected out (``where``, not a product with
+    m, which would give inf * 0 = NaN), so they add neither value nor gradient even when not finite; they
+    stay in the graph, so an all-masked batch still backpropagates (zeros)."""
+    weighted = torch.where(m > 0, per_token * m, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
     if norm == "token":
-        return (per_token * m).sum() / m.sum().clamp(min=1.0)
+        return weighted.sum() / m.sum().clamp(min=1.0)
     row_tokens = m.sum(dim=-1)
-    row_means = (per_token * m).sum(dim=-1) / row_tokens.clamp(min=1.0)
+    row_means = weighted.sum(dim=-1) / row_tokens.clamp(min=1.0)
     rows = (row_tokens > 0).sum().clamp(min=1).to(per_token.dtype)
     return row_means.sum() / rows
 
