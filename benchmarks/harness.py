@@ -3,8 +3,9 @@
 ``measure(fn)`` runs ``fn`` a few times to warm up, then times ``iters`` calls: with CUDA events on a
 GPU (so host overhead between launches is not hidden), with ``time.perf_counter`` after a full
 synchronisation on the CPU. It reports the median and the 20th/80th percentiles in seconds and the
-peak memory the calls added above what was allocated before (CUDA: ``max_memory_allocated``; CPU:
-``ru_maxrss`` growth of the process, a coarse upper bound).
+peak memory the calls added above what was allocated before (CUDA: ``max_memory_allocated``, exact;
+CPU: the process's resident set, sampled every 0.5 ms by a thread while the calls run, above its size
+before them: an estimate that can miss a spike shorter than the sampling interval).
 
 ``Report`` collects rows and writes ``<name>.json`` and ``<name>.md`` (with hardware, versions and the
 exact command) under ``$OUT`` if set, else ``benchmarks/results/local/``; GPU runs are committed by
@@ -18,9 +19,9 @@ import datetime as _dt
 import json
 import os
 import platform
-import resource
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -74,6 +75,41 @@ def synchronize(device: torch.device | str | None = None) -> None:
         torch.cuda.synchronize()
 
 
+class _RssSampler:
+    """``base``: resident bytes on entry; ``peak``: the most seen by a thread reading /proc/self/statm every
+    0.5 ms until exit (Linux; elsewhere both stay 0). ru_maxrss cannot serve: it is the process's
+    high-water mark, which the warm-up calls have already set, so its growth reads 0."""
+
+    PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+    def __init__(self) -> None:
+        self.base = self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @classmethod
+    def resident(cls) -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * cls.PAGE
+        except OSError:
+            return 0
+
+    def _run(self) -> None:
+        while not self._stop.wait(5e-4):
+            self.peak = max(self.peak, self.resident())
+
+    def __enter__(self) -> "_RssSampler":
+        self.base = self.peak = self.resident()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.resident())
+
+
 def measure(
     fn: Callable[[], object],
     *,
@@ -102,12 +138,12 @@ def measure(
             times.append(start.elapsed_time(end) / 1e3)
         peak = torch.cuda.max_memory_allocated(dev) - base
     else:
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024
+        with _RssSampler() as rss:
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        peak = rss.peak - rss.base
     return Measurement(
         median_s=statistics.median(times),
         p20_s=quantile(times, 0.2),
