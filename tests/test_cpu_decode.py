@@ -118,3 +118,7 @@ def test_cache_overflow_is_an_error():
         model(torch.tensor([[5, 6, 7, 8]]), 0, cache)
         with pytest.raises(ValueError, match="KV cache overflow"):
             model(torch.tensor([[9]]), 4, cache)
+        with pytest.raises(ValueError, match="negative slot -1"):
+            model(torch.tensor([[9]]), -1, cache)
+    with pytest.raises(ValueError, match="negative slot -2"):
+        model(torch.tensor([[9, 9]]), -2, cache)  # the eager path (autograd on)

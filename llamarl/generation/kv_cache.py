@@ -50,12 +50,15 @@ class KVCache:
 
     def rows(self, layer: int, B: int, T: int, input_pos: int | torch.Tensor):
         """(K rows [:B], V rows [:B], end) of ``layer`` for writing T tokens at ``input_pos``: end = input_pos
-        + T, the slots attention then reads, for an int input_pos (checked against the cache's length); None
-        for a slot tensor (attention reads them all)."""
+        + T, the slots attention then reads, for an int input_pos (checked: [input_pos, end) lies in [0,
+        max_seq_len)); None for a slot tensor (attention reads them all; its slots are not checked, which would
+        cost a host sync: the CUDA-graph decode step that passes one keeps them in range)."""
         kc, vc = self.k[layer][:B], self.v[layer][:B]
         if not isinstance(input_pos, int):
             return kc, vc, None
         end = input_pos + T
+        if input_pos < 0:
+            raise ValueError(f"KV cache write at a negative slot {input_pos}; positions start at 0")
         if end > self.max_seq_len:
             raise ValueError(f"KV cache overflow: writing slots up to {end} but max_seq_len={self.max_seq_len}")
         return kc, vc, end
