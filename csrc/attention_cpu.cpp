@@ -6,8 +6,9 @@
 //   p_j   = exp(s_j - max_j s_j)
 //   out   = sum_j p_j v_bhj / sum_j p_j
 //
-// the math of torch's scaled_dot_product_attention (a row whose slots are all hidden gives NaN, as
-// there). Each K and V row is read once for the G queries. All arithmetic is fp32; the order of the
+// the math of torch's scaled_dot_product_attention (a row whose slots are all hidden gives NaN; torch's
+// CPU SDPA returns 0 there, and the model never produces such a row: a query always sees its own slot).
+// Each K and V row is read once for the G queries. All arithmetic is fp32; the order of the
 // sums differs from torch's, so results agree to fp32 rounding, not bitwise. Work is split over the
 // (b, h) pairs on the shared thread pool.
 //

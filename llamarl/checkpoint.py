@@ -196,7 +196,8 @@ def _verify(path: Path, *, checksums: bool = False) -> str | None:
     if not isinstance(files, dict) or STATE not in files:
         return f"the manifest lists no {STATE}"
     for rel, entry in files.items():
-        size = entry if isinstance(entry, int) else entry.get("bytes")  # format-1 manifests: sizes only
+        # an int entry holds the size only, no checksum (commit() writes {"bytes", "sha256"})
+        size = entry if isinstance(entry, int) else entry.get("bytes")
         f = path / rel
         if not f.is_file():
             return f"missing file {rel}"

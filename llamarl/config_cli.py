@@ -3,8 +3,8 @@
 The command-line / YAML-file layer for entry points (``python -m llamarl.train``, benchmarks, tests) over
 ``llamarl.config`` (the dataclasses and their validation) and ``llamarl.presets`` (the named presets):
 ``add_config_args`` adds the flags to a parser, ``config_from_args`` turns the parsed flags into a
-``TrainConfig``, ``load_config`` does both for a whole command line. The first line of this docstring is
-the ``--help`` description.
+``TrainConfig``, ``load_config`` does both for a whole command line. The ``--help`` description and
+epilog are written in ``load_config``.
 
 Sources, lowest to highest precedence::
 
@@ -123,7 +123,8 @@ def load_config(argv: Sequence[str] | None = None, *, check_environment: bool = 
                     "embedded default (--preset default), the built-in tiny Llama on built-in arithmetic, on the CPU.",
         epilog="Every field of every section can be set with --set SECTION.KEY=VALUE; a run's config.yaml lists\n"
                "them all, llamarl/config.py documents them. Exit status: 0 done, 2 bad configuration (nothing\n"
-               "started), 1 an executor failed, 130 Ctrl-C, 143 SIGTERM (the last checkpoint stays intact)."))
+               "started), 1 an executor failed or hung, or the reward function or its workers failed, 130 Ctrl-C,\n"
+               "143 SIGTERM (the last checkpoint stays intact)."))
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         flag = unknown[0].split("=")[0]

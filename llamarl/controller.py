@@ -13,9 +13,9 @@ step s starts as soon as the trainer has finished step s − 1 − max_staleness
 token of step s was sampled with are at most ``max_staleness`` versions behind the policy that trains on
 it (the invariant; every token carries its version and each step records ``staleness = v − min
 version``); meanwhile the reward workers score step s − 1. Queues (one sampled batch awaiting its scores,
-``max_staleness`` scored batches) give back-pressure. The trainer's commands run one step ahead in async
-mode: step s + 1's ``train_step`` is queued on the trainer while it runs step s, so it never idles while
-this process handles a result (the trainer owns the version count, so the push of each applied update
+``max(1, max_staleness)`` scored batches) give back-pressure. The trainer's commands run one step ahead in
+async mode: step s + 1's ``train_step`` is queued on the trainer while it runs step s, so it never idles
+while this process handles a result (the trainer owns the version count, so the push of each applied update
 needs no answer from here; results are handled in step order). With ``max_staleness = 0`` (sync mode)
 the same code runs in lock step: generate → score → train → sync → generate ... — the baseline every
 speed-up is measured against.

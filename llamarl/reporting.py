@@ -7,11 +7,13 @@
 * the step's logged samples (``run.log_samples``) as text (TensorBoard) or a table (W&B);
 * the run summary once at the end.
 
-TensorBoard writes event files under ``OUT/tensorboard``; a resumed run purges the events of the steps
-it redoes (``purge_step``), so the curves stay one history like metrics.jsonl. W&B runs offline-capable
-(``WANDB_MODE=offline``) under ``OUT/wandb``; the run id is kept in ``OUT/wandb_run_id`` so a resumed run
-continues the same W&B run (W&B does not rewrite history: steps it already holds past the checkpoint
-keep their first values, and it warns about the redone ones).
+TensorBoard writes event files under ``OUT/tensorboard``; a resumed run purges the events after its
+checkpoint step (``purge_step``), so the curves stay one history like metrics.jsonl, except that the
+resumed run logs the evaluation at the checkpoint step again (two ``eval/*`` points there when the first
+run also evaluated at that step). W&B runs offline-capable (``WANDB_MODE=offline``) under ``OUT/wandb``;
+the run id is kept in ``OUT/wandb_run_id`` so a resumed run continues the same W&B run (W&B does not
+rewrite history: steps it already holds past the checkpoint keep their first values, and it warns about
+the redone ones).
 
 Both trackers are optional dependencies: ``pip install "llamarl[tensorboard]"`` or ``"llamarl[wandb]"``;
 ``check_available`` tells the config check up front which one is missing.

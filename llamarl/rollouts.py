@@ -34,9 +34,9 @@ whose rewards are all equal, often a large share of a batch. The kept rows carry
 count as ``total_tokens`` and its number of non-empty completions as ``total_sequences`` (the loss's
 denominator under token and sequence normalisation), so the gradient equals the full batch's. It is
 exact for the policy-gradient loss without KL and entropy terms (those do not vanish at A = 0); the
-caller decides when it applies. At least
-``row_multiple`` rows are kept (zero-advantage ones first in batch order), and the number kept is a
-multiple of it, so a sharded trainer can split them evenly.
+caller decides when it applies. When the batch size is a multiple of ``row_multiple`` (the caller's
+duty), at least ``row_multiple`` rows are kept (zero-advantage ones first in batch order) and the number
+kept is a multiple of it, so a sharded trainer can split them evenly.
 """
 
 from __future__ import annotations

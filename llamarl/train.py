@@ -23,9 +23,11 @@ Outputs in the run directory (``--out``, default ``runs/<timestamp>``): config.y
 object per step, and the evaluations), samples.jsonl (decoded completions), summary.json (held-out accuracy
 before/after RL, wall time, mode, ...), plot.png (reward and accuracy against step), checkpoints/ (atomic;
 ``--resume DIR`` continues from the newest).
-Exit status: 0 on success, 2 for a bad configuration (nothing started), 1 when an executor failed (the
-message names it and carries the remote error; the last checkpoint stays intact), 130 after Ctrl-C and
-143 after SIGTERM (executors shut down, the last checkpoint intact).
+Exit status: 0 on success, 2 for a bad configuration (nothing started), 1 when an executor failed or hung,
+or the reward workers failed (e.g. could not start), or the reward function failed on every sample of
+``reward.max_failed_steps`` steps in a row (the message names what failed and carries its error; the last
+checkpoint stays intact), 130 after Ctrl-C and 143 after SIGTERM (executors shut down, the last checkpoint
+intact).
 """
 
 from __future__ import annotations

@@ -5,13 +5,14 @@
 * ``synthetic:arithmetic[:options]`` — the built-in task (llamarl.data.ArithmeticTask): training prompts
   are its endless train stream, the held-out split its first ``eval_size`` held-out problems (disjoint by
   construction);
-* a ``.jsonl`` / ``.parquet`` file — the first ``eval_size`` samples of a seeded permutation are held
-  out, the rest are visited epoch by epoch, each epoch in a fresh seeded order.
+* a ``.jsonl`` / ``.parquet`` file — one sample of each of the first ``eval_size`` distinct prompts of a
+  seeded permutation is held out, and every copy of those prompts leaves the training side; the remaining
+  samples are visited epoch by epoch, each epoch in a fresh seeded order.
 
 ``data.few_shot = k`` prefixes every prompt (training, warm start and held-out alike) with k solved
 examples drawn once, with the run's seed, from the training side: for a file, k samples of distinct
 prompts that are then removed from it (never held out, never trained on); for the synthetic task, k of
-its first 10k training problems, and the training stream skips any later problem with the same prompt.
+its first 10·k training problems, and the training stream skips any later problem with the same prompt.
 
 The stream position is one integer, ``cursor`` (samples handed out so far), which checkpoints record:
 ``TrainData(..., cursor=c)`` continues exactly where a run with that cursor stopped.

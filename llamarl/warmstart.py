@@ -6,10 +6,12 @@ default first fits the policy to reference answers for a short while: minimise
     L_SFT = − Σ_{b,t} m_{b,t} · log π(a_{b,t} | x_b, a_{b,<t}) / Σ m
 
 over completions a = answer ‖ EOS of training problems (m masks the prompt and the padding). The result is
-written as a Hugging Face directory (weights + tokenizer) under a cache key that hashes everything that
-determines it: the model config, the warm-start settings, the data settings and the seed. A second run
-with the same settings loads it instead of training (``cached=True`` in the returned info). Writes are
-atomic (temp dir + rename), so an interrupted warm start never leaves a half-written cache entry.
+written as a Hugging Face directory (weights + tokenizer) under a cache key, built by
+``llamarl.train.prepare_policy``, over everything that determines it: the model config, the warm-start
+settings, the data settings, the seed, the reward, the generation length, the tokenizer and the contents
+of the input files. ``prepare_policy`` loads a matching entry instead of training and reports
+``cached=True``. Writes are atomic (temp dir + rename), so an interrupted warm start never leaves a
+half-written cache entry.
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def train_supervised(model: torch.nn.Module, next_samples: Callable[[int], Seque
 
 
 def save_atomic(model, tokenizer, path: Path, info: dict) -> None:
-    """Write model + tokenizer + info.json into ``path`` via a sibling temp dir and a rename."""
+    """Write model, tokenizer and ``info`` (warmstart.json) into ``path`` via a sibling temp dir and a rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:

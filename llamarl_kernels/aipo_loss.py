@@ -32,11 +32,12 @@ linear cross-entropy, the gradients are produced during the forward pass, chunk 
 three GEMMs in all, the floor of any exact method, and no recomputation of the logits. The forward
 saves only grad_h [N, D] and grad_W [V, D] (the outputs backward must return anyway); backward scales
 them by the incoming gradient in place, so it can run once per forward. Extra memory beyond the two
-gradients: the [C, V] chunk buffer (at most ``LOGITS_CHUNK_BYTES`` = 768 MiB, chunks balanced and rounded
-to 128 rows) and a few fp32 vectors [N]. For the GPU target N = 16384, D = 4096, V = 128256 in bf16 that
-is 6 chunks of 2816 rows: 0.67 GiB of buffer + 1.1 GiB of gradients. grad_W accumulates in the
-weight's dtype across chunks (fp32 inside each GEMM, one rounding per chunk). grad_h and grad_W are
-only computed for the inputs that require grad, and not at all under ``torch.no_grad()``.
+gradients: the [C, V] chunk buffer (at most ``LOGITS_CHUNK_BYTES`` = 768 MiB, chunks balanced, and
+rounded up to 128 rows when there are several of >= 256 rows) and a few fp32 vectors [N]. For the GPU
+target N = 16384, D = 4096, V = 128256 in bf16 that is 6 chunks of 2816 rows: 0.67 GiB of buffer +
+1.1 GiB of gradients. grad_W accumulates in the weight's dtype across chunks (fp32 inside each GEMM,
+one rounding per chunk). grad_h and grad_W are only computed for the inputs that require grad, and not
+at all under ``torch.no_grad()``.
 
 Numerics: logits are produced in the inputs' dtype (as the eager path does), every value is upcast to
 fp32 right after ``tl.load``; the gradient tile is rounded once to the input dtype for the two

@@ -32,7 +32,8 @@ Layouts: any leading dims, unit stride along the last dim (rows may be strided).
 view their inputs as rows [M, N]; rope takes q [B, T, H, Dh], k [B, T, Hkv, Dh] and cos / signed_sin
 [B, T, 1, Dh] (any strides but the last). Outputs are new contiguous tensors in the input dtype.
 
-Kernels and launch (GPU; the interpreter uses the same grids):
+Kernels and launch (GPU; the interpreter uses the same grids, except silu_mul, whose blocks are 8192 wide
+there):
 - ``_rms_norm_kernel``: one program per row, the whole row in registers (BLOCK = next_pow2(D), masked),
   num_warps = BLOCK / 256 in [1, 16]: at D = 2048 that is 8 warps, one 16-byte bf16 vector per thread.
 - ``_rope_kernel``: grid (B·T, 2): program (token, 0) rotates the token's q heads, (token, 1) its k

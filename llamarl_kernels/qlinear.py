@@ -18,7 +18,7 @@ Kernels:
   add plus one FADD instead of the quarter-rate I2F. BLOCK_M = 1 (batch-1 decode) uses a 2-D
   [BLOCK_N, BLOCK_K] tile in which x is loaded in the codes' own register layout, so the loop has no
   shared-memory layout conversion and no barrier (the 3-D [BLOCK_M, BLOCK_N, BLOCK_K] tile of
-  BLOCK_M > 1 moved every code tile through shared memory, with four barriers per tile, in the sm_90
+  BLOCK_M > 1 moves every code tile through shared memory, with four barriers per tile, in the sm_90
   code of Triton 3.6 and 3.9); PREFETCH keeps the next tiles' loads in flight while a tile is multiplied.
   BLOCK_M >= 16 is the tiled path with ``tl.dot``: weights are upcast in registers to x's dtype
   (exact for int8 and e4m3 in bf16/fp16; fp32 x uses an IEEE fp32 dot).
@@ -268,8 +268,8 @@ def default_qlinear_config(M: int, N: int, K: int, device: torch.device) -> QLin
         return QLinearConfig(triton.next_power_of_2(M) if M <= 8 else min(64, triton.next_power_of_2(M)), bn, bk)
     if M == 1:
         # 8 x 512 codes per tile, one tile ahead: 115 registers on sm_90 (4 programs per SM), 32 codes in
-        # 4 loads per thread per tile. Until 2026-12 the default was the 3-D path's (1, 32, 256), measured
-        # on the H200 at 24.8 µs (int8) for 4096 -> 14336; benchmarks.quant_matmul --sweep compares both
+        # 4 loads per thread per tile. The alternative (1, 32, 256) measured 24.8 µs (int8) for
+        # 4096 -> 14336 on the H200; benchmarks.quant_matmul --sweep compares both
         cfg = QLinearConfig(1, 8, 512, num_warps=4, num_stages=4, prefetch=1)
     elif M <= 16:
         cfg = QLinearConfig(16, 64, 128, num_warps=4, num_stages=4)

@@ -27,9 +27,10 @@ The zero-row rule: a row whose scale would be 0 gets scale 1.0, hence p_r = inv_
 is then below the smallest positive fp32 times QMAX, so v = W rounds to 0 and dequantization gives exact
 zeros, with no division by zero and no inf anywhere. fp8 saturates: v is clamped to +-448 before
 rounding, so finite input never produces NaN (e4m3fn has no infinity; its only NaN is 0x7F/0xFF).
-Input must be finite: an inf gives scale inf and NaN codes for that row, and a row holding a NaN gets
-a NaN scale (its codes are meaningless), so a diverged weight shows up as NaN outputs rather than as
-finite garbage; nothing raises, to stay sync-free.
+Input must be finite: an inf gives scale inf, so the row's finite entries get code 0 and dequantize to
+NaN (0 * inf), and the inf entry's own code is unspecified (the kernel and the reference differ); a row
+holding a NaN gets a NaN scale (its codes are meaningless). Either way a diverged weight shows up as NaN
+outputs rather than as finite garbage; nothing raises, to stay sync-free.
 
 Quantization is row-local, so quantizing a row-slice W[a:b] (a trainer shard) gives exactly the bytes
 of quantize(W)[a:b]: this is what lets the weight sync quantize each shard where it lives.

@@ -17,9 +17,10 @@ group of correct answers would read as a wrong answer and push the others up.
 
 Invariants: every method gives advantages that sum to zero over each group's valid members (so a group
 whose valid completions all earn the same reward contributes no gradient), and the result has the
-shape, dtype and device of ``rewards``. "grpo" and "rloo" need ``n ≥ 2``; "mean" with ``n = 1`` is defined and
-gives zeros. Arithmetic runs in float64 and is cast back, so the values do not depend on the order
-of the sums.
+shape and device of ``rewards`` and its dtype if floating (float32 for integer/bool rewards). "grpo" and
+"rloo" need ``n ≥ 2``; "mean" with ``n = 1`` is defined and gives zeros. Arithmetic runs in float64 and is
+cast back; for fp32 rewards of moderate range the float64 sums are exact, so then the values do not
+depend on the order of the sums.
 """
 
 from __future__ import annotations

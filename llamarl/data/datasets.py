@@ -160,7 +160,8 @@ def write_jsonl(
     answer_field: str = "answer",
     id_field: str = "id",
 ) -> Path:
-    """Write samples so that ``load_dataset(path, prompt_field, answer_field)`` reads them back unchanged."""
+    """Write samples so that ``load_dataset(path, prompt_field, answer_field, id_field=id_field)`` reads them
+    back unchanged when their answers are already reduced (no ``####``, no surrounding whitespace)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + ".tmp")

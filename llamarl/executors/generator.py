@@ -5,9 +5,10 @@ segments on CPU, CUDA IPC-exportable allocations on GPU, ``slots`` complete copi
 parameters are views into the slot it currently holds. ``handle()`` gives the trainer ranks what they
 need to map those buckets and write into them.
 
-Every ``generate`` call runs inside ``receiver.reading()``: it holds the newest complete policy version
-for the whole batch (the trainer writes the other slot meanwhile), so no token is ever computed with a
-partially written version, and every token is tagged with the held version number.
+Every ``generate`` call runs inside ``receiver.reading()`` (with TP, the protocol below): it holds the
+newest complete policy version for the whole batch (the trainer writes the other slot meanwhile), so no
+token is ever computed with a partially written version, and every token is tagged with the held version
+number.
 
 Tensor parallelism (``generator.tp`` = R_g > 1): one executor group per replica, its R_g ranks are the TP
 shards and its process group is the TP group. Each rank builds the model on the meta device and makes it

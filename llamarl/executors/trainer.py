@@ -309,9 +309,9 @@ class TrainerExecutor:
     def _on_device(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
         """(row tensors on this device, the loss denominator, the tokens present).
 
-        The denominator counts the ``_units`` of the whole batch: ``total_tokens``/``total_sequences``
-        when collate dropped zero-advantage rows (they add nothing to the gradient, llamarl.rollouts),
-        else those of the rows present. Metrics are means over the tokens present."""
+        The denominator is the whole batch's ``total_tokens``/``total_sequences`` (collate always records
+        them, so dropped zero-advantage rows still count, llamarl.rollouts); a batch without them uses the
+        ``_units`` of the rows present. Metrics are means over the tokens present."""
         batch = dict(batch)
         key = "total_tokens" if self.cfg["norm"] == "token" else "total_sequences"
         totals = {k: batch.pop(k) for k in TOTAL_KEYS if k in batch}

@@ -38,9 +38,10 @@ each, and CPU weights sit on huge pages; skipped for weights that already live i
 buckets).
 ``generate(model, ...)`` is a one-shot engine sized to the call.
 Seeds: a seed fixes the output of an identical call on an identical engine (same prompts in the same
-order, ``max_batch_size``, ``sync_every``, device): the sampler draws one uniform per live row per step,
-so the other prompts of a call, and when finished rows are compacted away, change which numbers a row
-gets (never the distribution it samples from).
+order, ``max_batch_size``, ``sync_every``, device): the sampler consumes the generator's stream per live
+row per step (one uniform per row on the CPU, V exponentials per row on CUDA), so the other prompts of a
+call, and when finished rows are compacted away, change which numbers a row gets (never the distribution
+it samples from).
 Weights may be updated between calls or between steps (weight sync copies into the parameters in
 place; the version read at each step tags the tokens), never during a forward pass.
 

@@ -17,8 +17,9 @@ microsecond of arithmetic. Math, identical to the eager ops of ``llamarl.models.
 RoPE and the residual add are bitwise equal to eager (same fp32 products and sums, no FMA contraction);
 the norm's mean(h^2) is summed in double, so it may differ from torch's fp32 reduction in its last bit;
 attention sums in another order than torch (fp32 rounding-level differences).
-Callers (``llamarl.models.llama``) use these only with autograd off, for contiguous fp32 CPU tensors; the
-functions check that and raise otherwise.
+Callers (``llamarl.models.llama``) use these only with autograd off, for fp32 CPU tensors; the functions
+raise on other dtypes or devices and on a strided x of rms_norm or q of decode_attention (rope and rope_kv
+make strided q/k/v contiguous first where they need to, rms_norm its residual).
 """
 
 from __future__ import annotations

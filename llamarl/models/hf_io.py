@@ -9,12 +9,13 @@ Directory layout read and written (the one transformers uses):
     model-00001-of-0000N.safetensors    the shards
 
 Keys are exactly ``Llama.state_dict()`` keys, except that ``lm_head.weight`` is omitted when the
-embeddings are tied (as transformers does). Loading checks, before reading any data, that every expected
-key is present with the shape implied by config.json and a floating dtype; extra keys are an error
-(except rotary ``inv_freq`` buffers of old checkpoints, and a redundant ``lm_head.weight`` when tied).
-Tensors are read on the CPU and copied into a model built on the meta device, converted to ``dtype``.
-Files are written under temporary names and renamed, so a crash never leaves a half-written checkpoint
-under the final names.
+embeddings are tied (as transformers does). Loading refuses missing keys and extra keys (except rotary
+``inv_freq`` buffers of old checkpoints, and a redundant ``lm_head.weight`` when tied) before reading
+any tensor, and checks each tensor's shape (the one config.json implies; before reading it) and floating
+dtype (after) as it goes; ``check_checkpoint`` does all of it from the headers alone. Tensors are read
+on the CPU and copied into a model built on the meta device, converted to ``dtype``. Each file is
+written under a temporary name and renamed, so no file is ever half-written; a crash during a save can
+still leave a mix of old and new files.
 """
 
 from __future__ import annotations
@@ -290,7 +291,7 @@ def save_llama(model, path: str | os.PathLike, max_shard_bytes: int | None = Non
         if max_shard_bytes is None
         else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     )
-    # remove the other layout's files first, so the directory never mixes two checkpoints
+    # remove the other layout's files first, so a completed save leaves no file of another layout
     for old in d.iterdir():
         if old.name in (WEIGHTS_FILE, INDEX_FILE) or _SHARD_RE.match(old.name):
             if old.name not in names:

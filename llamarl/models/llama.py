@@ -5,7 +5,8 @@ Per decoder layer, with x the residual stream [B, T, D]:
     h = x + o_proj(attn(rope(q_proj(n1(x))), rope(k_proj(n1(x))), v_proj(n1(x))))
     y = h + down_proj(silu(gate_proj(n2(h))) * up_proj(n2(h)))            (SwiGLU)
 
-    RMSNorm  n(x) = w * (x / sqrt(mean(x^2) + eps))   computed in fp32 (fp64 for fp64), cast back to x's dtype
+    RMSNorm  n(x) = w * cast_x(x / sqrt(mean(x^2) + eps)): the normalisation in fp32 (fp64 for fp64), cast to
+             x's dtype, then multiplied by w in the promoted dtype of w and x (as HF does)
     RoPE     rotate-half layout (HF checkpoints): x' = x * cos + rotate_half(x) * sin,
              rotate_half(x_lo, x_hi) = (-x_hi, x_lo), with
              cos/sin = cos/sin(position * inv_freq) computed in fp32 and cast to the model dtype;
@@ -25,7 +26,8 @@ Three ways to call the model (``hidden_states`` takes the same arguments and sto
 1. ``model(input_ids)``: full causal forward. Right-padded batches need nothing else: causal attention
    means tokens before the padding never see it (ignore outputs at pad positions).
 2. ``model(input_ids, attention_mask=m)`` with m [B, T] (1 = token, 0 = pad), any padding side: positions
-   are ``cumsum(m) - 1`` and pad keys are masked. Pad queries see only themselves (finite garbage).
+   are ``cumsum(m) - 1`` and pad keys are masked. A pad query sees the real tokens before it plus itself
+   (finite garbage; ignore outputs at pad positions).
 3. ``model(input_ids, input_pos, cache)``: incremental decoding over a preallocated KV cache (see
    llamarl.generation.kv_cache). The T new tokens are written at cache slots ``input_pos + arange(T)``
    (``input_pos`` an int; attention then reads slots ``[0, input_pos + T)``) or at the slots listed by a
@@ -58,11 +60,11 @@ kernels have no backward: generation, evaluation, ``no_grad`` log-probs), RMSNor
 before it, RoPE on q and k, and SiLU(gate)·up each run as one Triton kernel with eager's roundings:
 RoPE and SiLU·up are bitwise equal to the eager ops; RMSNorm differs only where its fp32 mean (a
 reduction in another order) moves the rounding of an element, by one ulp (21 of 8.4M elements on an
-H200 in bf16). A Llama-3.2-1B decode forward then launches 272 kernels instead of 663 (about 17 per
-layer instead of 41), and its CUDA-graph replay takes 1.40 ms instead of 1.94 ms on an H200 (measured
-before stacked projections and ``rope_kv`` took 3 GEMVs and 2 cache copies more out of every layer;
-their effect on the H200 is not measured yet). For
-contiguous fp32 activations on the CPU with autograd off, RMSNorm (with the add) and RoPE run as
+H200 in bf16). Without stacked projections and ``rope_kv``, a Llama-3.2-1B decode forward on an H200
+launches 272 kernels instead of 663 (about 17 per layer instead of 41) and its CUDA-graph replay takes
+1.40 ms instead of 1.94 ms (benchmarks/results/generation_h200_2026-11-30.md); stacked projections and
+``rope_kv`` take 3 GEMVs and 2 cache copies more out of every layer, an effect no H200 run has measured.
+For contiguous fp32 activations on the CPU with autograd off, RMSNorm (with the add) and RoPE run as
 native C++ ops instead (llamarl.models.cpu_fused: RoPE bitwise equal to eager, the norm's mean summed
 in double), which removes ~16 eager torch calls per layer from a CPU decode step, and so does decode
 attention (one query per row, summed in another order than torch's SDPA); where a decode step's whole

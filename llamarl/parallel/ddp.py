@@ -5,12 +5,12 @@ the step's batch (micro-batches m), and after the last backward the gradients ar
 
     g = Σ_r Σ_m ∇ loss_fn(b_rm)          (loss_fn normalises by the global denominator, as with FSDP's "sum")
 
-``allreduce_gradients`` does this with one ``all_reduce`` per bucket of at most ``BUCKET_ELEMENTS``
-gradient elements of one dtype (flattened, so a model of hundreds of tensors costs a few collectives, and
-the extra memory is one bucket). A parameter without a gradient on some rank contributes zeros, so every
-rank joins the same collectives. Afterwards every rank holds the same gradient and takes the same AdamW
-step: the replicas stay bitwise equal (the ops are the same on the same values), which ``replicas_agree``
-checks cheaply.
+``allreduce_gradients`` does this with one ``all_reduce`` per bucket of up to ``BUCKET_ELEMENTS``
+gradient elements of one dtype (flattened, so a model of hundreds of tensors costs a few collectives,
+and the extra memory is one bucket; a larger gradient is a bucket of its own, reduced in place). A
+parameter without a gradient on some rank contributes zeros, so every rank joins the same collectives.
+Afterwards every rank holds the same gradient and takes the same AdamW step: the replicas stay bitwise
+equal (the ops are the same on the same values), which ``replicas_agree`` checks cheaply.
 
 Compared with FSDP (llamarl.parallel.fsdp) this keeps R_t copies of the weights and optimizer state but
 needs no all-gather per layer and micro-batch: the better choice when the model fits on one device.

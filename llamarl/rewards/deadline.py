@@ -6,16 +6,17 @@ exception into the calling thread with ``PyThreadState_SetAsyncExc`` once the bu
 re-injects it every ``_REPEAT_S`` until the call returns (so a library's ``except BaseException`` that
 swallows an injection and carries on is struck again).
 
-Each call raises its own subclass of ``DeadlineExceeded`` (a ``BaseException``, so library code that
-catches ``Exception`` cannot swallow it), so nested deadlines never catch each other's exception.
+Each call injects its own subclass of ``DeadlineExceeded`` (a ``BaseException``, so library code that
+catches ``Exception`` cannot swallow it), so nested deadlines never catch each other's exception, and
+re-raises a plain ``DeadlineExceeded`` to its caller.
 
 Invariants:
   * ``call_with_deadline`` returns ``fn()``'s value or raises ``DeadlineExceeded``/``fn``'s exception;
     no injected exception ever escapes after it returns (a pending injection is cleared under the
     same lock that stops the watchdog), and none lands outside ``fn``: the watchdog strikes only while
     ``fn``'s frame is on the calling thread's stack (a strike inside ``Thread.start`` could leave the
-    threading module's locks inconsistent and hang the caller; one after ``fn`` was unwound, before
-    the watchdog is stopped, used to escape into the caller and leave the watchdog striking forever).
+    threading module's locks inconsistent and hang the caller; a strike after ``fn`` was unwound, before
+    the watchdog is stopped, would escape into the caller and keep the watchdog striking).
   * Limits: an async exception is only delivered between Python bytecodes. A single long C call (a
     huge big-integer power, a blocking syscall), or code that catches every exception in an endless
     loop, cannot be stopped from inside the process; callers must screen such inputs out beforehand,

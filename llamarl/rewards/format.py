@@ -7,8 +7,9 @@ Styles (``format_reward(completion, style)`` returns 1.0 or 0.0, never raises):
   * ``"exact"``: the first line, stripped, is one signed integer or decimal (the synthetic task's answer).
 
 ``FormattedReward`` mixes a correctness reward r in {0, 1} with the format bonus f in {0, 1} as the
-convex combination ``(1 - w) * r + w * f``, 0 <= w <= 1, so a reward stays in [0, 1] and equals 1.0
-only for a correct answer in the right format. With w = 0 it is exactly the correctness reward.
+convex combination ``(1 - w) * r + w * f``, 0 <= w <= 1, so a reward stays in [0, 1]; for 0 < w < 1 it
+equals 1.0 only for a correct answer in the right format (w = 0: exactly the correctness reward; w = 1:
+the format reward alone).
 """
 
 from __future__ import annotations

@@ -397,8 +397,9 @@ class RewardPool:
                 if self._wake_r in ready:
                     # Drain first, then clear: a submit that lands in between saw the flag still set
                     # and sent no byte, but its task is already queued and the next _assign_tasks
-                    # (top of the loop, before waiting again) takes it. Clearing before draining lost
-                    # such wake-ups: the flag stayed set with no byte left, and later submits slept.
+                    # (top of the loop, before waiting again) takes it. Clearing before draining would
+                    # lose such wake-ups: the flag would stay set with no byte left, and later submits
+                    # would sleep.
                     while self._wake_r.poll():
                         self._wake_r.recv_bytes()
                     with self._lock:

@@ -6,7 +6,7 @@ The controller's whole view of processes::
 
     async def main(rt):                                   # the controller: reads like the algorithm
         trainer, = rt.spawn_role("trainer", "llamarl.executors.trainer:TrainerExecutor", init_kwargs=...)
-        metrics = await trainer.acall("step", batch)      # list of per-rank results
+        metrics = await trainer.acall("train_step", batch)  # list of per-rank results
     run(Layout.parse("trainer=2,generator=1x1,reward=2"), main)
 
 Modules: ``rpc`` (messages and errors), ``server`` (the executor process loop), ``executor``

@@ -12,9 +12,10 @@ controller; executor ranks follow in role order trainer, generator, reward::
 Each executor group owns its own torch.distributed process group (group-local ranks), so collectives
 of one group never involve another. The generator has one group per replica (replicas are independent
 engines; TP collectives stay inside a replica), named "generator" when there is one replica and
-"generator.0", "generator.1", ... otherwise. A reward role with 0 workers has no group (the controller
-scores in-process). Trainer and generator ranks run on ``device`` ("cpu" -> gloo, "cuda" -> nccl);
-reward ranks always run on the CPU with gloo.
+"generator.0", "generator.1", ... otherwise. A reward role with 0 workers has no group and no ranks
+(llamarl.train uses this and scores in the controller's ``RewardPool`` worker processes). Trainer and
+generator ranks run on ``device`` ("cpu" -> gloo, "cuda" -> nccl); reward ranks always run on the CPU
+with gloo.
 
 Accelerator assignment (``cuda_device``): locally, trainer+generator ranks take GPUs round-robin in
 global-rank order (so a 1-GPU machine can co-locate a 1-rank trainer and a 1-rank generator); under
@@ -68,7 +69,7 @@ class GeneratorSpec:
 
 @dataclass(frozen=True)
 class RewardSpec:
-    """``workers`` reward-scoring processes in one group (0: the controller scores in-process)."""
+    """``workers`` reward-scoring processes in one group (0: no reward ranks and no group)."""
 
     workers: int = 2
 

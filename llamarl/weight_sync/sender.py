@@ -18,8 +18,8 @@ One sync of trainer rank t (``WeightSender.sync``):
     3. one indexed copy over every op of ``plan.ops(t, g)`` for every generator rank g: source buffer
        table = the shards, destination table = every bucket of every rank, shifted to its replica's slot
     4. (cuda) wait for the copy streams; then finish(v) per replica - the last writer publishes.
-No gather and no staging: each byte is read once from the trainer shard and written once into each
-replica's bucket.
+No gather: each byte goes from the trainer rank that holds it straight into each replica's bucket. Only
+quantize-on-sync stages q/scale in trainer buffers, and not on its direct kernel path (quantize_on_sync.py).
 """
 
 from __future__ import annotations

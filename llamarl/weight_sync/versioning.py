@@ -26,13 +26,13 @@ Memory cost and behaviour by ``nslots``:
        as long as the generator releases each slot before the trainer's next-but-one sync.
 Slots > 2 only help when readers hold old versions for long.
 
-Failure handling: every wait is bounded by a timeout and checks that the peers it waits for are alive
-(pids registered in the control block; same-host only). A writer that dies mid-write leaves its slot
-WRITING, never READY: readers keep the last complete version and ``wait_version`` raises ``PeerDied``
-naming the writer; ``abandon()`` frees the slot for a restarted trainer. A reader that dies while holding
-a slot pins it: the writer that needs that slot raises ``PeerDied`` naming the reader (the generator
-replica has to be recreated). Across hosts (dist.py) the same protocol runs locally on the generator
-host, with the generator's DistInboxes as the writers.
+Failure handling: every wait takes a timeout (inf: no limit, as the trainer's sender uses) and checks
+that the peers it waits for are alive (pids registered in the control block; same-host only). A writer
+that dies mid-write leaves its slot WRITING, never READY: readers keep the last complete version and
+``wait_version`` raises ``PeerDied`` naming the writer; ``abandon()`` frees the slot for a restarted
+trainer. A reader that dies while holding a slot pins it: the writer that needs that slot raises
+``PeerDied`` naming the reader (the generator replica has to be recreated). Across hosts (dist.py) the
+same protocol runs locally on the generator host, with the generator's DistInboxes as the writers.
 """
 
 from __future__ import annotations
