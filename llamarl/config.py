@@ -129,9 +129,9 @@ class TrainerConfig(_Section):
     ranks: int = 1
     parallel: Literal["fsdp", "ddp", "none"] = "fsdp"
     lr: float = 1e-5
-    # learning rate at optimizer step k (0-based; llamarl.executors.trainer.lr_at): linear warm-up to lr
-    # over the first lr_warmup_steps steps, then "constant", or "cosine"/"linear" decay to min_lr_ratio * lr
-    # at run.max_steps (a --resume that raises --max-steps stretches the rest of the decay to the new end)
+    # learning rate at RL step k (0-based; llamarl.executors.trainer.lr_at): linear warm-up to lr over the
+    # first lr_warmup_steps steps, then "constant", or "cosine"/"linear" decay to min_lr_ratio * lr at
+    # run.max_steps (a --resume that raises --max-steps stretches the rest of the decay to the new end)
     lr_warmup_steps: int = 0
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     min_lr_ratio: float = 0.0
@@ -139,6 +139,12 @@ class TrainerConfig(_Section):
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     micro_batch_size: int = 16  # sequences per forward/backward on one rank
+    # optimizer updates per RL step: the step's prompt groups are cut into mini_batches equal parts (whole
+    # groups), and epochs passes are made over them, one AdamW update per part (veRL's ppo_mini_batch_size /
+    # ppo_epochs, TRL's num_iterations); each update weights its tokens by min(pi/mu, rho) with pi the
+    # policy of that moment, and the generators receive the weights once, after the last update
+    mini_batches: int = 1
+    epochs: int = 1
     dtype: Literal["float32", "bfloat16"] = "float32"
     loss: Literal["auto", "fused", "reference"] = "auto"  # auto: fused Triton kernel where it runs
     rho: float = 2.0  # AIPO one-sided truncation of pi/mu
@@ -168,6 +174,8 @@ class TrainerConfig(_Section):
             _fail("trainer.min_lr_ratio", "must be in [0, 1] (the final learning rate as a fraction of lr)",
                   self.min_lr_ratio)
         self._positive("micro_batch_size")
+        self._positive("mini_batches")
+        self._positive("epochs")
         for name in ("weight_decay", "grad_clip", "kl_coef", "entropy_coef"):
             self._positive(name, strict=False)
         if self.parallel == "none" and self.ranks != 1:
@@ -322,6 +330,13 @@ class TrainConfig:
         if batch % t.ranks:
             _fail("trainer.ranks", f"the step's {g.prompts_per_step}x{g.samples_per_prompt}={batch} sequences "
                   f"must split evenly over the trainer ranks", t.ranks)
+        if g.prompts_per_step % t.mini_batches:
+            _fail("trainer.mini_batches", f"must divide generator.prompts_per_step={g.prompts_per_step} (each "
+                  "mini-batch holds whole prompt groups)", t.mini_batches)
+        part = batch // t.mini_batches
+        if part % t.ranks:
+            _fail("trainer.mini_batches", f"each of the {t.mini_batches} mini-batches holds {part} sequences, "
+                  f"which must split evenly over trainer.ranks={t.ranks}", t.mini_batches)
         if self.run.layout is not None:
             for key, value in _layout_fields(self.run.layout).items():
                 section, name = key.split(".")

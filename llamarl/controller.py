@@ -178,9 +178,12 @@ class Controller:
             for r, a in zip(rollouts[:self.cfg.run.log_samples], advantages)]
         t = self.cfg.trainer
         exact = t.kl_coef == 0 and t.entropy_coef == 0  # A = 0 rows add nothing; see llamarl.rollouts
-        batch.meta["tensors"] = collate(rollouts, advantages, self.tok.pad_id,
-                                        drop_zero_advantage=t.skip_zero_advantage and exact, row_multiple=t.ranks,
-                                        share_prompts=t.share_prompts)
+        size = len(rollouts) // t.mini_batches  # whole prompt groups (the config checks that they divide)
+        parts = [collate(rollouts[lo:lo + size], advantages[lo:lo + size], self.tok.pad_id,
+                         drop_zero_advantage=t.skip_zero_advantage and exact, row_multiple=t.ranks,
+                         share_prompts=t.share_prompts) for lo in range(0, len(rollouts), size)]
+        batch.meta["tensors"] = parts[0] if len(parts) == 1 else parts
+        batch.meta["rows"] = sum(int(p["targets"].shape[0]) for p in parts)
         return batch
 
     async def train(self, step: int, batch: RolloutBatch, result: Awaitable[list[dict]]) -> None:
@@ -207,7 +210,7 @@ class Controller:
             "sync_s": sync_s, "generate_s": batch.generate_s, "score_s": batch.score_s,
             "tokens": batch.num_tokens, "tokens_per_s": batch.num_tokens / max(batch.generate_s, 1e-9),
             "reward_errors": sum(r.reward_error is not None for r in batch.rollouts),
-            "rows_trained": int(batch.meta["tensors"]["targets"].shape[0]), **stats,
+            "rows_trained": batch.meta["rows"], **stats,
         })
         self.log.samples(batch.meta["samples"])
         self._last_step_end = now

@@ -7,6 +7,8 @@ a failing rank's traceback is collected and shown, and every wait is bounded so 
 
 from __future__ import annotations
 
+import contextlib
+
 import datetime
 import os
 import time
@@ -97,20 +99,33 @@ def assert_same_step(stats: dict, weights: dict, ref_stats: dict, ref_weights: d
         torch.testing.assert_close(weights[name], w, rtol=0, atol=atol, msg=name)
 
 
-def single_process_train_step(model_dir, cfg: LlamaConfig, batch, trainer: dict) -> tuple[dict, dict[str, torch.Tensor]]:
-    """One ``train_step`` of a one-rank TrainerExecutor in this process (the reference of the trainer
-    tests): (its stats, the updated parameters)."""
+@contextlib.contextmanager
+def single_process_trainer(model_dir, cfg: LlamaConfig, trainer: dict, **kwargs):
+    """A one-rank TrainerExecutor in this process, writing into buckets of its own."""
     from llamarl.executors.trainer import TrainerExecutor
     from llamarl.runtime import RankInfo
     from llamarl.weight_sync import GeneratorBuckets, GeneratorLayout, TrainerLayout, llama_param_specs, plan_sync
 
     plan = plan_sync(llama_param_specs(cfg), TrainerLayout(world_size=1), GeneratorLayout())
     buckets = GeneratorBuckets.create(plan, 0, storage="shm")
-    ex = TrainerExecutor(model_path=str(model_dir), trainer=trainer, temperature=1.0,
-                         generator_handles=[buckets.handle()],
-                         rank_info=RankInfo("trainer", "trainer", 0, 1, 1, 0, "cpu", "gloo"))
     try:
-        return ex.train_step(batch), {n: p.detach().clone() for n, p in ex.model.named_parameters()}
+        ex = TrainerExecutor(model_path=str(model_dir), trainer=trainer, temperature=1.0,
+                             generator_handles=[buckets.handle()],
+                             rank_info=RankInfo("trainer", "trainer", 0, 1, 1, 0, "cpu", "gloo"), **kwargs)
+        try:
+            yield ex
+        finally:
+            ex.close()
     finally:
-        ex.close()
         buckets.close()
+
+
+def weights_of(ex) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in ex.model.named_parameters()}
+
+
+def single_process_train_step(model_dir, cfg: LlamaConfig, batch, trainer: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """One ``train_step`` of a one-rank TrainerExecutor in this process (the reference of the trainer
+    tests): (its stats, the updated parameters)."""
+    with single_process_trainer(model_dir, cfg, trainer) as ex:
+        return ex.train_step(batch), weights_of(ex)

@@ -64,11 +64,11 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMARL_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def _batch(share_prompts: bool = False, empty: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+def _batch(share_prompts: bool = False, empty: tuple[int, ...] = (), seed: int = 7) -> dict[str, torch.Tensor]:
     """Groups of 2 samples of one prompt (ragged prompts and completions); micro-batches of 3 rows split
     groups, so the shared-prompt layout also runs a prompt in two micro-batches. Rows in ``empty`` have no
     completion tokens."""
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(seed)
     rollouts = []
     for i in range(ROWS):
         if i % 2 == 0:
@@ -106,9 +106,11 @@ def _bucket_bytes_match(handles, plan, weights: dict[str, torch.Tensor], version
 
 @pytest.mark.parametrize("t_ranks, g_ranks, trainer_cfg, shared, empty",
                          [(2, 2, TRAINER, False, ()), (2, 2, CHECKPOINTED, True, ()), (1, 3, TRAINER, False, ()),
-                          (2, 1, FUSED, True, ()), (2, 2, DDP, True, ()), (2, 1, TRAINER, False, (3,))],
+                          (2, 1, FUSED, True, ()), (2, 2, DDP, True, ()), (2, 1, TRAINER, False, (3,)),
+                          (2, 1, dict(TRAINER, mini_batches=2, epochs=2), True, ())],
                          ids=["2+2", "2+2-shared-prompts-checkpointed", "1+3", "2+1-fused-shared-prompts",
-                              "2+2-ddp-shared-prompts", "2+1-a-micro-batch-without-tokens-on-one-rank"])
+                              "2+2-ddp-shared-prompts", "2+1-a-micro-batch-without-tokens-on-one-rank",
+                              "2+1-two-mini-batches-two-epochs"])
 def test_sharded_trainer_and_tp_generator_match_one_process(tmp_path, t_ranks, g_ranks, trainer_cfg, shared, empty):
     """The shared-prompt cases check that layout's forward (llamarl.models.shared_prefix) under FSDP, which
     runs every layer twice per micro-batch (prompts, then completions); tests/test_shared_prefix.py checks
@@ -117,6 +119,8 @@ def test_sharded_trainer_and_tp_generator_match_one_process(tmp_path, t_ranks, g
     model_dir = tmp_path / "model"
     random_model(CFG).save_pretrained(model_dir)
     batch = _batch(shared, empty)
+    if trainer_cfg["mini_batches"] > 1:  # the step's updates: one per mini-batch, per epoch
+        batch = [batch] + [_batch(shared, empty, seed=8 + i) for i in range(trainer_cfg["mini_batches"] - 1)]
     ref_stats, ref_weights = single_process_train_step(model_dir, CFG, batch, trainer_cfg)
     prompts = [[1, 5, 9, 13], [1, 7], [1, 30, 31]]
 

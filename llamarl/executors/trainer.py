@@ -1,6 +1,8 @@
 """The trainer executor: AIPO updates with AdamW, and the DDMA push of each new policy version.
 
-``train_step(batch)`` takes a collated batch (llamarl.rollouts.collate) and minimises the AIPO loss
+``train_step(batch)`` takes a collated batch (llamarl.rollouts.collate), or a list of them (the step's
+mini-batches, ``trainer.mini_batches``; ``trainer.epochs`` passes over them), and on each minimises the
+AIPO loss
 
     L = − Σ_t m_t · min(π(y_t)/μ(y_t), ρ) · A · log π(y_t) / Σ_t m_t          (token mean over the batch)
 
@@ -8,8 +10,8 @@ in micro-batches of ``micro_batch_size`` sequences whose gradients add up to exa
 gradient (each micro-batch loss is weighted by its share of the batch's loss denominator: its tokens
 for ``norm="token"``, its non-empty sequences for ``norm="sequence"``), then clips the global
 gradient norm and steps AdamW at the step's learning rate (``lr_at``: warm-up, then constant, cosine or
-linear decay over ``total_steps``, counted by the optimizer's own step count, so a resumed run continues
-the schedule). log π uses the generator's convention: log_softmax(logits / T) in fp32.
+linear decay over ``total_steps`` RL steps, counted by the optimizer's own step count over the updates
+per step, so a resumed run continues the schedule). log π uses the generator's convention: log_softmax(logits / T) in fp32.
 The loss runs as the fused Triton kernel (``trainer.loss="fused"``, the default on CUDA) or as the eager
 reference (``"reference"``, the default on CPU, where Triton only runs interpreted). A non-finite loss or
 gradient skips the update (``applied=False``), leaving weights and optimizer state untouched.
@@ -148,16 +150,20 @@ class TrainerExecutor:
         self.version: int | None = None  # the last version pushed to the generators
 
     # ------------------------------------------------------------------ commands
-    def train_step(self, batch: dict[str, torch.Tensor], push: bool = False) -> dict:
-        """One update; with ``push``, an applied update is also pushed to the generators as the next
-        version, one more than the last one pushed (one round trip from the controller instead of two;
-        ``stats["sync"]`` holds the push). The trainer owns the version count, so the controller can queue
-        the next step's command before this one has answered. ``stats["version"]`` is the last version
-        pushed after the call (None before the first ``push_weights``)."""
+    def train_step(self, batch: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]], push: bool = False) -> dict:
+        """One RL step: an update on each collated mini-batch (a list, or one batch), ``trainer.epochs``
+        passes over them; with ``push``, a step with an applied update is also pushed to the generators as
+        the next version, one more than the last one pushed (one round trip from the controller instead of
+        two; ``stats["sync"]`` holds the push). The trainer owns the version count, so the controller can
+        queue the next step's command before this one has answered. ``stats["version"]`` is the last
+        version pushed after the call (None before the first ``push_weights``); ``stats["updates"]`` the
+        number of updates applied."""
         if push and self.version is None:
             raise RuntimeError("train_step(push=True) before any push_weights(version): push the starting "
                                "weights first, so the version count has a start")
-        stats = self._distributed_train_step(batch) if self.distributed else self._train_step(batch)
+        parts = batch if isinstance(batch, list) else [batch]
+        update = self._distributed_train_step if self.distributed else self._train_step
+        stats = _combine_updates([update(part) for _ in range(self.cfg["epochs"]) for part in parts])
         if push and stats["applied"]:
             stats["sync"] = self.push_weights(self.version + 1)
         stats["version"] = self.version
@@ -294,10 +300,11 @@ class TrainerExecutor:
         return text
 
     def _apply_update(self, applied: bool, loss: float, grad_norm: torch.Tensor, t0: float, metrics: dict) -> dict:
-        """The end of a step on every path: AdamW at the scheduled learning rate (``lr_at``, at the
-        optimizer's own step count) if ``applied``, gradients cleared, and the step's stats."""
+        """The end of an update on every path: AdamW at the scheduled learning rate if ``applied``,
+        gradients cleared, and the update's stats. The schedule (``lr_at``) counts RL steps: the optimizer's
+        own step count (so a resumed run continues it) over the updates per step, mini_batches x epochs."""
         steps = next((int(st["step"]) for st in self.opt.state.values() if "step" in st), 0)
-        lr = lr_at(steps, self.cfg, self.total_steps)
+        lr = lr_at(steps // (self.cfg["mini_batches"] * self.cfg["epochs"]), self.cfg, self.total_steps)
         for group in self.opt.param_groups:
             group["lr"] = lr
         if applied:
@@ -374,7 +381,7 @@ class TrainerExecutor:
 
 
 def lr_at(step: int, cfg: dict, total_steps: int | None) -> float:
-    """The learning rate of optimizer step ``step`` (0-based). With W = lr_warmup_steps, S = total_steps,
+    """The learning rate of RL step ``step`` (0-based). With W = lr_warmup_steps, S = total_steps,
     r = min_lr_ratio and t = clamp((step − W) / max(1, S − W), 0, 1):
 
         step < W:   lr · (step + 1) / W                     (linear warm-up; the first step is not 0)
@@ -420,6 +427,20 @@ def _combine(parts: list[tuple[float, dict]]) -> dict:
             else:
                 out[k] = out.get(k, 0.0) + share * v
     return out
+
+
+def _combine_updates(results: list[dict]) -> dict:
+    """One step's stats from those of its updates: whether any was applied and how many (``updates``),
+    the mean loss and gradient norm, the last learning rate, the total time, and the loss metrics
+    combined as ``_combine`` does, each update weighted by its share of the trained tokens."""
+    tokens = sum(r.get("tokens", 0.0) for r in results)
+    own = ("applied", "loss", "grad_norm", "lr", "train_s")
+    metrics = _combine([(r.get("tokens", 0.0) / max(tokens, 1.0), {k: v for k, v in r.items() if k not in own})
+                        for r in results])
+    return {"applied": any(r["applied"] for r in results), "updates": sum(r["applied"] for r in results),
+            "loss": math.fsum(r["loss"] for r in results) / len(results),
+            "grad_norm": math.fsum(r["grad_norm"] for r in results) / len(results),
+            "lr": results[-1]["lr"], "train_s": math.fsum(r["train_s"] for r in results), **metrics}
 
 
 def _merge_ranks(per_rank: list[dict]) -> dict:

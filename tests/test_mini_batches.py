@@ -1,0 +1,100 @@
+"""Several optimizer updates per RL step (``trainer.mini_batches``, ``trainer.epochs``).
+
+A step cut into k mini-batches of whole prompt groups must be exactly k successive one-batch steps on
+those parts (same weights, bit for bit: the same operations in the same order), e passes must be the
+one-batch step repeated e times, the learning-rate schedule must count RL steps, not updates, and the
+generators must get one new version per step."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from dist_harness import random_model, single_process_trainer, weights_of
+from llamarl.config import ConfigError, TrainConfig, TrainerConfig
+from llamarl.rollouts import collate
+from llamarl.train import main
+from test_trainer_loss import _batch_rollouts
+from test_zero_advantage import ADV, CFG
+
+TRAINER = dataclasses.asdict(TrainerConfig(lr=1e-3, weight_decay=0.1, grad_clip=0.5, micro_batch_size=3,
+                                           loss="reference"))
+
+
+def _parts(k: int) -> list[dict]:
+    rollouts, size = _batch_rollouts(), len(ADV) // k
+    return [collate(rollouts[lo:lo + size], ADV[lo:lo + size], 0, drop_zero_advantage=True, share_prompts=True)
+            for lo in range(0, len(ADV), size)]
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_mini_batches_are_successive_updates(tmp_path):
+    random_model(CFG).save_pretrained(tmp_path / "model")
+    parts = _parts(3)
+    with single_process_trainer(tmp_path / "model", CFG, dict(TRAINER, mini_batches=3)) as ex:
+        stats = ex.train_step(parts)
+        mini = weights_of(ex)
+    with single_process_trainer(tmp_path / "model", CFG, TRAINER) as ex:
+        one_by_one = [ex.train_step(p) for p in parts]
+        sequential = weights_of(ex)
+    _assert_same(mini, sequential)
+    assert stats["applied"] and stats["updates"] == 3
+    assert stats["loss"] == pytest.approx(sum(s["loss"] for s in one_by_one) / 3, rel=1e-12)
+    assert stats["grad_norm"] == pytest.approx(sum(s["grad_norm"] for s in one_by_one) / 3, rel=1e-12)
+    assert stats["tokens"] == sum(s["tokens"] for s in one_by_one)
+    assert stats["ratio_max"] == max(s["ratio_max"] for s in one_by_one)
+    # one update on the whole batch is another step
+    with single_process_trainer(tmp_path / "model", CFG, TRAINER) as ex:
+        ex.train_step(collate(_batch_rollouts(), ADV, 0, drop_zero_advantage=True, share_prompts=True))
+        assert any(not torch.equal(w, mini[n]) for n, w in weights_of(ex).items())
+
+
+def test_epochs_repeat_the_step_and_the_schedule_counts_rl_steps(tmp_path):
+    random_model(CFG).save_pretrained(tmp_path / "model")
+    parts = _parts(1)
+    warm = dict(TRAINER, lr_warmup_steps=2)  # RL step 0 at lr/2, step 1 at lr
+    with single_process_trainer(tmp_path / "model", CFG, dict(warm, epochs=2, mini_batches=1)) as ex:
+        lrs = [ex.train_step(parts[0])["lr"], ex.train_step(parts[0])["lr"]]
+        two_epochs = weights_of(ex)
+    assert lrs == [TRAINER["lr"] / 2, TRAINER["lr"]]
+    with single_process_trainer(tmp_path / "model", CFG, TRAINER) as ex:  # constant lr: four plain steps
+        for _ in range(4):
+            ex.train_step(parts[0])
+        four_steps = weights_of(ex)
+    with single_process_trainer(tmp_path / "model", CFG, dict(TRAINER, epochs=2)) as ex:
+        ex.train_step(parts[0])
+        ex.train_step(parts[0])
+        _assert_same(weights_of(ex), four_steps)
+    assert any(not torch.equal(w, four_steps[n]) for n, w in two_epochs.items())  # the warm-up did matter
+
+
+@pytest.mark.parametrize("sets, match", [
+    ({"trainer": {"mini_batches": 3}}, r"trainer.mini_batches: must divide generator.prompts_per_step=16"),
+    ({"trainer": {"mini_batches": 0}}, r"trainer.mini_batches: must be > 0"),
+    ({"trainer": {"epochs": 0}}, r"trainer.epochs: must be > 0"),
+    ({"generator": {"prompts_per_step": 2, "samples_per_prompt": 3}, "trainer": {"ranks": 2, "mini_batches": 2}},
+     r"trainer.mini_batches: each of the 2 mini-batches holds 3 sequences, which must split evenly over "
+     r"trainer.ranks=2"),
+])
+def test_mini_batch_settings_are_checked(sets, match):
+    with pytest.raises(ConfigError, match=match):
+        TrainConfig.from_dict(sets)
+
+
+def test_a_run_with_mini_batches_pushes_one_version_per_step(tmp_path):
+    out = tmp_path / "run"
+    assert main(["--preset", "smoke", "--mode", "sync", "--set", "trainer.mini_batches=2", "--set", "trainer.epochs=2",
+                 "--max-steps", "3", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "event" not in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["policy_version"] for r in steps] == [1, 2, 3]
+    assert all(r["updates"] == 4 for r in steps)
