@@ -206,7 +206,7 @@ class Controller:
         now = time.perf_counter()
         self.log.step({
             "step": step + 1, "policy_version": self.version, "staleness": staleness,
-            "reward_mean": _mean_scored(batch), "step_s": now - self._last_step_end,
+            **batch.stats(), "step_s": now - self._last_step_end,
             "sync_s": sync_s, "generate_s": batch.generate_s, "score_s": batch.score_s,
             "tokens": batch.num_tokens, "tokens_per_s": batch.num_tokens / max(batch.generate_s, 1e-9),
             "reward_errors": sum(r.reward_error is not None for r in batch.rollouts),
@@ -277,13 +277,6 @@ class Controller:
         """Whether a checkpoint is written after step ``step`` (the next step must then start from exactly
         the saved state)."""
         return self.on_checkpoint is not None and self._due(self.cfg.run.checkpoint_every, step)
-
-
-def _mean_scored(batch: RolloutBatch) -> float:
-    """Mean reward of the samples whose verifier answered (failures are counted in ``reward_errors`` and
-    take no part in the advantages either); NaN when none did."""
-    scored = [r.reward for r in batch.rollouts if r.reward_error is None]
-    return sum(scored) / len(scored) if scored else float("nan")
 
 
 async def _run_stages(*stages: Awaitable[None]) -> None:

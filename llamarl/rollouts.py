@@ -41,6 +41,7 @@ kept is a multiple of it, so a sharded trainer can split them evenly.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -94,6 +95,24 @@ class RolloutBatch:
 
     def rewards(self) -> torch.Tensor:
         return torch.tensor([r.reward for r in self.rollouts], dtype=torch.float32)
+
+    def stats(self) -> dict[str, float]:
+        """What a step's rollouts look like, as veRL and TRL log it. Rewards count only the samples whose
+        verifier answered (failures take no part in the advantages either; NaN when none did):
+        ``reward_mean``, ``reward_std`` (population); ``zero_std_frac``: the share of prompt groups whose
+        scored samples all earned the same reward (fewer than two scored included), which therefore teach
+        nothing. Lengths, over all samples: ``completion_len_mean``, ``completion_len_max``, and
+        ``length_capped_frac``, the share cut by the token budget (finish reason "length")."""
+        scored = [r.reward for r in self.rollouts if r.reward_error is None]
+        mean = math.fsum(scored) / len(scored) if scored else math.nan
+        groups = [self.rollouts[i:i + self.n] for i in range(0, len(self.rollouts), self.n)]
+        flat = sum(len({r.reward for r in g if r.reward_error is None}) <= 1 for g in groups)
+        lengths = [len(r.completion_ids) for r in self.rollouts]
+        return {"reward_mean": mean,
+                "reward_std": math.sqrt(math.fsum((x - mean) ** 2 for x in scored) / len(scored)) if scored else math.nan,
+                "zero_std_frac": flat / len(groups),
+                "completion_len_mean": sum(lengths) / len(lengths), "completion_len_max": max(lengths),
+                "length_capped_frac": sum(r.finish_reason == "length" for r in self.rollouts) / len(self.rollouts)}
 
 
 def collate(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_id: int, *,
