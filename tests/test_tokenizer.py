@@ -208,3 +208,42 @@ def test_named_chat_templates_use_default_or_refuse(hf_dir):
     _with_config(hf_dir, chat_template=[{"name": "tool_use", "template": "TOOL"}, {"name": "rag", "template": "RAG"}])
     with pytest.raises(ValueError, match=r"named chat templates \['rag', 'tool_use'\] but none named 'default'"):
         load_tokenizer(hf_dir).apply_chat_template(MESSAGES)
+
+
+@pytest.mark.parametrize("post, bos_token", [
+    (None, "<|begin_of_text|>"),  # adds nothing although a bos_token is named (many chat models)
+    ("$A", None),  # the same, said by a template
+    ("<|begin_of_text|> $A", None),  # adds a BOS that tokenizer_config does not name
+    ("<|begin_of_text|> $A", "<|begin_of_text|>"),  # Llama 3
+])
+def test_raw_prompts_get_the_special_tokens_transformers_adds(hf_dir, post, bos_token):
+    """A raw prompt starts with what the tokenizer's post-processor puts before a text (transformers'
+    ``tokenizer(text)``), whatever bos_token names: a named bos_token used to be prepended always."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, processors
+
+    from llamarl.data import PromptFormatter, Sample
+
+    if post is not None:
+        raw = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+        raw.post_processor = processors.TemplateProcessing(
+            single=post, special_tokens=[("<|begin_of_text|>", raw.token_to_id("<|begin_of_text|>"))])
+        raw.save(str(hf_dir / "tokenizer.json"))
+    _with_config(hf_dir, bos_token=bos_token)
+    ref = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    tok = load_tokenizer(hf_dir)
+    text = "What is 12 + 30?"
+    assert PromptFormatter(tokenizer=tok).encode(Sample("a", text, "42")) == ref(text)["input_ids"]
+
+
+def test_a_suffix_of_the_post_processor_is_not_put_after_prompts(hf_dir):
+    from tokenizers import Tokenizer, processors
+
+    raw = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    bos, eos = raw.token_to_id("<|begin_of_text|>"), raw.token_to_id("<|end_of_text|>")
+    raw.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A <|end_of_text|>", special_tokens=[("<|begin_of_text|>", bos), ("<|end_of_text|>", eos)])
+    raw.save(str(hf_dir / "tokenizer.json"))
+    tok = load_tokenizer(hf_dir)
+    assert tok.prefix_ids == (bos,)
+    assert tok.encode("What is", add_bos=True) == [bos] + tok.encode("What is")

@@ -9,8 +9,9 @@ Three layers, each optional:
   3. chat template: ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)`` over
      ``[system?] + [user, assistant] * k + [user]``; the template decides every special token.
 
-Token ids: raw text is encoded with a BOS when the tokenizer has one (``add_bos=None`` means exactly
-that); chat text is encoded without one, since chat templates write their own.
+Token ids: raw text gets the special tokens the tokenizer puts before a text (``prefix_ids``: its
+post-processor's, as transformers' ``tokenizer(text)``; ``add_bos=None`` means exactly that); chat text
+gets none, since chat templates write their own.
 
 ``PromptDataset`` holds the samples with their rendered text and token ids (encoded once, up front, so a
 prompt over ``max_prompt_tokens`` is reported at construction, not mid-run) and yields shuffled
@@ -32,6 +33,7 @@ ANSWER_PLACEHOLDER = "{answer}"
 class Tokenizer(Protocol):
     bos_id: int | None
     eos_id: int
+    prefix_ids: Sequence[int]
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
 
@@ -47,7 +49,7 @@ class PromptFormat:
     system: str | None = None
     shot_answer_template: str = ANSWER_PLACEHOLDER
     shot_separator: str = "\n"
-    add_bos: bool | None = None  # None: raw text gets the tokenizer's BOS if it has one, chat text none
+    add_bos: bool | None = None  # None: raw text gets the tokenizer's prefix_ids (as transformers), chat text none
 
     def __post_init__(self) -> None:
         if PROMPT_PLACEHOLDER not in self.template:
@@ -118,7 +120,7 @@ class PromptFormatter:
     def add_bos(self) -> bool:
         if self.fmt.add_bos is not None:
             return self.fmt.add_bos
-        return not self.fmt.chat and getattr(self.tokenizer, "bos_id", None) is not None
+        return not self.fmt.chat and bool(getattr(self.tokenizer, "prefix_ids", ()))
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of an already rendered prompt (BOS per ``add_bos``)."""

@@ -2,9 +2,11 @@
 
 Both expose the same small interface the rest of llamarl uses:
 
-    encode(text, add_bos=False) -> list[int]      no special tokens are added unless add_bos
+    encode(text, add_bos=False) -> list[int]      no special tokens are added unless add_bos: then
+                                                  prefix_ids (or [bos_id] where that is empty)
     decode(ids, skip_special_tokens=True) -> str
     vocab_size, bos_id, eos_id, pad_id            ints
+    prefix_ids                                    the special tokens the tokenizer puts before a text
     apply_chat_template(messages, add_generation_prompt=True) -> str
     save(path)                                    a directory that load_tokenizer(path) reads back
 
@@ -24,7 +26,11 @@ rendered with jinja2 in a sandbox (compiled once per template text), with the sa
 transformers (``trim_blocks``, ``lstrip_blocks``, ``raise_exception``, ``strftime_now``, a ``tojson`` that
 does not HTML-escape, ``{% generation %}`` blocks, ``tools`` and ``documents`` defined as none, every
 special token defined). A checkpoint without a pad
-token gets ``pad_id = eos_id`` (padding is always masked, the id only has to be valid).
+token gets ``pad_id = eos_id`` (padding is always masked, the id only has to be valid). Its
+``prefix_ids`` are what the post-processor of ``tokenizer.json`` puts before a single text, as
+transformers' ``tokenizer(text)`` (``add_special_tokens=True``) does: ``<s>`` for Llama 2,
+``<|begin_of_text|>`` for Llama 3, nothing for many chat models, whatever ``bos_token`` is named; a
+suffix it appends (an EOS) is not part of them, since a prompt must not end the text.
 
 Decoding ids past the tokenizer's vocabulary: many checkpoints pad their embedding matrix beyond the
 tokenizer (e.g. to a multiple of 64 or 128), so a sampler can emit ids no tokenizer entry covers. Both
@@ -147,6 +153,7 @@ class CharTokenizer:
     bos_id = CHAR_BOS_ID
     eos_id = CHAR_EOS_ID
     unk_id = CHAR_UNK_ID
+    prefix_ids = (CHAR_BOS_ID,)
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         if not isinstance(text, str):
@@ -264,10 +271,23 @@ class HFTokenizer:
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
         ids = list(self._tok.encode(text, add_special_tokens=False).ids)
         if add_bos:
-            if self.bos_id is None:
-                raise ValueError(f"{self.source}: add_bos=True but the tokenizer defines no bos_token")
-            ids = [self.bos_id] + ids
+            prefix = self.prefix_ids or ((self.bos_id,) if self.bos_id is not None else ())
+            if not prefix:
+                raise ValueError(f"{self.source}: add_bos=True but the tokenizer adds no special token before a "
+                                 "text and defines no bos_token")
+            ids = list(prefix) + ids
         return ids
+
+    @functools.cached_property
+    def prefix_ids(self) -> tuple[int, ...]:
+        """The leading special tokens of ``encode("a", add_special_tokens=True)`` (see the module docstring)."""
+        enc = self._tok.encode("a", add_special_tokens=True)
+        prefix = []
+        for i, special in zip(enc.ids, enc.special_tokens_mask):
+            if not special:
+                break
+            prefix.append(int(i))
+        return tuple(prefix)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]
