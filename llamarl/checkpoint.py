@@ -126,6 +126,19 @@ def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def training_dir_hint(path: str | os.PathLike) -> str:
+    """For a model argument that is a training run or checkpoint directory rather than a model: what it is
+    and the model directory inside it to pass ('' for any other path)."""
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return ""
+    if checkpoints_dir(path).is_dir():
+        return f"it is a training run directory, not a model: pass {path / 'checkpoints/step_NNNNNN' / POLICY}"
+    if (path / POLICY).is_dir():
+        return f"it is a training checkpoint directory, not a model: pass {path / POLICY}"
+    return ""
+
+
 def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     """Complete checkpoints of ``run_dir`` as (step, path), ascending; torn ones are skipped."""
     root = checkpoints_dir(run_dir)

@@ -370,12 +370,33 @@ class TrainConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def save(self, run_dir: str | Path) -> Path:
-        """Write ``run_dir/config.yaml``: every field of the run. ``--resume run_dir`` reads it back; to start a
-        new run from it with ``--config``, give a new ``--out`` (it names this run's) and drop ``run.resume``."""
+        """Write ``run_dir/config.yaml``: every field of the run, with the paths of existing input files and
+        directories made absolute (``with_absolute_paths``), so ``--resume run_dir`` works from any working
+        directory. To start a new run from it with ``--config``, give a new ``--out`` (it names this run's)
+        and drop ``run.resume``."""
         path = Path(run_dir) / "config.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, self.to_yaml())
+        write_text_atomic(path, self.with_absolute_paths().to_yaml())
         return path
+
+    def with_absolute_paths(self) -> TrainConfig:
+        """This config with ``policy.model``, ``policy.tokenizer``, ``data.dataset``, a ``reward.reward``
+        file (``path/to/file.py:function``), ``run.out`` and ``run.resume`` absolute where they name an
+        existing path (built-in names, synthetic datasets and importable modules stay as they are)."""
+        def absolute(value: str | None) -> str | None:
+            return str(Path(value).resolve()) if value and Path(value).exists() else value
+
+        module, sep, fn = self.reward.reward.rpartition(":")
+        reward = f"{absolute(module)}{sep}{fn}" if sep and module.endswith(".py") else self.reward.reward
+        return dataclasses.replace(
+            self,
+            policy=dataclasses.replace(self.policy, tokenizer=absolute(self.policy.tokenizer),
+                                       model=self.policy.model if self.policy.model in BUILTIN_MODELS
+                                       else absolute(self.policy.model)),
+            data=dataclasses.replace(self.data, dataset=self.data.dataset if self.data.dataset.startswith("synthetic:")
+                                     else absolute(self.data.dataset)),
+            reward=dataclasses.replace(self.reward, reward=reward),
+            run=dataclasses.replace(self.run, out=absolute(self.run.out), resume=absolute(self.run.resume)))
 
     @classmethod
     def from_dict(cls, data: dict) -> TrainConfig:
@@ -390,8 +411,10 @@ class TrainConfig:
             path = Path(p.model)
             if path.is_dir():
                 if not (path / "config.json").is_file():
-                    _fail("policy.model", "directory has no config.json; is it a Hugging Face model directory?",
-                          p.model)
+                    from llamarl.checkpoint import training_dir_hint
+
+                    _fail("policy.model", training_dir_hint(path) or "directory has no config.json; is it a Hugging "
+                          "Face model directory?", p.model)
             else:
                 from llamarl.models.config import LLAMA_CONFIGS
 
@@ -406,7 +429,7 @@ class TrainConfig:
             path = Path(d)
             if not path.is_file():
                 _fail("data.dataset", "no such file (expected synthetic:NAME or a .jsonl/.parquet file)", d)
-            if path.suffix not in DATASET_SUFFIXES:
+            if path.suffix.lower() not in DATASET_SUFFIXES:
                 _fail("data.dataset", f"unsupported file type {path.suffix!r}; use {', '.join(DATASET_SUFFIXES)}", d)
         if self.reward.reward not in REWARD_NAMES:
             from llamarl.rewards.registry import RewardSpecError, load_reward

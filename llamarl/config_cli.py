@@ -90,7 +90,7 @@ def config_from_args(args: argparse.Namespace, *, check_environment: bool = True
     resume = next((v for d, v in reversed(overrides) if d == "run.resume"), None)
     if resume is None:
         resume = (loaded.get("run") or {}).get("resume")
-    base = PRESETS[args.preset]
+    base, saved = PRESETS[args.preset], None
     if resume is not None and (resume_run_dir(resume) / "config.yaml").is_file():
         # a resumed run continues with its own settings (model, tokenizer, data, reward, ...), not the preset's
         saved = resume_run_dir(resume) / "config.yaml"
@@ -110,9 +110,29 @@ def config_from_args(args: argparse.Namespace, *, check_environment: bool = True
     if run.get("resume") is not None and "run.out" not in explicit:
         run["out"] = str(resume_run_dir(run["resume"]))
     config = _build(data)
+    if saved is not None:
+        _check_same_policy(base, config, saved)
     if check_environment:
         config.check_environment()
     return config
+
+
+def _check_same_policy(saved_cfg: TrainConfig, cfg: TrainConfig, saved: Path) -> None:
+    """A resumed run keeps the model and tokenizer it started with: its checkpoints hold that model's
+    weights, and another tokenizer would silently mean other tokens. A new path is accepted only where the
+    saved one no longer exists (the files moved; llamarl.train then checks the model's shapes against the
+    checkpoint's)."""
+    for name in ("model", "tokenizer"):
+        old, new = getattr(saved_cfg.policy, name), getattr(cfg.policy, name)
+        if old == new or (old is not None and new is not None and Path(old).exists() and Path(new).exists()
+                          and Path(old).resolve() == Path(new).resolve()):
+            continue
+        from llamarl.models.config import LLAMA_CONFIGS
+
+        if old is None or old in LLAMA_CONFIGS or Path(old).exists():
+            _fail(f"policy.{name}", f"the resumed run started with policy.{name}={old!r} ({saved}) and continues "
+                  f"with it; drop the override (to train another model from this run's weights, start a new run "
+                  f"with --model <checkpoint>/policy)", new)
 
 
 def load_config(argv: Sequence[str] | None = None, *, check_environment: bool = True) -> TrainConfig:

@@ -49,6 +49,7 @@ from llamarl.runtime import ExecutorGroup
 from llamarl.train_data import TrainData
 
 REPLICA_SEED_STRIDE = 1_000_000_007  # > any step count: replica seeds never meet another step's seed
+CUT_WARNING_FRAC = 0.9  # warn once when this share of a step's completions ran out of tokens
 
 
 class Sampled(NamedTuple):
@@ -81,6 +82,7 @@ class Controller:
         self._progress = asyncio.Condition()  # notified when self.step or self._finished grows
         self._last_step_end = time.perf_counter()
         self._failed_steps = 0  # consecutive steps whose every sample's verifier failed
+        self._warned_cut = False
         g = cfg.generator
         self.sampling = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                                        top_p=g.top_p, n=g.samples_per_prompt)
@@ -213,6 +215,7 @@ class Controller:
             "rows_trained": batch.meta["rows"], **stats,
         })
         self.log.samples(batch.meta["samples"])
+        self._warn_if_cut(self.log.rows[-1])
         self._last_step_end = now
         async with self._progress:
             self.step = step + 1
@@ -256,6 +259,15 @@ class Controller:
         return result
 
     # ------------------------------------------------------------------ helpers
+    def _warn_if_cut(self, row: dict) -> None:
+        """Once per run: most completions of a step ran into the token budget, so their answers were cut
+        off (e.g. a preset's budget left in place for a longer task)."""
+        if not self._warned_cut and row["length_capped_frac"] >= CUT_WARNING_FRAC:
+            self._warned_cut = True
+            self.log.warn(f"{row['length_capped_frac']:.0%} of step {row['step']}'s completions stopped at "
+                          f"generator.max_new_tokens={self.cfg.generator.max_new_tokens} tokens, cut before they "
+                          "ended; if answers need more, raise it (--set generator.max_new_tokens=N)")
+
     def _check_verifier(self, step: int, errors: list[str | None]) -> None:
         """One failed sample costs that sample; a reward function that fails on every sample of
         ``reward.max_failed_steps`` steps in a row is broken, and the run stops instead of training on nothing."""

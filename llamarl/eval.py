@@ -257,7 +257,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--num-samples", dest="n", type=int, default=1, help="completions per prompt (default: 1)")
     p.add_argument("-k", dest="k", default=None, help="comma-separated k for pass@k (default: 1 and n)")
     p.add_argument("--temperature", type=float, default=None,
-                   help="sampling temperature (default: 0, greedy, if n == 1, else 1.0)")
+                   help="sampling temperature (default: 0, greedy, if n == 1, else 1.0; the model's "
+                        "generation_config.json sampling settings are not read, only its stop tokens)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1, off)")
     p.add_argument("--top-k", type=int, default=0, help="top-k sampling (default: 0, off)")
     p.add_argument("--max-new-tokens", type=int, default=None,
@@ -366,12 +367,11 @@ def run(args: argparse.Namespace) -> EvalResult:
               "pass@k then equals pass@1", file=sys.stderr)
     max_new = args.max_new_tokens if args.max_new_tokens is not None else (16 if synthetic else 256)
 
-    model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file() and ((model_dir / "checkpoints").is_dir()
-                                                      or (model_dir / "policy").is_dir()):
-        inner = "checkpoints/step_NNNNNN/policy" if (model_dir / "checkpoints").is_dir() else "policy"
-        kind = "checkpoint" if inner == "policy" else "run"
-        raise ValueError(f"--model {args.model} is a training {kind} directory, not a model: pass {model_dir / inner}")
+    from llamarl.checkpoint import training_dir_hint
+
+    hint = training_dir_hint(args.model)
+    if hint:
+        raise ValueError(f"--model {args.model}: {hint}")
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     stops = args.stop if args.stop is not None else (["\\n"] if synthetic else [])
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
@@ -381,7 +381,7 @@ def run(args: argparse.Namespace) -> EvalResult:
         return evaluate(
             model, tokenizer, samples, pool, n=n, k=ks, temperature=temperature, max_new_tokens=max_new,
             batch_size=args.batch_size, fmt=fmt, shots=shots, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-            stop_token_ids=_stop_ids(tokenizer, stops) + list(generation_eos_ids(model_dir)),
+            stop_token_ids=_stop_ids(tokenizer, stops) + list(generation_eos_ids(args.model)),
             correct_threshold=args.correct_threshold,
             progress=not args.no_progress,
         )

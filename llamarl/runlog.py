@@ -83,6 +83,10 @@ class RunLog:
             r.eval(step, row)
         self.bar.write(f"eval @ step {step}: accuracy {row['accuracy']:.3f}")
 
+    def warn(self, message: str) -> None:
+        """A warning on stderr, above the progress bar."""
+        self.bar.write(f"[llamarl] warning: {message}", file=sys.stderr)
+
     def samples(self, rows: list[dict]) -> None:
         """Append decoded completions (each row has the ``step`` it was trained in) to samples.jsonl."""
         rows = [{k: _jsonable(v) for k, v in row.items()} for row in rows]

@@ -168,6 +168,20 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
     if cfg.data.chat and not getattr(tokenizer, "chat_template", None):
         raise ConfigError("data.chat: the tokenizer has no chat template (chat_template in tokenizer_config.json or "
                           "a chat_template.jinja file); add one or set data.chat=false")
+    if cfg.data.chat:
+        try:
+            tokenizer.apply_chat_template([{"role": "user", "content": "1+1="}], add_generation_prompt=True)
+        except Exception as e:  # a template error of any kind: jinja2's, or raise_exception's
+            raise ConfigError(f"policy.tokenizer: its chat template fails on a plain user message: {e}") from None
+    if cfg.policy.model not in LLAMA_CONFIGS:  # where generation stops: config.json and generation_config.json
+        try:
+            stops = eos_ids(tokenizer, LlamaConfig.from_hf_dict(model), cfg.policy.model)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"policy.model: {e}") from None
+        outside = [i for i in stops if not 0 <= i < int(model["vocab_size"])]
+        if outside:
+            raise ConfigError(f"policy.model: end-of-text token id(s) {outside} (config.json, generation_config.json "
+                              f"or the tokenizer's eos) lie outside the vocabulary [0, {model['vocab_size']})")
     context = int(model.get("max_position_embeddings") or 2048)
     max_prompt = context - cfg.generator.max_new_tokens
     if max_prompt < 1:
@@ -181,6 +195,18 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
         log(f"data: dropped {data.dropped} prompts longer than {max_prompt} tokens (the context {context} minus "
             f"generator.max_new_tokens)")
     return tokenizer, data
+
+
+def _check_resumed_model(model: dict, policy_dir: Path) -> None:
+    """ConfigError unless ``policy.model`` (whose tokenizer and stop tokens a resumed run uses) has the
+    shapes of the checkpoint's policy, whose weights it trains."""
+    saved = json.loads((policy_dir / "config.json").read_text())
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads")
+    differ = {k: (model.get(k), saved.get(k)) for k in keys if model.get(k) != saved.get(k)}
+    if differ:
+        raise ConfigError(f"policy.model: not the model the resumed run trained (its checkpoint {policy_dir} differs "
+                          f"in {', '.join(f'{k} {a} vs {b}' for k, (a, b) in differ.items())}); pass that run's model")
 
 
 def _check_writable(directory: Path, field: str) -> None:
@@ -259,6 +285,8 @@ def train(cfg: TrainConfig) -> dict:
     out = Path(cfg.run.out) if cfg.run.out else default_out()
     resume = load_latest(cfg.run.resume) if cfg.run.resume else None
     tokenizer, data = load_inputs(cfg, cursor=resume.data_cursor if resume else 0)
+    if resume and resume.policy_dir is not None and cfg.policy.model not in LLAMA_CONFIGS:
+        _check_resumed_model(model_config_dict(cfg), Path(resume.policy_dir))
     if cfg.policy.model in LLAMA_CONFIGS:
         _check_writable(Path(cfg.warm_start.cache_dir) if cfg.warm_start.cache_dir else default_cache_dir(),
                         "warm_start.cache_dir")

@@ -1,0 +1,94 @@
+"""What llamarl.train checks of a user's model, tokenizer and data before anything starts (exit 2, no run
+directory), how a resumed run finds its inputs again, and the warning for completions cut by the token
+budget."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+from llamarl.config_cli import load_config
+from llamarl.models import LLAMA_CONFIGS, CharTokenizer, Llama
+from llamarl.train import main
+
+SMOKE = ["--preset", "smoke", "--set", "warm_start.steps=3"]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMARL_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _model(path, tokenizer=None, **generation):
+    Llama(LLAMA_CONFIGS["tiny"]).save_pretrained(path)
+    (tokenizer or CharTokenizer()).save(path)
+    if generation:
+        (path / "generation_config.json").write_text(json.dumps(generation))
+    return path
+
+
+def test_model_inputs_that_would_fail_later_are_configuration_errors(tmp_path, capsys):
+    bad_json = _model(tmp_path / "bad_json")
+    (bad_json / "generation_config.json").write_text('{"eos_token_id": [2, 3')
+    broken_template = _model(tmp_path / "broken_template")
+    config = json.loads((broken_template / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ raise_exception('no roles here') }}"
+    (broken_template / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "run" / "checkpoints" / "step_000002" / "policy").mkdir(parents=True)
+    cases = [
+        (["--model", str(_model(tmp_path / "named", eos_token_id="<eos>"))],
+         r"policy.model: .*generation_config.json: eos_token_id must be a token id or a list of them, got '<eos>'"),
+        (["--model", str(bad_json)], r"policy.model: .*generation_config.json is not valid JSON"),
+        (["--model", str(_model(tmp_path / "outside", eos_token_id=[2, 999]))],
+         r"policy.model: end-of-text token id\(s\) \[999\] .* outside the vocabulary \[0, 100\)"),
+        (["--model", str(broken_template), "--set", "data.chat=true"],
+         r"policy.tokenizer: its chat template fails on a plain user message: .*no roles here"),
+        (["--model", str(tmp_path / "run")],
+         rf"policy.model: it is a training run directory, not a model: pass {tmp_path}/run/checkpoints/step_NNNNNN"),
+    ]
+    for i, (args, pattern) in enumerate(cases):
+        out = tmp_path / f"r{i}"
+        assert main(SMOKE + args + ["--out", str(out)]) == 2, args
+        err = capsys.readouterr().err
+        assert re.search(pattern, err), (args, err)
+        assert not out.exists()
+
+
+def test_an_upper_case_suffix_is_a_dataset_file_too(tmp_path):
+    path = tmp_path / "data.JSONL"
+    path.write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(20)))
+    assert load_config(SMOKE + ["--dataset", str(path)]).data.dataset == str(path)
+
+
+def test_a_resumed_run_finds_its_relative_inputs_from_anywhere_and_keeps_its_model(tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    model = _model(work / "models" / "m")
+    (work / "data.jsonl").write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                                             for i in range(40)))
+    monkeypatch.chdir(work)
+    assert main(SMOKE + ["--model", "models/m", "--dataset", "data.jsonl", "--max-steps", "2",
+                         "--out", "run"]) == 0
+    saved = (work / "run" / "config.yaml").read_text()
+    assert f"model: {model}" in saved and f"dataset: {work / 'data.jsonl'}" in saved
+    monkeypatch.chdir(tmp_path)  # elsewhere: the saved absolute paths still resolve
+    cfg = load_config(["--resume", str(work / "run"), "--max-steps", "3"])
+    assert cfg.policy.model == str(model) and cfg.data.dataset == str(work / "data.jsonl")
+
+    other = _model(tmp_path / "other")
+    with pytest.raises(Exception, match=r"policy.model: the resumed run started with policy.model="):
+        load_config(["--resume", str(work / "run"), "--max-steps", "3", "--model", str(other)])
+    # the model moved: its new place is accepted, and a model of other shapes is refused
+    os.rename(model, tmp_path / "moved")
+    assert load_config(["--resume", str(work / "run"), "--max-steps", "3", "--model", str(tmp_path / "moved")])
+    Llama(LLAMA_CONFIGS["tiny"].replace(num_hidden_layers=1)).save_pretrained(other)
+    assert main(["--resume", str(work / "run"), "--max-steps", "3", "--model", str(other)]) == 2
+    assert main(["--resume", str(work / "run"), "--max-steps", "3", "--model", str(tmp_path / "moved")]) == 0
+
+
+def test_completions_cut_by_the_token_budget_are_warned_about_once(tmp_path, capsys):
+    assert main(SMOKE + ["--set", "generator.max_new_tokens=1", "--max-steps", "3", "--out", str(tmp_path / "r")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("completions stopped at generator.max_new_tokens=1 tokens") == 1
