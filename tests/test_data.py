@@ -287,3 +287,45 @@ def test_exact_reward(completion, answer, expected):
 )
 def test_exact_format_reward(completion, expected):
     assert format_reward(completion, "exact") == expected
+
+
+def test_conversational_prompts_render_through_the_chat_template(tmp_path):
+    """TRL's conversational format: the prompt field holds messages; chat formatting renders them (a
+    template wraps the last user turn, the conversation's own system message wins), raw formatting refuses."""
+    from llamarl.data import PromptFormat, PromptFormatter, load_dataset, write_jsonl
+    from llamarl.models import CharTokenizer
+
+    rows = [{"id": "a", "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1="}],
+             "answer": "2"},
+            {"id": "b", "prompt": [{"role": "user", "content": "2+2="}], "answer": 4},
+            {"id": "c", "prompt": "3+3=", "answer": "6"}]
+    path = tmp_path / "conv.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    a, b, c = load_dataset(path, prompt_field="prompt")
+    assert a.messages == (("system", "Be brief."), ("user", "1+1=")) and a.prompt == "system: Be brief.\nuser: 1+1="
+    assert b.answer == "4" and c.messages is None
+    tok = CharTokenizer()
+    fmt = PromptFormatter(PromptFormat(template="Q {prompt}", chat=True, system="Default."), tokenizer=tok, shots=[b])
+    want = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q 2+2="},
+            {"role": "assistant", "content": "4"}, {"role": "user", "content": "Q 1+1="}]
+    assert fmt.messages(a) == want
+    assert fmt.render(a) == tok.apply_chat_template(want)
+    assert fmt.messages(c)[0] == {"role": "system", "content": "Default."}
+    with pytest.raises(ValueError, match="sample 'a' is a conversation .* use chat formatting"):
+        PromptFormatter(tokenizer=tok).render(a)
+    assert load_dataset(write_jsonl([a, b, c], tmp_path / "again.jsonl"), prompt_field="question") == [a, b, c]
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ([{"role": "user"}], r"its item 0 is not a \{\"role\": str, \"content\": str\} message"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+     r"must end with a user message .* got 'assistant' last"),
+    ([], r"must end with a user message .* got 'no message' last"),
+])
+def test_malformed_conversations_are_refused(tmp_path, prompt, match):
+    from llamarl.data import load_dataset
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"question": prompt, "answer": "1"}) + "\n")
+    with pytest.raises(ValueError, match=match):
+        load_dataset(path)

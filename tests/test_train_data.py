@@ -1,5 +1,6 @@
-"""Few-shot training prompts (``data.few_shot``): the examples come from the training side, are never
-held out or trained on, and every prompt of the run (training, warm start probe, held-out) carries them."""
+"""Training prompts (llamarl.train_data). Few-shot (``data.few_shot``): the examples come from the training
+side, are never held out or trained on, and every prompt of the run (training, warm start probe, held-out)
+carries them. Conversational datasets: rendered by the chat template, refused without it."""
 
 import json
 
@@ -70,3 +71,19 @@ def test_a_few_shot_run_trains_and_evaluates_with_the_examples(tmp_path):
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert rows and all(r["prompt"].count("=") == 3 for r in rows)  # two solved examples, then the problem
     assert json.loads((out / "summary.json").read_text())["accuracy_after"] is not None
+
+
+def test_a_conversational_dataset_trains_with_chat_formatting(tmp_path, capsys):
+    rows = [{"prompt": [{"role": "system", "content": "Add."}, {"role": "user", "content": f"{i}+{i}="}],
+             "answer": str(2 * i)} for i in range(40)]
+    path = _write(tmp_path / "conv.jsonl", rows)
+    args = ["--preset", "smoke", "--dataset", str(path), "--set", "data.prompt_field=prompt", "--max-steps", "2"]
+    assert main(args + ["--out", str(tmp_path / "raw")]) == 2
+    assert "is a conversation (a list of messages), which only a chat template can render" in capsys.readouterr().err
+    assert main(args + ["--set", "data.chat=true", "--out", str(tmp_path / "chat")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "chat" / "samples.jsonl").read_text().splitlines()]
+    tok = CharTokenizer()
+    for r in rows:  # the decoded prompt is the chat template's rendering of the conversation
+        question = r["prompt"].split("Q: ")[1].split("\n")[0]
+        assert r["prompt"] == tok.apply_chat_template([{"role": "system", "content": "Add."},
+                                                       {"role": "user", "content": question}])

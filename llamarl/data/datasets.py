@@ -9,7 +9,9 @@ eval logs see the final answer only.
 File formats:
   * ``.jsonl``: one JSON object per line, blank lines skipped;
   * ``.parquet``: one row per sample (needs ``pyarrow``).
-``prompt_field``/``answer_field`` name the columns (defaults: GSM8K's ``question``/``answer``). Sample ids
+``prompt_field``/``answer_field`` name the columns (defaults: GSM8K's ``question``/``answer``); a prompt
+is text, or a conversation (a list of ``{"role", "content"}`` messages ending with a user turn, as in
+TRL's conversational datasets; it needs chat formatting). Sample ids
 come from ``id_field`` when every record has it (must be unique), else ``"<file stem>-<index>"``.
 
 Numeric answers become text: integral numbers as integers (``72.0`` → ``"72"``), others as Python's
@@ -33,11 +35,17 @@ SUPPORTED_SUFFIXES = (".jsonl", ".parquet")
 
 @dataclass(frozen=True)
 class Sample:
-    """One problem: a unique id, the raw prompt text, and the reference answer for the verifier."""
+    """One problem: a unique id, the raw prompt text, and the reference answer for the verifier.
+
+    A conversational sample (TRL's format: the prompt field holds a list of ``{"role", "content"}``
+    messages) keeps them in ``messages`` as (role, content) pairs, ending with a user turn; its ``prompt``
+    is then their plain rendering, one ``role: content`` line per message, which identifies it (held-out
+    split, few-shot exclusion) and is what logs show."""
 
     id: str
     prompt: str
     answer: str
+    messages: tuple[tuple[str, str], ...] | None = None
 
 
 def reduce_answer(answer: str) -> str:
@@ -81,6 +89,22 @@ def _read_parquet(path: Path) -> list[tuple[str, dict]]:
     except Exception as e:  # pyarrow raises ArrowInvalid & co. for corrupt files
         raise ValueError(f"{path}: not a readable Parquet file: {e}") from e
     return [(f"row {i}", row) for i, row in enumerate(rows)]
+
+
+def _as_messages(value: Any, field: str, where: str, path: Path) -> tuple[tuple[str, str], ...] | None:
+    """A conversational prompt as (role, content) pairs; None if ``value`` is not a list (plain text)."""
+    if not isinstance(value, list):
+        return None
+    pairs = []
+    for i, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise ValueError(f"{path} {where}: field {field!r} is a list, so a conversation, but its item {i} is not "
+                             f"a {{\"role\": str, \"content\": str}} message: {m!r:.80}")
+        pairs.append((m["role"], m["content"]))
+    if not pairs or pairs[-1][0] != "user":
+        raise ValueError(f"{path} {where}: the conversation in field {field!r} must end with a user message (the "
+                         f"model answers it), got {pairs[-1][0] if pairs else 'no message'!r} last")
+    return tuple(pairs)
 
 
 def _as_text(value: Any, field: str, where: str, path: Path, *, numbers_ok: bool) -> str:
@@ -137,7 +161,9 @@ def load_dataset(
                     "Pick the right ones with data.prompt_field= / data.answer_field= (llamarl.train --set) or "
                     "--prompt-field / --answer-field (llamarl.eval)"
                 )
-        prompt = _as_text(rec[prompt_field], prompt_field, where, p, numbers_ok=False)
+        messages = _as_messages(rec[prompt_field], prompt_field, where, p)
+        prompt = ("\n".join(f"{role}: {content}" for role, content in messages) if messages is not None
+                  else _as_text(rec[prompt_field], prompt_field, where, p, numbers_ok=False))
         answer = _as_text(rec[answer_field], answer_field, where, p, numbers_ok=True)
         if reduce_answers:
             answer = reduce_answer(answer)
@@ -149,7 +175,7 @@ def load_dataset(
         if sid in seen:
             raise ValueError(f"{p} {where}: duplicate id {sid!r} (first seen at {seen[sid]}); ids must be unique")
         seen[sid] = where
-        samples.append(Sample(sid, prompt, answer))
+        samples.append(Sample(sid, prompt, answer, messages))
     return samples
 
 
@@ -167,7 +193,8 @@ def write_jsonl(
     tmp = p.with_name(p.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for s in samples:
-            f.write(json.dumps({id_field: s.id, prompt_field: s.prompt, answer_field: s.answer}) + "\n")
+            prompt = s.prompt if s.messages is None else [{"role": r, "content": c} for r, c in s.messages]
+            f.write(json.dumps({id_field: s.id, prompt_field: prompt, answer_field: s.answer}) + "\n")
     os.replace(tmp, p)
     return p
 

@@ -92,20 +92,32 @@ class PromptFormatter:
         return self.fmt.shot_answer_template.replace(ANSWER_PLACEHOLDER, answer)
 
     def messages(self, sample: Sample) -> list[dict[str, str]]:
-        """The chat messages for ``sample`` (also meaningful in raw mode, for logging)."""
-        msgs: list[dict[str, str]] = []
-        if self.fmt.system is not None:
-            msgs.append({"role": "system", "content": self.fmt.system})
+        """The chat messages for ``sample`` (also meaningful in raw mode, for logging): the system message,
+        each shot as a user turn (a conversational one: its turns) and the assistant's answer, then the
+        sample's user turn (a conversational one: its turns). The template wraps the last user turn of each;
+        a conversation's own system messages come first, in place of ``fmt.system``."""
+        own = [{"role": r, "content": c} for r, c in sample.messages or () if r == "system"]
+        msgs = own or ([{"role": "system", "content": self.fmt.system}] if self.fmt.system is not None else [])
         for shot in self.shots:
-            msgs.append({"role": "user", "content": self._question(shot.prompt)})
+            msgs += self._turns(shot)
             msgs.append({"role": "assistant", "content": self._answer(shot.answer)})
-        msgs.append({"role": "user", "content": self._question(sample.prompt)})
-        return msgs
+        return msgs + self._turns(sample)
+
+    def _turns(self, sample: Sample) -> list[dict[str, str]]:
+        """A sample's turns without system messages, the template applied to the last (user) one."""
+        if sample.messages is None:
+            return [{"role": "user", "content": self._question(sample.prompt)}]
+        turns = [{"role": r, "content": c} for r, c in sample.messages if r != "system"]
+        turns[-1] = {"role": "user", "content": self._question(turns[-1]["content"])}
+        return turns
 
     def render(self, sample: Sample) -> str:
         """The exact text the model is prompted with."""
         if sample.id in self._shot_ids:
             raise ValueError(f"sample {sample.id!r} is also one of the few-shot examples; its answer would leak")
+        if not self.fmt.chat and (sample.messages is not None or any(s.messages is not None for s in self.shots)):
+            raise ValueError(f"sample {sample.id!r} is a conversation (a list of messages), which only a chat "
+                             "template can render; use chat formatting (data.chat=true, llamarl.eval --chat)")
         if self.fmt.chat:
             assert self.tokenizer is not None
             text = self.tokenizer.apply_chat_template(self.messages(sample), add_generation_prompt=True)
