@@ -16,6 +16,10 @@ completions -> rewards. With a ``RewardPool`` the completions of a batch are sco
 processes while the next batch generates; a plain callable is scored in-process (an exception costs
 the sample a 0.0 and is recorded, but there is no timeout). Per-sample records go to JSONL.
 
+A rendered prompt of >= max_position_embeddings tokens leaves no room to generate; such prompts are found
+up front, by sample id, and refuse the whole evaluation unless ``drop_long`` (``--drop-long``) drops them,
+in which case the metrics are over the rest and the dropped ids are in the result (``dropped_ids``).
+
 ``--dataset synthetic:arithmetic[:digits=3,n_terms=2,ops=+-,seed=0,n=200]`` evaluates the built-in
 task's held-out split (n problems; its reward defaults to ``exact`` and its stop token to newline).
 """
@@ -81,18 +85,22 @@ class EvalResult:
     num_errors: int
     wall_s: float
     records: list[SampleRecord] = field(repr=False)
+    dropped_ids: list[str] = field(default_factory=list)  # samples left out: no room to generate (drop_long)
 
     def summary(self) -> dict[str, Any]:
         """Everything but the per-sample records, JSON-ready."""
         out = {k: v for k, v in asdict(self).items() if k != "records"}
         out["pass_at_k"] = {f"pass@{k}": v for k, v in self.pass_at_k.items()}
+        out["num_dropped"] = len(self.dropped_ids)
         return out
 
     def format(self) -> str:
         ks = "  ".join(f"pass@{k}={v:.4f}" for k, v in self.pass_at_k.items())
+        dropped = f"  dropped={len(self.dropped_ids)}" if self.dropped_ids else ""
         return (
             f"accuracy={self.accuracy:.4f}  {ks}  mean_reward={self.mean_reward:.4f}  "
-            f"prompts={self.num_prompts}  n={self.n}  reward_errors={self.num_errors}  wall={self.wall_s:.1f}s"
+            f"prompts={self.num_prompts}{dropped}  n={self.n}  reward_errors={self.num_errors}  "
+            f"wall={self.wall_s:.1f}s"
         )
 
     def write_jsonl(self, path: str | os.PathLike) -> Path:
@@ -152,12 +160,16 @@ def evaluate(
     correct_threshold: float = 1.0,
     engine: Any = None,
     progress: bool = False,
+    drop_long: bool = False,
 ) -> EvalResult:
     """Generate ``n`` completions per sample, score them with ``reward_fn``, compute the metrics.
 
     ``reward_fn``: a spec string, a ``(completion, answer) -> float`` callable, or a ``RewardPool``.
     ``engine``: an existing ``GenerationEngine`` to reuse (its batch capacity must fit
     ``batch_size * n`` rows); by default one is built for this call.
+    ``drop_long``: leave out the samples whose rendered prompt fills the model's context (one line on stderr
+    names them; the result's ``dropped_ids`` lists them) instead of refusing the whole evaluation. An
+    error all the same if no sample is left.
     """
     import torch
     from tqdm import tqdm
@@ -183,12 +195,30 @@ def evaluate(
     token_ids = [formatter.encode_text(t) for t in texts]
     config = getattr(engine, "config", None) if engine is not None else model.config
     context = config.max_position_embeddings if config is not None else math.inf
-    too_long = [(s.id, len(ids)) for s, ids in zip(samples, token_ids) if len(ids) >= context]
-    if too_long:  # checked up front, by sample id: not after earlier batches were generated
-        sid, length = too_long[0]
+    too_long = [(i, len(ids)) for i, ids in enumerate(token_ids) if len(ids) >= context]
+    # checked up front, by sample id: not after earlier batches were generated
+    if too_long and not drop_long:
+        i, length = too_long[0]
         raise ValueError(f"{len(too_long)} of {len(samples)} prompts leave no room to generate in the model's "
-                         f"context of {context} tokens (e.g. sample {sid!r}: {length} tokens); shorten the "
-                         "template / few-shot prefix or drop those samples")
+                         f"context of {context} tokens (e.g. sample {samples[i].id!r}: {length} tokens); shorten "
+                         "the template / few-shot prefix, or pass --drop-long (drop_long=True) to evaluate the "
+                         "other samples")
+    if too_long and len(too_long) == len(samples):
+        i, length = too_long[0]
+        raise ValueError(f"all {len(samples)} prompts leave no room to generate in the model's context of "
+                         f"{context} tokens (e.g. sample {samples[i].id!r}: {length} tokens), so --drop-long "
+                         "leaves nothing to evaluate; shorten the template / few-shot prefix or use a model "
+                         "with a longer context")
+    dropped = {i for i, _ in too_long}
+    dropped_ids = [samples[i].id for i, _ in too_long]
+    if dropped:
+        shown = ", ".join(repr(sid) for sid in dropped_ids[:5]) + (", ..." if len(dropped_ids) > 5 else "")
+        print(f"llamarl.eval: dropped {len(dropped)} of {len(samples)} samples whose prompt leaves no room to "
+              f"generate in the model's context of {context} tokens: {shown}", file=sys.stderr)
+        keep = [i for i in range(len(samples)) if i not in dropped]
+        samples = [samples[i] for i in keep]
+        texts = [texts[i] for i in keep]
+        token_ids = [token_ids[i] for i in keep]
     if engine is None:
         engine = GenerationEngine(model, max_batch_size=min(batch_size, len(samples)) * n,
                                   max_seq_len=cache_slots([len(t) for t in token_ids], max_new_tokens, model.config))
@@ -243,6 +273,7 @@ def evaluate(
         num_errors=sum(r.error is not None for r in records),
         wall_s=time.perf_counter() - start,
         records=records,
+        dropped_ids=dropped_ids,
     )
 
 
@@ -276,6 +307,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--few-shot-file", default=None,
                    help="where few-shot examples come from (default: the synthetic train split, or the dataset "
                         "itself, in which case the examples are left out of the evaluation)")
+    p.add_argument("--drop-long", action="store_true",
+                   help="leave out the samples whose rendered prompt leaves no room to generate in the model's "
+                        "context (their ids go to the summary) instead of refusing the whole dataset")
     p.add_argument("--stop", action="append", default=None,
                    help="stop string that is one token, escapes allowed (e.g. '\\n'); repeatable")
     p.add_argument("--seed", type=int, default=0, help="sampling and few-shot selection seed (default: 0)")
@@ -383,7 +417,7 @@ def run(args: argparse.Namespace) -> EvalResult:
             batch_size=args.batch_size, fmt=fmt, shots=shots, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
             stop_token_ids=_stop_ids(tokenizer, stops) + list(generation_eos_ids(args.model)),
             correct_threshold=args.correct_threshold,
-            progress=not args.no_progress,
+            progress=not args.no_progress, drop_long=args.drop_long,
         )
 
 

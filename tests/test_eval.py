@@ -233,6 +233,60 @@ def test_cli_checks_lengths_counts_and_output_up_front(checkpoint, tmp_path, cap
     assert f"--model {tmp_path / 'nope'} does not exist" in capsys.readouterr().err
 
 
+def _long_prompt_case(tmp_path, path, rows):
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "o.jsonl"
+    args = ["--model", str(path), "--dataset", str(data), "--reward", "exact", "--reward-workers", "1",
+            "--max-new-tokens", "4", "--batch-size", "2", "--no-progress", "--output", str(out)]
+    return args, out, tmp_path / "o.summary.json"
+
+
+SHORT_AND_LONG = [{"id": "a", "question": "1+1=", "answer": "2"},
+                  {"id": "long", "question": "9" * 80, "answer": "1"},  # 81 tokens >= the context of 64
+                  {"id": "b", "question": "2+3=", "answer": "5"},
+                  {"id": "c", "question": "7*8=", "answer": "56"}]
+
+
+def test_cli_without_drop_long_refuses_an_over_long_prompt_and_names_the_flag(checkpoint, tmp_path, capsys):
+    _, path = checkpoint
+    args, out, summary = _long_prompt_case(tmp_path, path, SHORT_AND_LONG)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "1 of 4 prompts leave no room to generate" in err and "sample 'long': 81 tokens" in err
+    assert "--drop-long" in err
+    assert not out.exists() and not summary.exists()  # nothing was evaluated
+
+
+def test_cli_drop_long_evaluates_exactly_the_prompts_that_fit(checkpoint, tmp_path, capsys):
+    """The over-long prompt is dropped up front; the others are generated (greedy, checked against
+    transformers, so no completion lands on the wrong sample) and the summary names the dropped id."""
+    hf, path = checkpoint
+    tok = CharTokenizer()
+    args, out, summary_path = _long_prompt_case(tmp_path, path, SHORT_AND_LONG)
+    assert main(args + ["--drop-long"]) == 0
+    captured = capsys.readouterr()
+    assert "dropped 1 of 4 samples" in captured.err and "'long'" in captured.err
+    assert "prompts=3  dropped=1" in captured.out
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    short = [r for r in SHORT_AND_LONG if r["id"] != "long"]
+    assert [r["sample_id"] for r in records] == [r["id"] for r in short]
+    assert [r["completion"] for r in records] == [_hf_greedy(hf, tok, r["question"], 4) for r in short]
+    summary = json.loads(summary_path.read_text())
+    assert summary["dropped_ids"] == ["long"] and summary["num_dropped"] == 1 and summary["num_prompts"] == 3
+    assert summary["accuracy"] == pytest.approx(sum(r["correct"] for r in records) / 3)
+
+
+def test_cli_drop_long_with_every_prompt_too_long_is_an_error(checkpoint, tmp_path, capsys):
+    _, path = checkpoint
+    rows = [{"id": f"x{i}", "question": str(i) * 70, "answer": "1"} for i in range(3)]
+    args, out, summary = _long_prompt_case(tmp_path, path, rows)
+    assert main(args + ["--drop-long"]) == 2
+    err = capsys.readouterr().err
+    assert "all 3 prompts leave no room to generate" in err and "nothing to evaluate" in err
+    assert not out.exists() and not summary.exists()
+
+
 def test_python_dash_m_llamarl_eval(checkpoint, tmp_path):
     _, path = checkpoint
     out = tmp_path / "cli.jsonl"
