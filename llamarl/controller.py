@@ -162,7 +162,8 @@ class Controller:
             for i, o in enumerate(outputs)
         ]
         t2 = time.perf_counter()  # the pipeline may have held the samples since they were generated
-        scores = await self.ex.rewards.score_async([(r.sample_id, r.text, r.answer) for r in rollouts])
+        scores = await self.ex.rewards.score_async(
+            [(r.sample_id, r.text, r.answer, samples[i // n].reward_info()) for i, r in enumerate(rollouts)])
         for r, s in zip(rollouts, scores):
             r.reward, r.reward_error = s.reward, s.error
         self._check_verifier(step, [r.reward_error for r in rollouts])
@@ -252,7 +253,7 @@ class Controller:
         greedy = SamplingParams(max_new_tokens=self.cfg.generator.max_new_tokens, temperature=0.0, n=1)
         outputs, _ = await self.generate(self.data.encode(held), greedy)
         scores = await self.ex.rewards.score_async(
-            [(s.id, self.tok.decode(o["token_ids"]), s.answer) for s, o in zip(held, outputs)])
+            [(s.id, self.tok.decode(o["token_ids"]), s.answer, s.reward_info()) for s, o in zip(held, outputs)])
         result = {"accuracy": sum(r.reward >= 1.0 for r in scores) / len(held),
                   "policy_version": min(min(o["policy_versions"], default=-1) for o in outputs)}
         self.log.eval(step, result)

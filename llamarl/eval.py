@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 from llamarl.data import PromptFormat, PromptFormatter, Sample, load_dataset, select_shots
 from llamarl.data.synthetic import SYNTHETIC_PREFIX, parse_synthetic_spec
 from llamarl.rewards import RewardPool, RewardPoolError, load_reward
+from llamarl.rewards.registry import call_reward
 
 
 
@@ -118,11 +119,10 @@ class EvalResult:
 RewardLike = str | Callable[[str, str], float] | RewardPool
 
 
-def _score_in_process(
-    fn: Callable[[str, str], float], sample_id: str, completion: str, answer: str
-) -> tuple[float, str | None]:
+def _score_in_process(fn: Callable[..., float], sample: Sample, completion: str) -> tuple[float, str | None]:
+    sample_id = sample.id
     try:
-        reward = float(fn(completion, answer))
+        reward = float(call_reward(fn, completion, sample.answer, sample.reward_info()))
     except Exception as e:
         return 0.0, f"sample {sample_id!r}: {type(e).__name__}: {e}"
     if not math.isfinite(reward):
@@ -243,9 +243,9 @@ def evaluate(
             s = samples[i]
             completion = tokenizer.decode(out.token_ids)
             if isinstance(reward_fn, RewardPool):
-                scored: Any = reward_fn.submit(s.id, completion, s.answer)
+                scored: Any = reward_fn.submit(s.id, completion, s.answer, s.reward_info())
             else:
-                scored = _score_in_process(reward_fn, s.id, completion, s.answer)
+                scored = _score_in_process(reward_fn, s, completion)
             pending.append((i, out.sample_index, scored, completion, len(out.token_ids), out.finish_reason))
         bar.update(len(batch))
     bar.close()

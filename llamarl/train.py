@@ -54,6 +54,7 @@ from llamarl.models import CharTokenizer, Llama, LlamaConfig, LLAMA_CONFIGS, loa
 from llamarl.models.hf_io import check_checkpoint
 from llamarl.parallel.tensor_parallel import check_tp_size
 from llamarl.rewards import RewardPool, RewardPoolError, load_reward
+from llamarl.rewards.registry import info_params
 from llamarl.reporting import make_reporters, parse_report_to
 from llamarl.runlog import RunLog, summary_table
 from llamarl.runtime import ExecutorError, ExecutorHung, RewardSpec, TorchrunEnv, run, serve_torchrun
@@ -191,6 +192,12 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
         data = TrainData(cfg.data, tokenizer, seed=cfg.run.seed, cursor=cursor, max_prompt_tokens=max_prompt)
     except (OSError, ValueError, ImportError) as e:
         raise ConfigError(f"data.dataset: {e}") from None
+    if cfg.reward.reward not in REWARD_NAMES:  # the keyword arguments it asks for must exist for every sample
+        missing = sorted(info_params(load_reward(cfg.reward.reward))[2] - data.info_fields)
+        if missing:
+            raise ConfigError(f"reward.reward: {cfg.reward.reward} needs the keyword argument(s) {missing}, which "
+                              f"not every sample has (all have: {sorted(data.info_fields)}); give them defaults or "
+                              "add those fields to every record of the dataset")
     if data.dropped:
         log(f"data: dropped {data.dropped} prompts longer than {max_prompt} tokens (the context {context} minus "
             f"generator.max_new_tokens)")

@@ -79,6 +79,9 @@ class TrainData:
                 samples = kept
             self.longest_prompt = max(lengths)
             self.heldout, self._pool = _split_heldout(samples, cfg.eval_size, seed, cfg.dataset)
+        # what a reward function may ask for by name from every sample of the run (Sample.reward_info)
+        self.info_fields = frozenset.intersection(*(frozenset(s.reward_info()) for s in (
+            self.heldout + (self._pool or []) or [Sample("", "", "")])))
         self.cursor = 0
         self._stream = self._new_stream()
         self.seek(cursor)

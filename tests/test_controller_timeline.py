@@ -68,7 +68,7 @@ class FakeRewards:
 
     async def score_async(self, items):
         out = []
-        for i, (sid, _, _) in enumerate(items):
+        for i, (sid, *_) in enumerate(items):
             failed = self.fail_every and i % self.fail_every == 0
             out.append(RewardResult(sample_id=sid, reward=0.0 if failed else 1.0,
                                     error="ValueError: flaky" if failed else None, elapsed_s=0.0))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -130,7 +131,7 @@ def test_user_function_from_file_and_module(user_file, monkeypatch):
         ("no_such_module_xyz:reward", "cannot import module 'no_such_module_xyz'"),
         ("my_rewards:missing", "has no attribute 'missing'"),
         ("my_rewards:NOT_CALLABLE", "not a function"),
-        ("my_rewards:one_arg", "cannot be called as fn(completion, answer)"),
+        ("my_rewards:one_arg", "cannot be called as fn(completion, answer, **info)"),
         ("gsm9k", "neither a built-in"),
         ("", "non-empty"),
         ("/definitely/not/here.py:reward", "does not exist"),
@@ -138,7 +139,7 @@ def test_user_function_from_file_and_module(user_file, monkeypatch):
 )
 def test_bad_specs_name_the_problem(spec, message, user_file, monkeypatch):
     monkeypatch.syspath_prepend(str(user_file))
-    with pytest.raises(RewardSpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(RewardSpecError, match=re.escape(message)):
         load_reward(spec)
 
 

@@ -14,6 +14,9 @@ is text, or a conversation (a list of ``{"role", "content"}`` messages ending wi
 TRL's conversational datasets; it needs chat formatting). Sample ids
 come from ``id_field`` when every record has it (must be unique), else ``"<file stem>-<index>"``.
 
+A record's other fields are kept in ``Sample.extra``: a reward function that names one of them as a
+keyword parameter receives it (llamarl.rewards.registry).
+
 Numeric answers become text: integral numbers as integers (``72.0`` → ``"72"``), others as Python's
 shortest repr; NaN/inf and empty answers are errors (such a sample could never be scored).
 
@@ -25,9 +28,9 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 GSM8K_MARKER = "####"
 SUPPORTED_SUFFIXES = (".jsonl", ".parquet")
@@ -46,6 +49,14 @@ class Sample:
     prompt: str
     answer: str
     messages: tuple[tuple[str, str], ...] | None = None
+    # the record's other fields (for reward functions that ask for them by name); not part of equality
+    extra: Mapping[str, Any] | None = field(default=None, compare=False)
+
+    def reward_info(self) -> dict[str, Any]:
+        """What a reward function may ask for by name (llamarl.rewards.registry.call_reward): the record's
+        other fields, then ``prompt`` (the text before formatting) and ``sample_id``, which take precedence."""
+        info = {k: v for k, v in (self.extra or {}).items() if k not in ("completion", "answer")}
+        return {**info, "prompt": self.prompt, "sample_id": self.id}
 
 
 def reduce_answer(answer: str) -> str:
@@ -154,10 +165,10 @@ def load_dataset(
     samples: list[Sample] = []
     seen: dict[str, str] = {}
     for index, (where, rec) in enumerate(records):
-        for field in (prompt_field, answer_field):
-            if field not in rec:
+        for name in (prompt_field, answer_field):
+            if name not in rec:
                 raise ValueError(
-                    f"{p} {where}: missing field {field!r}; fields present: {sorted(rec)}. "
+                    f"{p} {where}: missing field {name!r}; fields present: {sorted(rec)}. "
                     "Pick the right ones with data.prompt_field= / data.answer_field= (llamarl.train --set) or "
                     "--prompt-field / --answer-field (llamarl.eval)"
                 )
@@ -175,7 +186,8 @@ def load_dataset(
         if sid in seen:
             raise ValueError(f"{p} {where}: duplicate id {sid!r} (first seen at {seen[sid]}); ids must be unique")
         seen[sid] = where
-        samples.append(Sample(sid, prompt, answer, messages))
+        extra = {k: v for k, v in rec.items() if k not in (prompt_field, answer_field, id_field)}
+        samples.append(Sample(sid, prompt, answer, messages, extra or None))
     return samples
 
 

@@ -76,6 +76,6 @@ class FormattedReward:
         if not 0.0 <= self.weight <= 1.0:
             raise ValueError(f"format_weight must lie in [0, 1], got {self.weight!r}")
 
-    def __call__(self, completion: str, answer: str) -> float:
-        correct = float(self.reward_fn(completion, answer))
+    def __call__(self, completion: str, answer: str, **info) -> float:
+        correct = float(self.reward_fn(completion, answer, **info))
         return (1.0 - self.weight) * correct + self.weight * format_reward(completion, self.style)

@@ -4,7 +4,10 @@
     "package.module:function"             a user function, imported with importlib
     "path/to/file.py:function"            a user function defined in a file (no package needed)
 
-A reward function has the signature ``fn(completion: str, answer: str) -> float``. Worker processes
+A reward function has the signature ``fn(completion: str, answer: str) -> float``; it may also take
+keyword parameters named after what is known of the sample (``call_reward``): ``prompt`` (its text
+before formatting), ``sample_id``, and any other field of its dataset record (veRL's ``extra_info``, TRL's
+dataset columns), or ``**kwargs`` for all of them. Worker processes
 receive the *spec*, not a pickled function, and call ``load_reward`` themselves; user functions thus
 need not be picklable (closures, lambdas bound to a module name and objects with state all work).
 
@@ -22,7 +25,7 @@ import os
 import sys
 import zlib
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 from llamarl.rewards.exact import exact_reward
 from llamarl.rewards.format import FORMAT_STYLES, FormattedReward
@@ -84,13 +87,37 @@ def _check_signature(fn: RewardFn, spec: str) -> None:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # some builtins have no signature; calling them will tell
         return
-    try:
-        sig.bind("completion", "answer")
+    try:  # its other required parameters come by keyword (call_reward)
+        sig.bind("completion", "answer", **dict.fromkeys(info_params(fn)[2]))
     except TypeError as e:
         raise RewardSpecError(
             f"reward spec {spec!r}: {getattr(fn, '__name__', fn)!r}{sig} cannot be called as "
-            f"fn(completion, answer): {e}"
+            f"fn(completion, answer, **info): {e}"
         ) from None
+
+
+def info_params(fn: Callable) -> tuple[bool, frozenset[str], frozenset[str]]:
+    """What ``fn`` takes besides (completion, answer): (whether it takes ``**kwargs``, the names of its other
+    keyword-capable parameters, those of them without a default)."""
+    target = fn.reward_fn if isinstance(fn, FormattedReward) else fn
+    try:
+        params = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: it gets (completion, answer) only
+        return False, frozenset(), frozenset()
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
+    named = [p for p in params if p not in positional and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return (any(p.kind == p.VAR_KEYWORD for p in params), frozenset(p.name for p in named),
+            frozenset(p.name for p in named if p.default is p.empty))
+
+
+def call_reward(fn: Callable, completion: str, answer: str, info: Mapping[str, Any] | None = None,
+                params: tuple[bool, frozenset[str], frozenset[str]] | None = None) -> Any:
+    """``fn(completion, answer, **kw)``, kw the entries of ``info`` that ``fn`` takes (``info_params``,
+    computed once and passed as ``params`` by callers that call often)."""
+    if not info:
+        return fn(completion, answer)
+    takes_all, names, _ = params if params is not None else info_params(fn)
+    return fn(completion, answer, **{k: v for k, v in info.items() if takes_all or k in names})
 
 
 def resolve_function(spec: str) -> RewardFn:

@@ -1,7 +1,8 @@
 """RewardPool: score (completion, answer) pairs in worker processes, with a per-sample timeout.
 
     with RewardPool("math", num_workers=4, timeout_s=5.0) as pool:
-        results = pool.score([(sample_id, completion, answer), ...])   # blocking, input order
+        results = pool.score([(sample_id, completion, answer), ...])   # blocking, input order; an item
+                                                                         # may add an info dict (call_reward)
         future = pool.submit(sample_id, completion, answer)              # concurrent.futures.Future
         results = await pool.score_async(items)                          # asyncio
 
@@ -9,7 +10,7 @@ Processes and messages:
   * each worker is a "spawn"ed process (never fork: the parent may run torch/NCCL threads) that
     receives the reward *spec string* and calls ``load_reward`` itself, so user functions need not be
     picklable. It runs the function in its main thread and answers over its own duplex pipe:
-        parent -> worker: (task_id, completion, answer) | None (exit)
+        parent -> worker: (task_id, completion, answer, info) | None (exit)
         worker -> parent: ("ready", pid) | ("load_error", text) | ("result", task_id, reward, error, s)
   * one dispatcher thread in the parent owns all workers: it hands a queued task to an idle ready
     worker, then waits (``multiprocessing.connection.wait``) on the pipes, the process sentinels and a
@@ -56,10 +57,10 @@ import traceback
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, Mapping, Sequence
 
 from llamarl._procs import exit_when_parent_dies, ignore_sigint, sigint_blocked
-from llamarl.rewards.registry import load_reward, warm_up
+from llamarl.rewards.registry import call_reward, info_params, load_reward, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ def _worker_main(conn: mpc.Connection, spec: str, format_weight: float, format_s
     exit_when_parent_dies(name="llamarl-reward-parent-watch")
     try:
         fn = load_reward(spec, format_weight=format_weight, format_style=format_style)
+        params = info_params(fn)
         warm_up(spec)
     except BaseException as e:
         try:
@@ -146,10 +148,10 @@ def _worker_main(conn: mpc.Connection, spec: str, format_weight: float, format_s
             return
         if msg is None:
             return
-        task_id, completion, answer = msg
+        task_id, completion, answer, info = msg
         start = time.perf_counter()
         try:
-            value = fn(completion, answer)
+            value = call_reward(fn, completion, answer, info, params)
         except BaseException as e:  # SystemExit from user code too: it costs the sample, not the worker
             reward, error = 0.0, _describe_exception(e)
         else:
@@ -170,6 +172,7 @@ class _Task:
     sample_id: Hashable
     completion: str
     answer: str
+    info: Mapping[str, Any] | None
     future: Future
 
 
@@ -280,8 +283,10 @@ class RewardPool:
         self._thread.start()
 
     # ---------------------------------------------------------------- public API
-    def submit(self, sample_id: Hashable, completion: str, answer: str) -> Future:
-        """Queue one sample; the future resolves to its ``RewardResult``."""
+    def submit(self, sample_id: Hashable, completion: str, answer: str,
+               info: Mapping[str, Any] | None = None) -> Future:
+        """Queue one sample; the future resolves to its ``RewardResult``. ``info``: what else is known of the
+        sample, passed to a reward function that asks for it by name (llamarl.rewards.registry.call_reward)."""
         if not isinstance(completion, str) or not isinstance(answer, str):
             raise TypeError(
                 f"sample {sample_id!r}: completion and answer must be str, got "
@@ -293,7 +298,7 @@ class RewardPool:
                 raise RewardPoolError("RewardPool is closed; create a new one to score more samples")
             if self._broken is not None:
                 raise RewardPoolError(self._broken)
-            self._queue.append(_Task(self._next_task_id, sample_id, completion, answer, future))
+            self._queue.append(_Task(self._next_task_id, sample_id, completion, answer, info, future))
             self._next_task_id += 1
             self._bump(submitted=1)
             wake = not self._wake_pending
@@ -302,12 +307,12 @@ class RewardPool:
             self._wake()
         return future
 
-    def score(self, items: Sequence[tuple[Hashable, str, str]]) -> list[RewardResult]:
-        """Score ``(sample_id, completion, answer)`` items; results come back in input order."""
+    def score(self, items: Sequence[tuple]) -> list[RewardResult]:
+        """Score ``(sample_id, completion, answer[, info])`` items; results come back in input order."""
         futures = [self.submit(*self._unpack(item, i)) for i, item in enumerate(items)]
         return [f.result() for f in futures]
 
-    async def score_async(self, items: Sequence[tuple[Hashable, str, str]]) -> list[RewardResult]:
+    async def score_async(self, items: Sequence[tuple]) -> list[RewardResult]:
         """``score`` for asyncio code: awaits the results without blocking the event loop."""
         futures = [self.submit(*self._unpack(item, i)) for i, item in enumerate(items)]
         return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
@@ -343,10 +348,11 @@ class RewardPool:
 
     # ---------------------------------------------------------------- helpers
     @staticmethod
-    def _unpack(item: Any, index: int) -> tuple[Hashable, str, str]:
-        if not isinstance(item, (tuple, list)) or len(item) != 3:
-            raise TypeError(f"item {index} must be a (sample_id, completion, answer) tuple, got {item!r:.200}")
-        return item[0], item[1], item[2]
+    def _unpack(item: Any, index: int) -> tuple:
+        if not isinstance(item, (tuple, list)) or len(item) not in (3, 4):
+            raise TypeError(f"item {index} must be a (sample_id, completion, answer[, info]) tuple, got "
+                            f"{item!r:.200}")
+        return tuple(item)
 
     def _bump(self, **deltas: int) -> None:  # caller holds self._lock
         s = self._stats
@@ -424,7 +430,7 @@ class RewardPool:
             if not task.future.set_running_or_notify_cancel():
                 continue  # cancelled by the caller while queued
             try:
-                w.conn.send((task.task_id, task.completion, task.answer))
+                w.conn.send((task.task_id, task.completion, task.answer, task.info))
             except (BrokenPipeError, OSError):
                 with self._lock:
                     self._queue.appendleft(task)  # the worker is gone; _service replaces it

@@ -1,0 +1,77 @@
+"""Reward functions that ask for more than (completion, answer): keyword parameters named after the
+sample's prompt, id and dataset fields (veRL's extra_info, TRL's dataset columns), in process, in the
+worker pool and in a training run, with a missing field refused before the run starts."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from llamarl.rewards import FormattedReward, RewardPool
+from llamarl.rewards.registry import call_reward, info_params
+from llamarl.train import main
+
+INFO = {"prompt": "1+1=", "sample_id": "s0", "target": "2", "level": 3}
+
+
+def test_only_the_named_keywords_are_passed():
+    def plain(completion, answer):
+        return 1.0
+
+    def named(completion, answer, target, level=0):
+        return (target, level)
+
+    def keyword_only(c, a, *, sample_id):
+        return sample_id
+
+    def everything(completion, answer, **info):
+        return info
+
+    assert info_params(plain) == (False, frozenset(), frozenset())
+    assert info_params(named) == (False, frozenset({"target", "level"}), frozenset({"target"}))
+    assert call_reward(plain, "2", "2", INFO) == 1.0
+    assert call_reward(named, "2", "2", INFO) == ("2", 3)
+    assert call_reward(keyword_only, "2", "2", INFO) == "s0"
+    assert call_reward(everything, "2", "2", INFO) == INFO
+    formatted = FormattedReward(lambda c, a, target: float(c == target), "exact", 0.5)
+    assert info_params(formatted)[2] == {"target"} and call_reward(formatted, "2", "3", INFO) == 1.0
+    with pytest.raises(TypeError, match="target"):
+        call_reward(named, "2", "2", {"prompt": "x"})
+
+
+@pytest.fixture
+def reward_file(tmp_path):
+    path = tmp_path / "rw.py"
+    path.write_text(textwrap.dedent("""
+        def by_target(completion, answer, target, prompt):
+            # right when the completion is the record's target and the prompt is the sample's own
+            return float(completion.strip() == target and prompt.endswith("="))
+    """))
+    return f"{path}:by_target"
+
+
+def test_the_worker_pool_passes_the_info(reward_file):
+    with RewardPool(reward_file, num_workers=1, timeout_s=10.0) as pool:
+        results = pool.score([("a", "7", "x", {"target": "7", "prompt": "3+4="}),
+                              ("b", "7", "x", {"target": "8", "prompt": "3+5="}),
+                              ("c", "7", "x")])  # no info: the function misses its arguments
+    assert [r.reward for r in results] == [1.0, 0.0, 0.0]
+    assert "missing 2 required positional arguments" in results[2].error
+
+
+def test_a_run_scores_with_dataset_fields(tmp_path, reward_file, capsys):
+    rows = [{"question": f"{i}+{i}=", "answer": str(2 * i), "target": str(2 * i)} for i in range(30)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["--preset", "smoke", "--dataset", str(path), "--reward", reward_file, "--max-steps", "2"]
+    assert main(args + ["--out", str(tmp_path / "run"), "--set", "run.log_samples=8"]) == 0
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["reward_error"] is None for s in samples)
+    assert all(s["reward"] == float(s["completion"].strip() == s["answer"]) for s in samples)
+    no_target = tmp_path / "no_target.jsonl"
+    no_target.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "target" or i})
+                                 + "\n" for i, r in enumerate(rows)))
+    assert main(args[:3] + [str(no_target)] + args[4:] + ["--out", str(tmp_path / "bad")]) == 2
+    assert "reward.reward: " in (err := capsys.readouterr().err) and "needs the keyword argument(s) ['target']" in err
