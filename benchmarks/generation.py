@@ -298,7 +298,7 @@ def main() -> None:
     if args.profile and device.type == "cuda":
         report.note(profile_decode(args, cfg, ours, device))
     if device.type == "cpu":
-        report.note("CPU peak memory: the resident set sampled every 0.5 ms during the timed calls, above its size before them.")
+        report.note("CPU peak memory: the resident set sampled every 0.5 ms during one untimed call, above its size before it.")
     report.note("same_tokens: share of generated tokens identical between the two (bf16 greedy may diverge after a near-tie).")
     report.save()
 

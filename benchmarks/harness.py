@@ -4,8 +4,8 @@
 GPU (so host overhead between launches is not hidden), with ``time.perf_counter`` after a full
 synchronisation on the CPU. It reports the median and the 20th/80th percentiles in seconds and the
 peak memory the calls added above what was allocated before (CUDA: ``max_memory_allocated``, exact;
-CPU: the process's resident set, sampled every 0.5 ms by a thread while the calls run, above its size
-before them: an estimate that can miss a spike shorter than the sampling interval).
+CPU: the process's resident set, sampled every 0.5 ms by a thread during one more, untimed call, above
+its size before it: an estimate that can miss a spike shorter than the sampling interval).
 
 ``Report`` collects rows and writes ``<name>.json`` and ``<name>.md`` (with hardware, versions and the
 exact command) under ``$OUT`` if set, else ``benchmarks/results/local/``; GPU runs are committed by
@@ -138,11 +138,12 @@ def measure(
             times.append(start.elapsed_time(end) / 1e3)
         peak = torch.cuda.max_memory_allocated(dev) - base
     else:
-        with _RssSampler() as rss:
-            for _ in range(iters):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        with _RssSampler() as rss:  # one more call, untimed: the sampling thread would slow the timed ones
+            fn()
         peak = rss.peak - rss.base
     return Measurement(
         median_s=statistics.median(times),

@@ -74,11 +74,12 @@ def prepare_policy(cfg: TrainConfig, tokenizer, data: TrainData) -> tuple[Path, 
     ws = cfg.warm_start
     model_cfg = LLAMA_CONFIGS[cfg.policy.model]
     # everything the warm-started weights depend on (the probe uses the reward and the generation length),
-    # input files by their contents
-    files = [cfg.data.dataset, cfg.reward.reward.rpartition(":")[0], cfg.policy.tokenizer]
-    key = cache_key("warmstart-v2", model_cfg.to_hf_dict(), dataclasses.replace(ws, cache_dir=None), cfg.data,
-                    cfg.run.seed, cfg.reward.reward, cfg.generator.max_new_tokens,
-                    *([cfg.policy.tokenizer] if cfg.policy.tokenizer else []),
+    # input files by their absolute paths (as a resumed run's config.yaml holds them) and their contents
+    a = cfg.with_absolute_paths()
+    files = [a.data.dataset, a.reward.reward.rpartition(":")[0], a.policy.tokenizer]
+    key = cache_key("warmstart-v2", model_cfg.to_hf_dict(), dataclasses.replace(ws, cache_dir=None), a.data,
+                    cfg.run.seed, a.reward.reward, cfg.generator.max_new_tokens,
+                    *([a.policy.tokenizer] if a.policy.tokenizer else []),
                     *[content_fingerprint(f) for f in files if f and os.path.exists(f)])
     path = (Path(ws.cache_dir) if ws.cache_dir else default_cache_dir()) / f"{cfg.policy.model}-{key}"
     if (path / "warmstart.json").is_file():
@@ -193,7 +194,7 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
     except (OSError, ValueError, ImportError) as e:
         raise ConfigError(f"data.dataset: {e}") from None
     if cfg.reward.reward not in REWARD_NAMES:  # the keyword arguments it asks for must exist for every sample
-        missing = sorted(info_params(load_reward(cfg.reward.reward))[2] - data.info_fields)
+        missing = sorted(info_params(load_reward(cfg.reward.reward)).required - data.info_fields)
         if missing:
             raise ConfigError(f"reward.reward: {cfg.reward.reward} needs the keyword argument(s) {missing}, which "
                               f"not every sample has (all have: {sorted(data.info_fields)}); give them defaults or "
@@ -207,10 +208,11 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
 def _check_resumed_model(model: dict, policy_dir: Path) -> None:
     """ConfigError unless ``policy.model`` (whose tokenizer and stop tokens a resumed run uses) has the
     shapes of the checkpoint's policy, whose weights it trains."""
-    saved = json.loads((policy_dir / "config.json").read_text())
+    ours = LlamaConfig.from_hf_dict(model)  # parsed: fields a config.json leaves out take their defaults
+    saved = LlamaConfig.from_hf_dict(json.loads((policy_dir / "config.json").read_text()))
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads")
-    differ = {k: (model.get(k), saved.get(k)) for k in keys if model.get(k) != saved.get(k)}
+            "num_key_value_heads", "head_dim")
+    differ = {k: (getattr(ours, k), getattr(saved, k)) for k in keys if getattr(ours, k) != getattr(saved, k)}
     if differ:
         raise ConfigError(f"policy.model: not the model the resumed run trained (its checkpoint {policy_dir} differs "
                           f"in {', '.join(f'{k} {a} vs {b}' for k, (a, b) in differ.items())}); pass that run's model")

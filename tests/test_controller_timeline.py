@@ -56,7 +56,7 @@ class FakeTrainer(_Serial):
         super().__init__()
         self.world, self.delay = world, delay
 
-    async def train_step(self, tensors, push=False):
+    async def train_step(self, tensors, push=False, step=None):
         await asyncio.sleep(self.delay)
         self.world["published"] += 1
         return [{"applied": True, "loss": 0.0, "version": self.world["published"], "sync": {"seconds": 0.0}}]

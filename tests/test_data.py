@@ -313,7 +313,20 @@ def test_conversational_prompts_render_through_the_chat_template(tmp_path):
     assert fmt.messages(c)[0] == {"role": "system", "content": "Default."}
     with pytest.raises(ValueError, match="sample 'a' is a conversation .* use chat formatting"):
         PromptFormatter(tokenizer=tok).render(a)
-    assert load_dataset(write_jsonl([a, b, c], tmp_path / "again.jsonl"), prompt_field="question") == [a, b, c]
+    again = load_dataset(write_jsonl([a, b, c], tmp_path / "again.jsonl"), prompt_field="question")
+    assert again == [a, b, c]
+
+
+def test_other_record_fields_reach_the_reward_info_and_survive_a_rewrite(tmp_path):
+    from llamarl.data import load_dataset, write_jsonl
+
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"id": "a", "question": "1+1=", "answer": "2", "tests": [1, 2], "level": 3}) + "\n")
+    sample, = load_dataset(path)
+    assert sample.extra == {"tests": [1, 2], "level": 3}
+    assert sample.reward_info() == {"tests": [1, 2], "level": 3, "prompt": "1+1=", "sample_id": "a"}
+    again, = load_dataset(write_jsonl([sample], tmp_path / "again.jsonl"))
+    assert again.extra == sample.extra
 
 
 @pytest.mark.parametrize("prompt, match", [

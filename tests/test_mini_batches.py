@@ -76,6 +76,17 @@ def test_epochs_repeat_the_step_and_the_schedule_counts_rl_steps(tmp_path):
     assert any(not torch.equal(w, four_steps[n]) for n, w in two_epochs.items())  # the warm-up did matter
 
 
+def test_the_learning_rate_follows_the_rl_step_it_is_given(tmp_path):
+    """The controller names each step, so the schedule does not drift when an update is skipped or a resumed
+    run changes mini_batches/epochs (counting optimizer updates would)."""
+    random_model(CFG).save_pretrained(tmp_path / "model")
+    cfg = dict(TRAINER, lr_warmup_steps=10, mini_batches=2)
+    with single_process_trainer(tmp_path / "model", CFG, cfg) as ex:
+        assert ex.train_step(_parts(2), step=5)["lr"] == pytest.approx(TRAINER["lr"] * 6 / 10, rel=1e-15)
+        assert ex.train_step(_parts(2), step=5)["lr"] == pytest.approx(TRAINER["lr"] * 6 / 10, rel=1e-15)
+        assert ex.train_step(_parts(2))["lr"] == pytest.approx(TRAINER["lr"] * 3 / 10, rel=1e-15)  # 4 updates / 2
+
+
 @pytest.mark.parametrize("sets, match", [
     ({"trainer": {"mini_batches": 3}}, r"trainer.mini_batches: must divide generator.prompts_per_step=16"),
     ({"trainer": {"mini_batches": 0}}, r"trainer.mini_batches: must be > 0"),

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import textwrap
+import threading
 
 import pytest
 
 from llamarl.rewards import FormattedReward, RewardPool
-from llamarl.rewards.registry import call_reward, info_params
+from llamarl.rewards.registry import InfoParams, call_reward, info_params
 from llamarl.train import main
 
 INFO = {"prompt": "1+1=", "sample_id": "s0", "target": "2", "level": 3}
@@ -29,14 +30,19 @@ def test_only_the_named_keywords_are_passed():
     def everything(completion, answer, **info):
         return info
 
-    assert info_params(plain) == (False, frozenset(), frozenset())
-    assert info_params(named) == (False, frozenset({"target", "level"}), frozenset({"target"}))
+    def clash(response, reference, **info):  # TRL-style names; a record field "response" must not collide
+        return (response, info)
+
+    assert info_params(plain).select(INFO) is None  # nothing crosses to a worker for it
+    assert info_params(named) == InfoParams(False, frozenset({"target", "level"}), frozenset({"target"}),
+                                            frozenset({"completion", "answer"}))
     assert call_reward(plain, "2", "2", INFO) == 1.0
     assert call_reward(named, "2", "2", INFO) == ("2", 3)
     assert call_reward(keyword_only, "2", "2", INFO) == "s0"
     assert call_reward(everything, "2", "2", INFO) == INFO
+    assert call_reward(clash, "2", "2", {**INFO, "response": "from the record"}) == ("2", INFO)
     formatted = FormattedReward(lambda c, a, target: float(c == target), "exact", 0.5)
-    assert info_params(formatted)[2] == {"target"} and call_reward(formatted, "2", "3", INFO) == 1.0
+    assert info_params(formatted).required == {"target"} and call_reward(formatted, "2", "3", INFO) == 1.0
     with pytest.raises(TypeError, match="target"):
         call_reward(named, "2", "2", {"prompt": "x"})
 
@@ -57,8 +63,12 @@ def test_the_worker_pool_passes_the_info(reward_file):
         results = pool.score([("a", "7", "x", {"target": "7", "prompt": "3+4="}),
                               ("b", "7", "x", {"target": "8", "prompt": "3+5="}),
                               ("c", "7", "x")])  # no info: the function misses its arguments
+        # a value that cannot cross to a worker costs its sample; the pool goes on
+        unsendable = pool.score([("d", "7", "x", {"target": "7", "prompt": "3+4=", "lock": threading.Lock()}),
+                                 ("e", "7", "x", {"target": "7", "prompt": "3+4="})])
     assert [r.reward for r in results] == [1.0, 0.0, 0.0]
     assert "missing 2 required positional arguments" in results[2].error
+    assert "cannot send the sample to a reward worker" in unsendable[0].error and unsendable[1].reward == 1.0
 
 
 def test_a_run_scores_with_dataset_fields(tmp_path, reward_file, capsys):

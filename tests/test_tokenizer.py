@@ -247,3 +247,22 @@ def test_a_suffix_of_the_post_processor_is_not_put_after_prompts(hf_dir):
     tok = load_tokenizer(hf_dir)
     assert tok.prefix_ids == (bos,)
     assert tok.encode("What is", add_bos=True) == [bos] + tok.encode("What is")
+
+
+def test_the_prefix_is_found_when_the_vocabulary_cannot_spell_a(tmp_path):
+    """A digits-only vocabulary: the probe "a" encodes to nothing, so a vocabulary entry is the probe (the
+    post-processor's suffix must not be taken for a prefix)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    for single, want in (("$A </s>", ()), ("<s> $A </s>", (1,))):
+        raw = Tokenizer(models.BPE({"</s>": 0, "<s>": 1, "1": 2, "2": 3, "+": 4, "=": 5}, merges=[]))
+        raw.pre_tokenizer = pre_tokenizers.Whitespace()
+        raw.add_special_tokens(["</s>", "<s>"])
+        raw.post_processor = processors.TemplateProcessing(single=single, special_tokens=[("</s>", 0), ("<s>", 1)])
+        raw.save(str(tmp_path / "tokenizer.json"))
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+        tok = load_tokenizer(tmp_path)
+        assert tok.prefix_ids == want, single
+        ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+        assert ref("1+2=")["input_ids"][:len(want) + 1] == [*want, 2]

@@ -92,3 +92,28 @@ def test_completions_cut_by_the_token_budget_are_warned_about_once(tmp_path, cap
     assert main(SMOKE + ["--set", "generator.max_new_tokens=1", "--max-steps", "3", "--out", str(tmp_path / "r")]) == 0
     err = capsys.readouterr().err
     assert err.count("completions stopped at generator.max_new_tokens=1 tokens") == 1
+
+
+def test_a_config_json_leaving_out_defaults_matches_its_own_checkpoint(tmp_path):
+    from llamarl.config import ConfigError
+    from llamarl.train import _check_resumed_model
+
+    config = LLAMA_CONFIGS["tiny"].replace(num_key_value_heads=LLAMA_CONFIGS["tiny"].num_attention_heads)
+    Llama(config).save_pretrained(tmp_path / "policy")  # the checkpoint's config.json: every field written
+    given = {k: v for k, v in config.to_hf_dict().items() if k not in ("num_key_value_heads", "head_dim")}
+    _check_resumed_model(given, tmp_path / "policy")
+    with pytest.raises(ConfigError, match="differs in num_hidden_layers"):
+        _check_resumed_model({**given, "num_hidden_layers": 1}, tmp_path / "policy")
+
+
+def test_the_warm_start_cache_does_not_depend_on_how_a_path_is_spelled(tmp_path, monkeypatch):
+    from llamarl.train import load_inputs, prepare_policy
+
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                                                 for i in range(20)))
+    monkeypatch.chdir(tmp_path)
+    relative = load_config(SMOKE + ["--dataset", "data.jsonl"])
+    first, _ = prepare_policy(relative, *load_inputs(relative))
+    absolute = load_config(SMOKE + ["--dataset", str(tmp_path / "data.jsonl")])  # as a resumed run's config.yaml
+    again, info = prepare_policy(absolute, *load_inputs(absolute))
+    assert again == first and info["cached"]

@@ -199,14 +199,16 @@ def write_jsonl(
     id_field: str = "id",
 ) -> Path:
     """Write samples so that ``load_dataset(path, prompt_field, answer_field, id_field=id_field)`` reads them
-    back unchanged when their answers are already reduced (no ``####``, no surrounding whitespace)."""
+    back unchanged (``extra`` too, as the record's other fields) when their answers are already reduced (no
+    ``####``, no surrounding whitespace)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for s in samples:
             prompt = s.prompt if s.messages is None else [{"role": r, "content": c} for r, c in s.messages]
-            f.write(json.dumps({id_field: s.id, prompt_field: prompt, answer_field: s.answer}) + "\n")
+            record = {**(s.extra or {}), id_field: s.id, prompt_field: prompt, answer_field: s.answer}
+            f.write(json.dumps(record) + "\n")
     os.replace(tmp, p)
     return p
 

@@ -148,21 +148,25 @@ class TrainerExecutor:
         # reader or writer still raises PeerDied at once; a hung generator stops the run anyway)
         self.sender = WeightSender(plan, self.rank, generator_handles, device=self.device, timeout=float("inf"))
         self.version: int | None = None  # the last version pushed to the generators
+        self._rl_step: int | None = None  # the RL step being trained (train_step's step)
 
     # ------------------------------------------------------------------ commands
-    def train_step(self, batch: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]], push: bool = False) -> dict:
-        """One RL step: an update on each collated mini-batch (a list, or one batch), ``trainer.epochs``
-        passes over them; with ``push``, a step with an applied update is also pushed to the generators as
-        the next version, one more than the last one pushed (one round trip from the controller instead of
-        two; ``stats["sync"]`` holds the push). The trainer owns the version count, so the controller can
-        queue the next step's command before this one has answered. ``stats["version"]`` is the last
-        version pushed after the call (None before the first ``push_weights``); ``stats["updates"]`` the
-        number of updates applied."""
+    def train_step(self, batch: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]], push: bool = False,
+                   step: int | None = None) -> dict:
+        """RL step ``step`` (0-based; it sets the learning rate, ``lr_at``): an update on each collated
+        mini-batch (a list, or one batch), ``trainer.epochs`` passes over them; with ``push``, a step with
+        an applied update is also pushed to the generators as the next version, one more than the last one
+        pushed (one round trip from the controller instead of two; ``stats["sync"]`` holds the push). The
+        trainer owns the version count, so the controller can queue the next step's command before this one
+        has answered. ``stats["version"]`` is the last version pushed after the call (None before the first
+        ``push_weights``); ``stats["updates"]`` the number of updates applied. Without ``step`` the step is
+        counted from the optimizer's updates (applied ones only) over mini_batches x epochs."""
         if push and self.version is None:
             raise RuntimeError("train_step(push=True) before any push_weights(version): push the starting "
                                "weights first, so the version count has a start")
         parts = batch if isinstance(batch, list) else [batch]
         update = self._distributed_train_step if self.distributed else self._train_step
+        self._rl_step = step
         stats = _combine_updates([update(part) for _ in range(self.cfg["epochs"]) for part in parts])
         if push and stats["applied"]:
             stats["sync"] = self.push_weights(self.version + 1)
@@ -301,10 +305,13 @@ class TrainerExecutor:
 
     def _apply_update(self, applied: bool, loss: float, grad_norm: torch.Tensor, t0: float, metrics: dict) -> dict:
         """The end of an update on every path: AdamW at the scheduled learning rate if ``applied``,
-        gradients cleared, and the update's stats. The schedule (``lr_at``) counts RL steps: the optimizer's
-        own step count (so a resumed run continues it) over the updates per step, mini_batches x epochs."""
-        steps = next((int(st["step"]) for st in self.opt.state.values() if "step" in st), 0)
-        lr = lr_at(steps // (self.cfg["mini_batches"] * self.cfg["epochs"]), self.cfg, self.total_steps)
+        gradients cleared, and the update's stats. The schedule (``lr_at``) counts RL steps: the step
+        ``train_step`` was given, else the optimizer's own update count over mini_batches x epochs."""
+        step = self._rl_step
+        if step is None:
+            updates = next((int(st["step"]) for st in self.opt.state.values() if "step" in st), 0)
+            step = updates // (self.cfg["mini_batches"] * self.cfg["epochs"])
+        lr = lr_at(step, self.cfg, self.total_steps)
         for group in self.opt.param_groups:
             group["lr"] = lr
         if applied:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
+import itertools
 import json
 import os
 from pathlib import Path
@@ -280,14 +281,16 @@ class HFTokenizer:
 
     @functools.cached_property
     def prefix_ids(self) -> tuple[int, ...]:
-        """The leading special tokens of ``encode("a", add_special_tokens=True)`` (see the module docstring)."""
-        enc = self._tok.encode("a", add_special_tokens=True)
-        prefix = []
-        for i, special in zip(enc.ids, enc.special_tokens_mask):
-            if not special:
-                break
-            prefix.append(int(i))
-        return tuple(prefix)
+        """The special tokens before the first token of a text that ``encode(text, add_special_tokens=True)``
+        keeps (see the module docstring), probed with "a", else with the text of a vocabulary entry; () if no
+        probe encodes to a token of its own (then nothing tells a prefix from a suffix)."""
+        decoded = (self._tok.decode([i], skip_special_tokens=True) for i in range(min(self.vocab_size, 4096)))
+        for probe in itertools.chain(("a",), (t for t in decoded if t.strip())):
+            enc = self._tok.encode(probe, add_special_tokens=True)
+            first = next((k for k, special in enumerate(enc.special_tokens_mask) if not special), None)
+            if first is not None:
+                return tuple(int(i) for i in enc.ids[:first])
+        return ()
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]

@@ -24,6 +24,7 @@ import inspect
 import os
 import sys
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -88,7 +89,7 @@ def _check_signature(fn: RewardFn, spec: str) -> None:
     except (TypeError, ValueError):  # some builtins have no signature; calling them will tell
         return
     try:  # its other required parameters come by keyword (call_reward)
-        sig.bind("completion", "answer", **dict.fromkeys(info_params(fn)[2]))
+        sig.bind("completion", "answer", **dict.fromkeys(info_params(fn).required))
     except TypeError as e:
         raise RewardSpecError(
             f"reward spec {spec!r}: {getattr(fn, '__name__', fn)!r}{sig} cannot be called as "
@@ -96,28 +97,43 @@ def _check_signature(fn: RewardFn, spec: str) -> None:
         ) from None
 
 
-def info_params(fn: Callable) -> tuple[bool, frozenset[str], frozenset[str]]:
-    """What ``fn`` takes besides (completion, answer): (whether it takes ``**kwargs``, the names of its other
-    keyword-capable parameters, those of them without a default)."""
+@dataclass(frozen=True)
+class InfoParams:
+    """What a reward function takes besides (completion, answer): ``takes_all`` (a ``**kwargs``), ``names``
+    (its other keyword-capable parameters), ``required`` (those without a default) and ``positional`` (the
+    names of its first two parameters, which are never passed by keyword)."""
+
+    takes_all: bool = False
+    names: frozenset[str] = frozenset()
+    required: frozenset[str] = frozenset()
+    positional: frozenset[str] = frozenset()
+
+    def select(self, info: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """The entries of ``info`` to pass; None when there are none (nothing else crosses to a worker)."""
+        kw = {k: v for k, v in (info or {}).items()
+              if (self.takes_all or k in self.names) and k not in self.positional}
+        return kw or None
+
+
+def info_params(fn: Callable) -> InfoParams:
+    """``fn``'s ``InfoParams`` (a ``FormattedReward``'s are its inner function's)."""
     target = fn.reward_fn if isinstance(fn, FormattedReward) else fn
     try:
         params = list(inspect.signature(target).parameters.values())
     except (TypeError, ValueError):  # no signature to read: it gets (completion, answer) only
-        return False, frozenset(), frozenset()
+        return InfoParams()
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
     named = [p for p in params if p not in positional and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    return (any(p.kind == p.VAR_KEYWORD for p in params), frozenset(p.name for p in named),
-            frozenset(p.name for p in named if p.default is p.empty))
+    return InfoParams(any(p.kind == p.VAR_KEYWORD for p in params), frozenset(p.name for p in named),
+                      frozenset(p.name for p in named if p.default is p.empty), frozenset(p.name for p in positional))
 
 
 def call_reward(fn: Callable, completion: str, answer: str, info: Mapping[str, Any] | None = None,
-                params: tuple[bool, frozenset[str], frozenset[str]] | None = None) -> Any:
-    """``fn(completion, answer, **kw)``, kw the entries of ``info`` that ``fn`` takes (``info_params``,
-    computed once and passed as ``params`` by callers that call often)."""
-    if not info:
-        return fn(completion, answer)
-    takes_all, names, _ = params if params is not None else info_params(fn)
-    return fn(completion, answer, **{k: v for k, v in info.items() if takes_all or k in names})
+                params: InfoParams | None = None) -> Any:
+    """``fn(completion, answer, **kw)``, kw the entries of ``info`` that ``fn`` takes (``InfoParams.select``;
+    ``params`` computed once by callers that call often)."""
+    kw = (params if params is not None else info_params(fn)).select(info)
+    return fn(completion, answer, **(kw or {}))
 
 
 def resolve_function(spec: str) -> RewardFn:

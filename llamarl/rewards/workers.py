@@ -427,13 +427,18 @@ class RewardPool:
                 task = self._queue.popleft() if self._queue else None
             if task is None:
                 return
-            if not task.future.set_running_or_notify_cancel():
+            # (a task put back after a failed send is running already)
+            if not task.future.running() and not task.future.set_running_or_notify_cancel():
                 continue  # cancelled by the caller while queued
             try:
                 w.conn.send((task.task_id, task.completion, task.answer, task.info))
             except (BrokenPipeError, OSError):
                 with self._lock:
                     self._queue.appendleft(task)  # the worker is gone; _service replaces it
+                continue
+            except Exception as e:  # the message does not pickle (an info value): that sample fails, not the pool
+                self._finish(task, 0.0, f"cannot send the sample to a reward worker: {type(e).__name__}: {e}", 0.0,
+                             errors=1)
                 continue
             w.task, w.sent_at, w.deadline = task, time.monotonic(), time.monotonic() + self.timeout_s
 
