@@ -22,6 +22,16 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMARL_CACHE_DIR", str(tmp_path / "cache"))
 
 
+def assert_refused_before_start(cases: list[tuple[list[str], str]], tmp_path, capsys) -> None:
+    """Each (arguments, pattern): the smoke run exits 2, its message matches, and no run directory is made."""
+    for i, (args, pattern) in enumerate(cases):
+        out = tmp_path / f"r{i}"
+        assert main(SMOKE + args + ["--out", str(out)]) == 2, args
+        err = capsys.readouterr().err
+        assert re.search(pattern, err), (args, err)
+        assert not out.exists()
+
+
 def _model(path, tokenizer=None, **generation):
     Llama(LLAMA_CONFIGS["tiny"]).save_pretrained(path)
     (tokenizer or CharTokenizer()).save(path)
@@ -49,12 +59,7 @@ def test_model_inputs_that_would_fail_later_are_configuration_errors(tmp_path, c
         (["--model", str(tmp_path / "run")],
          rf"policy.model: it is a training run directory, not a model: pass {tmp_path}/run/checkpoints/step_NNNNNN"),
     ]
-    for i, (args, pattern) in enumerate(cases):
-        out = tmp_path / f"r{i}"
-        assert main(SMOKE + args + ["--out", str(out)]) == 2, args
-        err = capsys.readouterr().err
-        assert re.search(pattern, err), (args, err)
-        assert not out.exists()
+    assert_refused_before_start(cases, tmp_path, capsys)
 
 
 def test_an_upper_case_suffix_is_a_dataset_file_too(tmp_path):

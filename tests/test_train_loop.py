@@ -4,7 +4,6 @@ bound, checkpoints and resume after a kill, executor failure, config rejection."
 import dataclasses
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from llamarl.config_cli import load_config
 from llamarl.executors.trainer import lr_at
 from llamarl.models import CharTokenizer, load_tokenizer
 from llamarl.train import main, train
+from test_train_inputs import assert_refused_before_start
 
 SMOKE = ["--preset", "smoke", "--set", "warm_start.steps=3"]
 
@@ -322,12 +322,7 @@ def test_bad_data_and_model_files_are_rejected_before_anything_starts(tmp_path, 
         (["--model", str(no_weights)], r"policy.model: .*no_weights has neither model.safetensors"),
         (["--model", str(cut)], r"policy.model: .*truncated/model.safetensors is not a readable safetensors file"),
     ]
-    for i, (args, pattern) in enumerate(cases):
-        out = tmp_path / f"r{i}"
-        assert main(SMOKE + args + ["--out", str(out)]) == 2, args
-        err = capsys.readouterr().err
-        assert re.search(pattern, err), (args, err)
-        assert not out.exists()
+    assert_refused_before_start(cases, tmp_path, capsys)
 
 
 def test_over_long_prompts_are_dropped_from_a_file_dataset(tmp_path):
