@@ -3,7 +3,7 @@
 default  the embedded default: the tiny char-level Llama (0.8M parameters) on 2-digit addition with
          zero-padded operands; a warm start that stops at 30% greedy accuracy on probe training
          problems, then 600 steps of asynchronous AIPO (16 prompts x 8 samples, max staleness 1).
-         On a 2-core CPU: 34% -> 62-68% held-out accuracy, 84-96 s for the whole run (40-50 s warm start).
+         On a 2-core CPU: 34% -> 62-68% held-out accuracy, 80-96 s for the whole run (39-50 s warm start).
 sync     the same, in lock step (max_staleness 0): the baseline of every speed-up.
 smoke    seconds-long runs for tests and CI.
 """
