@@ -51,8 +51,12 @@ def test_only_the_named_keywords_are_passed():
 def reward_file(tmp_path):
     path = tmp_path / "rw.py"
     path.write_text(textwrap.dedent("""
+        import time
+
         def by_target(completion, answer, target, prompt):
             # right when the completion is the record's target and the prompt is the sample's own
+            if prompt == "slow=":
+                time.sleep(0.5)
             return float(completion.strip() == target and prompt.endswith("="))
     """))
     return f"{path}:by_target"
@@ -63,12 +67,17 @@ def test_the_worker_pool_passes_the_info(reward_file):
         results = pool.score([("a", "7", "x", {"target": "7", "prompt": "3+4="}),
                               ("b", "7", "x", {"target": "8", "prompt": "3+5="}),
                               ("c", "7", "x")])  # no info: the function misses its arguments
-        # a value that cannot cross to a worker costs its sample; the pool goes on
-        unsendable = pool.score([("d", "7", "x", {"target": "7", "prompt": "3+4=", "lock": threading.Lock()}),
-                                 ("e", "7", "x", {"target": "7", "prompt": "3+4="})])
+        # a value that cannot cross to a worker costs its sample, and the worker takes the next one (queued
+        # behind it while the worker was busy: it waited forever for a wake-up)
+        futures = [pool.submit(*item) for item in (
+            ("s", "7", "x", {"target": "7", "prompt": "slow="}),
+            ("d", "7", "x", {"target": "7", "prompt": "3+4=", "lock": threading.Lock()}),
+            ("e", "7", "x", {"target": "7", "prompt": "3+4="}))]
+        unsendable = [f.result(timeout=30) for f in futures]  # a TimeoutError, not a hung suite, if one is lost
     assert [r.reward for r in results] == [1.0, 0.0, 0.0]
     assert "missing 2 required positional arguments" in results[2].error
-    assert "cannot send the sample to a reward worker" in unsendable[0].error and unsendable[1].reward == 1.0
+    assert [r.reward for r in unsendable] == [1.0, 0.0, 1.0]
+    assert "cannot send the sample to a reward worker" in unsendable[1].error
 
 
 def test_a_run_scores_with_dataset_fields(tmp_path, reward_file, capsys):

@@ -420,27 +420,28 @@ class RewardPool:
             self._shutdown()
 
     def _assign_tasks(self) -> None:
+        """Give each idle worker the next queued task that can be sent to it (a task that cannot is finished
+        with an error, and the worker takes the next one: none may be left queued with a worker idle)."""
         for w in self._workers:
-            if not w.ready or w.task is not None:
-                continue
-            with self._lock:
-                task = self._queue.popleft() if self._queue else None
-            if task is None:
-                return
-            # (a task put back after a failed send is running already)
-            if not task.future.running() and not task.future.set_running_or_notify_cancel():
-                continue  # cancelled by the caller while queued
-            try:
-                w.conn.send((task.task_id, task.completion, task.answer, task.info))
-            except (BrokenPipeError, OSError):
+            while w.ready and w.task is None:
                 with self._lock:
-                    self._queue.appendleft(task)  # the worker is gone; _service replaces it
-                continue
-            except Exception as e:  # the message does not pickle (an info value): that sample fails, not the pool
-                self._finish(task, 0.0, f"cannot send the sample to a reward worker: {type(e).__name__}: {e}", 0.0,
-                             errors=1)
-                continue
-            w.task, w.sent_at, w.deadline = task, time.monotonic(), time.monotonic() + self.timeout_s
+                    task = self._queue.popleft() if self._queue else None
+                if task is None:
+                    return
+                # (a task put back after a failed send is running already)
+                if not task.future.running() and not task.future.set_running_or_notify_cancel():
+                    continue  # cancelled by the caller while queued
+                try:
+                    w.conn.send((task.task_id, task.completion, task.answer, task.info))
+                except (BrokenPipeError, OSError):
+                    with self._lock:
+                        self._queue.appendleft(task)  # the worker is gone; _service replaces it
+                    break
+                except Exception as e:  # the message does not pickle (an info value): the sample fails, not the pool
+                    self._finish(task, 0.0, f"cannot send the sample to a reward worker: {type(e).__name__}: {e}",
+                                 0.0, errors=1)
+                    continue
+                w.task, w.sent_at, w.deadline = task, time.monotonic(), time.monotonic() + self.timeout_s
 
     def _service(self, w: _Worker, ready: set) -> None:
         if w.conn in ready or w.process.sentinel in ready:
