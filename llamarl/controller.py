@@ -42,8 +42,7 @@ import torch
 from llamarl.algorithms import group_advantages
 from llamarl.config import TrainConfig
 from llamarl.generation import SamplingParams
-from llamarl.rewards import RewardPool, RewardPoolError, load_reward
-from llamarl.rewards.registry import info_params
+from llamarl.rewards import RewardPool, RewardPoolError
 from llamarl.rollouts import Rollout, RolloutBatch, collate
 from llamarl.runlog import RunLog
 from llamarl.runtime import ExecutorGroup
@@ -84,7 +83,6 @@ class Controller:
         self._last_step_end = time.perf_counter()
         self._failed_steps = 0  # consecutive steps whose every sample's verifier failed
         self._warned_cut = False
-        self._reward_params = info_params(load_reward(cfg.reward.reward))  # which sample fields it is sent
         g = cfg.generator
         self.sampling = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                                        top_p=g.top_p, n=g.samples_per_prompt)
@@ -165,7 +163,7 @@ class Controller:
             for i, o in enumerate(outputs)
         ]
         t2 = time.perf_counter()  # the pipeline may have held the samples since they were generated
-        infos = [self._reward_params.select(s.reward_info()) for s in samples]  # what the function asks for
+        infos = [s.reward_info() for s in samples]  # (the pool sends on what the function asks for)
         scores = await self.ex.rewards.score_async(
             [(r.sample_id, r.text, r.answer, infos[i // n]) for i, r in enumerate(rollouts)])
         for r, s in zip(rollouts, scores):
@@ -257,8 +255,7 @@ class Controller:
         greedy = SamplingParams(max_new_tokens=self.cfg.generator.max_new_tokens, temperature=0.0, n=1)
         outputs, _ = await self.generate(self.data.encode(held), greedy)
         scores = await self.ex.rewards.score_async(
-            [(s.id, self.tok.decode(o["token_ids"]), s.answer, self._reward_params.select(s.reward_info()))
-             for s, o in zip(held, outputs)])
+            [(s.id, self.tok.decode(o["token_ids"]), s.answer, s.reward_info()) for s, o in zip(held, outputs)])
         result = {"accuracy": sum(r.reward >= 1.0 for r in scores) / len(held),
                   "policy_version": min(min(o["policy_versions"], default=-1) for o in outputs)}
         self.log.eval(step, result)

@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 from llamarl.data import PromptFormat, PromptFormatter, Sample, load_dataset, select_shots
 from llamarl.data.synthetic import SYNTHETIC_PREFIX, parse_synthetic_spec
 from llamarl.rewards import RewardPool, RewardPoolError, load_reward
-from llamarl.rewards.registry import call_reward, info_params
+from llamarl.rewards.registry import InfoParams, call_reward, info_params
 
 
 
@@ -119,10 +119,11 @@ class EvalResult:
 RewardLike = str | Callable[[str, str], float] | RewardPool
 
 
-def _score_in_process(fn: Callable[..., float], sample: Sample, completion: str) -> tuple[float, str | None]:
+def _score_in_process(fn: Callable[..., float], params: InfoParams, sample: Sample,
+                      completion: str) -> tuple[float, str | None]:
     sample_id = sample.id
     try:
-        reward = float(call_reward(fn, completion, sample.answer, sample.reward_info()))
+        reward = float(call_reward(fn, completion, sample.answer, sample.reward_info(), params))
     except Exception as e:
         return 0.0, f"sample {sample_id!r}: {type(e).__name__}: {e}"
     if not math.isfinite(reward):
@@ -186,8 +187,8 @@ def evaluate(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if isinstance(reward_fn, str):
         reward_fn = load_reward(reward_fn)
-    # the sample fields a pool's function asks for (only those cross to its workers)
-    pool_params = info_params(load_reward(reward_fn.spec)) if isinstance(reward_fn, RewardPool) else None
+    # the sample fields an in-process function takes, read from its signature once
+    fn_params = None if isinstance(reward_fn, RewardPool) else info_params(reward_fn)
     params = SamplingParams(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, n=n,
         stop_token_ids=tuple(stop_token_ids), seed=seed,
@@ -245,9 +246,9 @@ def evaluate(
             s = samples[i]
             completion = tokenizer.decode(out.token_ids)
             if isinstance(reward_fn, RewardPool):
-                scored: Any = reward_fn.submit(s.id, completion, s.answer, pool_params.select(s.reward_info()))
+                scored: Any = reward_fn.submit(s.id, completion, s.answer, s.reward_info())
             else:
-                scored = _score_in_process(reward_fn, s, completion)
+                scored = _score_in_process(reward_fn, fn_params, s, completion)
             pending.append((i, out.sample_index, scored, completion, len(out.token_ids), out.finish_reason))
         bar.update(len(batch))
     bar.close()

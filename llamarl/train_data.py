@@ -26,6 +26,7 @@ token of a byte-level or character tokenizer covers at least one byte).
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import random
 from typing import Iterator, Sequence
@@ -79,12 +80,16 @@ class TrainData:
                 samples = kept
             self.longest_prompt = max(lengths)
             self.heldout, self._pool = _split_heldout(samples, cfg.eval_size, seed, cfg.dataset)
-        # what a reward function may ask for by name from every sample of the run (Sample.reward_info)
-        self.info_fields = frozenset.intersection(*(frozenset(s.reward_info()) for s in (
-            self.heldout + (self._pool or []) or [Sample("", "", "")])))
         self.cursor = 0
         self._stream = self._new_stream()
         self.seek(cursor)
+
+    @functools.cached_property
+    def info_fields(self) -> frozenset[str]:
+        """What a reward function may ask for by name from every sample of the run (Sample.reward_info);
+        computed when asked (a user reward function's check), not for every run."""
+        return frozenset.intersection(*(frozenset(s.reward_info()) for s in (
+            self.heldout + (self._pool or []) or [Sample("", "", "")])))
 
     def _new_stream(self) -> Iterator[Sample]:
         if self._task is None:

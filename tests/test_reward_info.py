@@ -66,15 +66,17 @@ def test_the_worker_pool_passes_the_info(reward_file):
     with RewardPool(reward_file, num_workers=1, timeout_s=10.0) as pool:
         results = pool.score([("a", "7", "x", {"target": "7", "prompt": "3+4="}),
                               ("b", "7", "x", {"target": "8", "prompt": "3+5="}),
-                              ("c", "7", "x")])  # no info: the function misses its arguments
+                              ("c", "7", "x"),  # no info: the function misses its arguments
+                              # only what it takes crosses to the worker: an unpicklable field it ignores is fine
+                              ("f", "7", "x", {"target": "7", "prompt": "3+4=", "unused": threading.Lock()})])
         # a value that cannot cross to a worker costs its sample, and the worker takes the next one (queued
         # behind it while the worker was busy: it waited forever for a wake-up)
         futures = [pool.submit(*item) for item in (
             ("s", "7", "x", {"target": "7", "prompt": "slow="}),
-            ("d", "7", "x", {"target": "7", "prompt": "3+4=", "lock": threading.Lock()}),
+            ("d", "7", "x", {"target": threading.Lock(), "prompt": "3+4="}),  # a value it takes
             ("e", "7", "x", {"target": "7", "prompt": "3+4="}))]
         unsendable = [f.result(timeout=30) for f in futures]  # a TimeoutError, not a hung suite, if one is lost
-    assert [r.reward for r in results] == [1.0, 0.0, 0.0]
+    assert [r.reward for r in results] == [1.0, 0.0, 0.0, 1.0]
     assert "missing 2 required positional arguments" in results[2].error
     assert [r.reward for r in unsendable] == [1.0, 0.0, 1.0]
     assert "cannot send the sample to a reward worker" in unsendable[1].error

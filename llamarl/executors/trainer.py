@@ -10,8 +10,8 @@ in micro-batches of ``micro_batch_size`` sequences whose gradients add up to exa
 gradient (each micro-batch loss is weighted by its share of the batch's loss denominator: its tokens
 for ``norm="token"``, its non-empty sequences for ``norm="sequence"``), then clips the global
 gradient norm and steps AdamW at the step's learning rate (``lr_at``: warm-up, then constant, cosine or
-linear decay over ``total_steps`` RL steps, counted by the optimizer's own step count over the updates
-per step, so a resumed run continues the schedule). log π uses the generator's convention: log_softmax(logits / T) in fp32.
+linear decay over ``total_steps`` RL steps, at the step the controller names, so a resumed run continues
+the schedule). log π uses the generator's convention: log_softmax(logits / T) in fp32.
 The loss runs as the fused Triton kernel (``trainer.loss="fused"``, the default on CUDA) or as the eager
 reference (``"reference"``, the default on CPU, where Triton only runs interpreted). A non-finite loss or
 gradient skips the update (``applied=False``), leaving weights and optimizer state untouched.

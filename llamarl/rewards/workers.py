@@ -258,7 +258,8 @@ class RewardPool:
             raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-        load_reward(spec, format_weight=format_weight, format_style=format_style)  # fail fast, here
+        # fail fast, here; and the sample info entries the function takes, the only ones sent to a worker
+        self._info_params = info_params(load_reward(spec, format_weight=format_weight, format_style=format_style))
         self.spec = spec
         self.timeout_s = float(timeout_s)
         self.num_workers = num_workers
@@ -286,7 +287,8 @@ class RewardPool:
     def submit(self, sample_id: Hashable, completion: str, answer: str,
                info: Mapping[str, Any] | None = None) -> Future:
         """Queue one sample; the future resolves to its ``RewardResult``. ``info``: what else is known of the
-        sample, passed to a reward function that asks for it by name (llamarl.rewards.registry.call_reward)."""
+        sample, passed to a reward function that asks for it by name (llamarl.rewards.registry.call_reward);
+        only the entries it takes cross to the worker."""
         if not isinstance(completion, str) or not isinstance(answer, str):
             raise TypeError(
                 f"sample {sample_id!r}: completion and answer must be str, got "
@@ -298,7 +300,8 @@ class RewardPool:
                 raise RewardPoolError("RewardPool is closed; create a new one to score more samples")
             if self._broken is not None:
                 raise RewardPoolError(self._broken)
-            self._queue.append(_Task(self._next_task_id, sample_id, completion, answer, info, future))
+            self._queue.append(_Task(self._next_task_id, sample_id, completion, answer,
+                                     self._info_params.select(info), future))
             self._next_task_id += 1
             self._bump(submitted=1)
             wake = not self._wake_pending
