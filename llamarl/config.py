@@ -109,10 +109,16 @@ class GeneratorConfig(_Section):
     temperature: float = 1.0
     top_p: float = 1.0
     quantization: Literal["none", "int8", "fp8"] = "none"
+    # stop strings: a completion ends at the first token whose text holds one (kept; llamarl.generation.stop),
+    # e.g. ["\n\nQuestion:"] for a few-shot prompt or ["</answer>"]; on the command line a YAML list
+    # (--set 'generator.stop=["\n\nQuestion:"]') or one string
+    stop: tuple[str, ...] = ()
 
     def check(self) -> None:
         for name in ("replicas", "tp", "prompts_per_step", "samples_per_prompt", "max_new_tokens"):
             self._positive(name)
+        if "" in self.stop:
+            _fail("generator.stop", "must hold non-empty strings", list(self.stop))
         if not self.temperature > 0 or not math.isfinite(self.temperature):
             _fail("generator.temperature", "must be > 0 (RL needs sampling; 0 would make every sample of a "
                   "prompt identical)", self.temperature)
@@ -551,6 +557,17 @@ def _layout_fields(spec: str) -> dict[str, Any]:
     return fields
 
 
+def _yaml_list(path: str, text: str) -> list:
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        _fail(path, f"is not a valid YAML list ({exc.__class__.__name__}); write e.g. "
+              '\'["\\n\\nQuestion:", "</answer>"]\' (double quotes read escapes like \\n)', str(text))
+    if not isinstance(value, list):
+        _fail(path, "must be a list", str(text))
+    return [_Text(v) if isinstance(v, str) else v for v in value]
+
+
 def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
@@ -572,7 +589,9 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             _fail(path, f"must be one of {', '.join(repr(a) for a in args)}{_did_you_mean(str(value), args)}", value)
         return str(value)
     if origin is tuple:
-        if isinstance(value, _Text):
+        if isinstance(value, _Text) and args[0] is str:  # a YAML list, or one string taken as it is
+            value = _yaml_list(path, value) if value.strip().startswith("[") else [value]
+        elif isinstance(value, _Text):
             value = [v for v in value.strip("[]() ").split(",") if v.strip()]
         fixed_length = Ellipsis not in args
         if not isinstance(value, (list, tuple)) or (fixed_length and len(value) != len(args)):

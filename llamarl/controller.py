@@ -85,7 +85,7 @@ class Controller:
         self._warned_cut = False
         g = cfg.generator
         self.sampling = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
-                                       top_p=g.top_p, n=g.samples_per_prompt)
+                                       top_p=g.top_p, n=g.samples_per_prompt, stop=g.stop)
 
     # ------------------------------------------------------------------ the algorithm
     async def run(self) -> None:
@@ -252,7 +252,8 @@ class Controller:
     async def evaluate(self, step: int) -> dict:
         """Greedy held-out accuracy of the newest weights: the fraction of problems with reward 1."""
         held = self.data.heldout
-        greedy = SamplingParams(max_new_tokens=self.cfg.generator.max_new_tokens, temperature=0.0, n=1)
+        greedy = SamplingParams(max_new_tokens=self.cfg.generator.max_new_tokens, temperature=0.0, n=1,
+                                stop=self.cfg.generator.stop)
         outputs, _ = await self.generate(self.data.encode(held), greedy)
         scores = await self.ex.rewards.score_async(
             [(s.id, self.tok.decode(o["token_ids"]), s.answer, s.reward_info()) for s, o in zip(held, outputs)])

@@ -21,7 +21,7 @@ up front, by sample id, and refuse the whole evaluation unless ``drop_long`` (``
 in which case the metrics are over the rest and the dropped ids are in the result (``dropped_ids``).
 
 ``--dataset synthetic:arithmetic[:digits=3,n_terms=2,ops=+-,seed=0,n=200]`` evaluates the built-in
-task's held-out split (n problems; its reward defaults to ``exact`` and its stop token to newline).
+task's held-out split (n problems; its reward defaults to ``exact`` and its stop string to newline).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -158,6 +159,7 @@ def evaluate(
     top_p: float = 1.0,
     seed: int = 0,
     stop_token_ids: Sequence[int] = (),
+    stop: Sequence[str] = (),
     correct_threshold: float = 1.0,
     engine: Any = None,
     progress: bool = False,
@@ -168,6 +170,7 @@ def evaluate(
     ``reward_fn``: a spec string, a ``(completion, answer) -> float`` callable, or a ``RewardPool``.
     ``engine``: an existing ``GenerationEngine`` to reuse (its batch capacity must fit
     ``batch_size * n`` rows); by default one is built for this call.
+    ``stop``: stop strings (llamarl.generation.stop: a completion ends at the first token whose text holds one).
     ``drop_long``: leave out the samples whose rendered prompt fills the model's context (one line on stderr
     names them; the result's ``dropped_ids`` lists them) instead of refusing the whole evaluation. An
     error all the same if no sample is left.
@@ -191,7 +194,7 @@ def evaluate(
     fn_params = None if isinstance(reward_fn, RewardPool) else info_params(reward_fn)
     params = SamplingParams(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, n=n,
-        stop_token_ids=tuple(stop_token_ids), seed=seed,
+        stop_token_ids=tuple(stop_token_ids), seed=seed, stop=tuple(stop),
     )
     formatter = PromptFormatter(fmt, shots=shots, tokenizer=tokenizer)
     texts = [formatter.render(s) for s in samples]
@@ -240,7 +243,7 @@ def evaluate(
         batch = token_ids[b0 : b0 + batch_size]
         batch_params = replace(params, seed=seed * 1_000_003 + b0)  # fresh randomness per batch
         with torch.inference_mode():
-            outs = engine.generate(batch, batch_params, eos_token_id=eos)
+            outs = engine.generate(batch, batch_params, eos_token_id=eos, decode=tokenizer.decode)
         for out in outs:
             i = b0 + out.prompt_index
             s = samples[i]
@@ -314,7 +317,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="leave out the samples whose rendered prompt leaves no room to generate in the model's "
                         "context (their ids go to the summary) instead of refusing the whole dataset")
     p.add_argument("--stop", action="append", default=None,
-                   help="stop string that is one token, escapes allowed (e.g. '\\n'); repeatable")
+                   help="stop string, escapes allowed (e.g. '\\n\\nQuestion:'): a completion ends at the first token "
+                        "whose text holds it, kept; repeatable (default: newline for the synthetic task, else none)")
     p.add_argument("--seed", type=int, default=0, help="sampling and few-shot selection seed (default: 0)")
     p.add_argument("--reward-workers", type=int, default=2, help="reward worker processes (default: 2)")
     p.add_argument("--reward-timeout", type=float, default=5.0,
@@ -330,18 +334,21 @@ def _build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _stop_ids(tokenizer: Any, stops: Sequence[str]) -> list[int]:
-    ids = []
+def _stop_strings(stops: Sequence[str]) -> list[str]:
+    """``--stop`` values with their escapes read (``'\\n'`` is a newline); non-ASCII text and a backslash that
+    starts no escape (``'\\)'``) are kept as they are."""
+    out = []
     for raw in stops:
         try:
-            text = codecs.decode(raw, "unicode_escape")
+            with warnings.catch_warnings():  # an unknown escape stays as written; Python warns about it
+                warnings.simplefilter("ignore", DeprecationWarning)
+                text = codecs.decode(raw.encode("latin-1", "backslashreplace"), "unicode_escape")
         except UnicodeDecodeError as e:
             raise ValueError(f"--stop {raw!r}: not a valid escape sequence ({e.reason}); write e.g. '\\n'") from None
-        enc = tokenizer.encode(text, add_bos=False)
-        if len(enc) != 1:
-            raise ValueError(f"--stop {raw!r} encodes to {len(enc)} tokens {enc}; a stop must be exactly one token")
-        ids.append(enc[0])
-    return ids
+        if not text:
+            raise ValueError(f"--stop {raw!r} is empty; a stop string needs at least one character")
+        out.append(text)
+    return out
 
 
 def run(args: argparse.Namespace) -> EvalResult:
@@ -418,7 +425,7 @@ def run(args: argparse.Namespace) -> EvalResult:
         return evaluate(
             model, tokenizer, samples, pool, n=n, k=ks, temperature=temperature, max_new_tokens=max_new,
             batch_size=args.batch_size, fmt=fmt, shots=shots, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-            stop_token_ids=_stop_ids(tokenizer, stops) + list(generation_eos_ids(args.model)),
+            stop_token_ids=list(generation_eos_ids(args.model)), stop=_stop_strings(stops),
             correct_threshold=args.correct_threshold,
             progress=not args.no_progress, drop_long=args.drop_long,
         )

@@ -277,6 +277,26 @@ def executor_layout(cfg: TrainConfig):
     return dataclasses.replace(cfg.layout(), reward=RewardSpec(0))
 
 
+def config_warnings(cfg: TrainConfig) -> list[str]:
+    """Settings that are valid but likely not what was meant; printed when a run starts."""
+    out = []
+    g = cfg.generator
+    if g.top_p < 1.0:
+        out.append(f"generator.top_p={g.top_p} samples from the truncated distribution, but the log-probs (mu) and "
+                   "the trainer's pi are the full softmax's (llamarl.generation.sampling), so the AIPO importance "
+                   "weights do not correct for the truncation; top_p=1 keeps mu exactly the sampler's")
+    if cfg.trainer.lr_warmup_steps >= cfg.run.max_steps:
+        out.append(f"trainer.lr_warmup_steps={cfg.trainer.lr_warmup_steps} >= run.max_steps={cfg.run.max_steps}: "
+                   "the learning rate never reaches trainer.lr")
+    d = cfg.data
+    if d.few_shot and not d.chat and not g.stop and not d.dataset.startswith("synthetic:"):
+        out.append(f"data.few_shot={d.few_shot} without generator.stop: a base model tends to write the next example "
+                   "after its answer, and the verifier then reads that example's answer; set a stop string that "
+                   'starts an example, e.g. generator.stop: ["\\nQuestion:"] for the template '
+                   '"Question: {prompt}\\nAnswer: "')
+    return out
+
+
 def train(cfg: TrainConfig) -> dict:
     check_supported(cfg)
     layout = executor_layout(cfg)
@@ -284,13 +304,8 @@ def train(cfg: TrainConfig) -> dict:
     if tr is not None and tr.rank != 0:  # a torchrun executor rank: serve the controller, then exit
         sys.exit(serve_torchrun(layout, tr))
     t_start = time.perf_counter()
-    if cfg.generator.top_p < 1.0:
-        log(f"warning: generator.top_p={cfg.generator.top_p} samples from the truncated distribution, but the "
-            "log-probs (mu) and the trainer's pi are the full softmax's (llamarl.generation.sampling), so the AIPO "
-            "importance weights do not correct for the truncation; top_p=1 keeps mu exactly the sampler's")
-    if cfg.trainer.lr_warmup_steps >= cfg.run.max_steps:
-        log(f"warning: trainer.lr_warmup_steps={cfg.trainer.lr_warmup_steps} >= run.max_steps={cfg.run.max_steps}: the "
-            "learning rate never reaches trainer.lr")
+    for warning in config_warnings(cfg):
+        log(f"warning: {warning}")
     out = Path(cfg.run.out) if cfg.run.out else default_out()
     resume = load_latest(cfg.run.resume) if cfg.run.resume else None
     tokenizer, data = load_inputs(cfg, cursor=resume.data_cursor if resume else 0)
@@ -328,7 +343,7 @@ def train(cfg: TrainConfig) -> dict:
             model_config=model_config, dtype=cfg.policy.dtype, trainer_ranks=cfg.trainer.ranks,
             replicas=g.replicas, max_batch_size=max(g.prompts_per_step * g.samples_per_prompt, cfg.data.eval_size),
             max_seq_len=kv_slots, pad_id=tokenizer.pad_id, threads=threads, quantization=g.quantization,
-            eos_token_ids=eos_ids(tokenizer, policy_config, policy_dir)),
+            eos_token_ids=eos_ids(tokenizer, policy_config, policy_dir), tokenizer=tokenizer),
             env={"LLAMARL_EXECUTOR": "generator"})
         handles = [h for grp in gens for h in await grp.acall("handle")]  # every TP rank of every replica
         trainer, = rt.spawn_role("trainer", "llamarl.executors.trainer:TrainerExecutor", init_kwargs=dict(

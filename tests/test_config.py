@@ -145,6 +145,9 @@ def _messages(tmp_path):
         (["--set", "trainer.parallel=none", "--set", "trainer.ranks=2"], r"trainer.parallel: 'none' needs"),
         (["--set", "trainer.betas=0.9,1.2"], r"trainer.betas: both must be in \[0, 1\)"),
         (["--set", "trainer.betas=0.9"], r"trainer.betas: must be a list of 2 numbers"),
+        (["--set", 'generator.stop=["a", ""]'], r"generator.stop: must hold non-empty strings"),
+        (["--set", "generator.stop=[a"], r"generator.stop: is not a valid YAML list"),
+        (["--set", "generator.stop=[1]"], r"generator.stop\[0\]: must be a string"),
         (["--set", "trainer.rho=0.5"], r"trainer.rho: must be >= 1"),
         (["--set", "trainer.kl_coef=-0.1"], r"trainer.kl_coef: must be >= 0"),
         (["--set", "trainer.loss=fastest"], r"trainer.loss: must be one of 'auto', 'fused', 'reference'"),
@@ -225,3 +228,14 @@ def test_set_keeps_a_string_as_typed_and_parses_the_rest_around_spaces():
     assert cfg.data.template == "Solve: {prompt} in \\boxed{}. A= "  # braces and the trailing space kept
     assert (cfg.run.mode, cfg.run.max_staleness, cfg.trainer.share_prompts, cfg.trainer.betas) == \
         ("sync", 0, False, (0.9, 0.95))
+
+
+def test_stop_strings_from_yaml_and_the_command_line(tmp_path):
+    """A YAML list (escapes read in double quotes) or one string taken exactly, commas and all."""
+    cfg = load_config(["--set", 'generator.stop=["\\n\\nQuestion:", "</answer>"]'], check_environment=False)
+    assert cfg.generator.stop == ("\n\nQuestion:", "</answer>")
+    assert load_config(["--set", "generator.stop=a, b"], check_environment=False).generator.stop == ("a, b",)
+    (tmp_path / "c.yaml").write_text('generator:\n  stop: ["\\nQ:", "x"]\n')
+    cfg = load_config(["--config", str(tmp_path / "c.yaml")], check_environment=False)
+    assert cfg.generator.stop == ("\nQ:", "x")
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg and load_config([], check_environment=False).generator.stop == ()

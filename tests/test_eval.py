@@ -54,7 +54,7 @@ class ScriptedEngine:
         self.tok, self.script, self.max_batch_size = tok, script, max_batch_size
         self.batches: list[int] = []
 
-    def generate(self, prompts, params, *, eos_token_id=None):
+    def generate(self, prompts, params, *, eos_token_id=None, decode=None):
         self.batches.append(len(prompts))
         outs = []
         for b, ids in enumerate(prompts):
@@ -173,6 +173,28 @@ def test_cli_greedy_matches_transformers_and_scores_with_a_user_reward(checkpoin
     summary = json.loads((tmp_path / "res.summary.json").read_text())
     assert summary["accuracy"] == pytest.approx(4 / 6) and summary["pass_at_k"] == {"pass@1": pytest.approx(4 / 6)}
     assert "accuracy=0.6667" in capsys.readouterr().out
+
+
+def test_cli_stop_strings_of_several_tokens_cut_the_transformers_greedy_text(checkpoint, tmp_path):
+    """--stop takes strings of any length (escapes read): each completion is transformers' greedy text up to
+    the first token whose text holds a stop, and is scored as such."""
+    hf, path = checkpoint
+    tok = CharTokenizer()
+    prompts = ["12+30=", "7*8=", "99-1=", "abc"]
+    reference = [_hf_greedy(hf, tok, p, 12) for p in prompts]
+    stops = [reference[0][2:5], reference[1][4:6] + "\n"]  # the second holds a newline only once escaped
+    flags = ["--stop", stops[0], "--stop", stops[1].replace("\n", "\\n")]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"question": p, "answer": "0"}) + "\n" for p in prompts))
+    out = tmp_path / "res.jsonl"
+    rc = main(["--model", str(path), "--dataset", str(data), "--reward", "exact", "--max-new-tokens", "12",
+               "--reward-workers", "1", "--output", str(out), "--no-progress", *flags])
+    assert rc == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    for r, ref in zip(records, reference):
+        ends = [k for k in range(1, len(ref) + 1) if any(s in ref[:k] for s in stops)]
+        assert r["completion"] == (ref[: ends[0]] if ends else ref)
+    assert records[0]["completion"].endswith(stops[0]) and records[0]["finish_reason"] == "stop"
 
 
 def test_cli_sampling_pass_at_k_is_consistent_with_its_records(checkpoint, tmp_path):

@@ -122,3 +122,15 @@ def test_the_warm_start_cache_does_not_depend_on_how_a_path_is_spelled(tmp_path,
     absolute = load_config(SMOKE + ["--dataset", str(tmp_path / "data.jsonl")])  # as a resumed run's config.yaml
     again, info = prepare_policy(absolute, *load_inputs(absolute))
     assert again == first and info["cached"]
+
+
+def test_few_shot_raw_prompts_without_a_stop_string_are_warned_about(tmp_path):
+    from llamarl.train import config_warnings
+
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                                              for i in range(40)))
+    base = SMOKE + ["--dataset", str(tmp_path / "d.jsonl"), "--set", "data.few_shot=2"]
+    warned = [w for w in config_warnings(load_config(base)) if w.startswith("data.few_shot=2 without generator.stop")]
+    assert len(warned) == 1
+    for extra in (["--set", 'generator.stop=["\\n"]'], ["--set", "data.chat=true"], ["--set", "data.few_shot=0"]):
+        assert not any("generator.stop" in w for w in config_warnings(load_config(base + extra))), extra

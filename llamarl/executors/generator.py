@@ -43,7 +43,7 @@ import contextlib
 import dataclasses
 import secrets
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -69,7 +69,7 @@ class GeneratorExecutor:
     def __init__(self, *, model_config: dict, dtype: str, trainer_ranks: int, replicas: int = 1,
                  max_batch_size: int = 64, max_seq_len: int | None = None, pad_id: int = 0, slots: int = 2,
                  threads: int | None = None, quantization: str = "none", eos_token_ids: list[int] | None = None,
-                 rank_info: RankInfo):
+                 tokenizer: Any = None, rank_info: RankInfo):
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device(rank_info.device or "cpu")
@@ -94,6 +94,7 @@ class GeneratorExecutor:
             names = self._quantize(quantization)
         self.pad_id = pad_id
         self.eos = None if eos_token_ids is None else tuple(eos_token_ids)  # None: the model config's
+        self.decode = None if tokenizer is None else tokenizer.decode  # for stop strings (SamplingParams.stop)
         # replica groups are named "generator" (one replica) or "generator.<i>"
         replica = int(rank_info.group.rsplit(".", 1)[1]) if "." in rank_info.group else 0
         plan = plan_sync(llama_param_specs(config, dtype=DTYPES[dtype]), TrainerLayout(world_size=trainer_ranks),
@@ -166,11 +167,13 @@ class GeneratorExecutor:
         if self.tp_size == 1:
             with self.receiver.reading() as version:
                 self.model.policy_version = version
-                outs = self.engine.generate(prompts, params, eos_token_id=self.eos, pad_token_id=self.pad_id)
+                outs = self.engine.generate(prompts, params, eos_token_id=self.eos, pad_token_id=self.pad_id,
+                                            decode=self.decode)
         else:
             with self._tp_reading(params) as (version, params):
                 self.model.policy_version = version
-                outs = self.engine.generate(prompts, params, eos_token_id=self.eos, pad_token_id=self.pad_id)
+                outs = self.engine.generate(prompts, params, eos_token_id=self.eos, pad_token_id=self.pad_id,
+                                            decode=self.decode)
         return {"samples": [dataclasses.asdict(o) | {"prompt_token_ids": None} for o in outs],
                 "seconds": time.perf_counter() - t0}
 

@@ -19,8 +19,10 @@ Algorithm for one batch of prompts (``generate`` splits larger inputs into batch
    the output order), so a prompt is prefilled once however many samples it gets.
 3. Decode: at step t every live row feeds the token sampled at step t-1 at the shared slot P + t - 1.
    A row finishes when it samples a stop token (``stop_token_ids`` ∪ EOS; the stop token is kept in
-   the output) or reaches its budget min(max_new_tokens, max_position_embeddings - len_b,
-   max_seq_len - P) (finish_reason "length"). When at most half the rows are live the batch is
+   the output), when its text holds a stop string (``params.stop``, matched on ``decode`` of its tokens
+   at each host synchronisation and cut exactly at the end: llamarl.generation.stop), or when it reaches
+   its budget min(max_new_tokens, max_position_embeddings - len_b, max_seq_len - P) (finish_reason
+   "length"). When at most half the rows are live the batch is
    compacted (cache rows moved to the front), so finished rows stop costing compute.
 
 EOS: ``eos_token_id=None`` means the model config's ``eos_token_id`` (int or several); pass ``()`` to
@@ -65,6 +67,7 @@ import torch
 
 from llamarl.generation.kv_cache import KVCache
 from llamarl.generation.sampling import SamplingParams, make_generator, sample_tokens, token_ids
+from llamarl.generation.stop import Decode, StopStrings, TailScanner
 from llamarl.models.packing import pack_parameters_
 
 QUANTIZATION_MODES = ("none", "int8", "fp8")
@@ -165,9 +168,13 @@ class GenerationEngine:
         *,
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int = 0,
+        decode: Decode | None = None,
     ) -> list[GenerationOutput]:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.stop and decode is None:
+            raise ValueError(f"SamplingParams.stop={list(params.stop)!r} is matched against text: pass the tokenizer's "
+                             "decode (generate(..., decode=tokenizer.decode))")
         vocab, context = self.config.vocab_size, self.config.max_position_embeddings
         if isinstance(prompts, torch.Tensor):
             prompts = list(prompts)
@@ -205,6 +212,7 @@ class GenerationEngine:
 
         generator = None if params.greedy else make_generator(params.seed, self.device)
         stop_t = torch.tensor(stops, dtype=torch.long, device=self.device) if stops else None
+        stop_strings = StopStrings(params.stop, decode) if params.stop else None
         outputs: list[GenerationOutput] = []
         was_training = self.model.training
         self.model.eval()
@@ -212,7 +220,7 @@ class GenerationEngine:
             with torch.inference_mode():
                 for lo in range(0, len(token_lists), per_batch):
                     batch = token_lists[lo : lo + per_batch]
-                    outputs += self._generate_batch(batch, lo, params, stop_t, pad_token_id, generator)
+                    outputs += self._generate_batch(batch, lo, params, stop_t, stop_strings, pad_token_id, generator)
         finally:
             self.model.train(was_training)
         return outputs
@@ -233,6 +241,7 @@ class GenerationEngine:
         offset: int,
         params: SamplingParams,
         stop_t: torch.Tensor | None,
+        stop_strings: StopStrings | None,
         pad_token_id: int,
         generator: torch.Generator | None,
     ) -> list[GenerationOutput]:
@@ -271,6 +280,8 @@ class GenerationEngine:
         done = torch.zeros(N, dtype=torch.bool, device=dev)
         versions: list[int] = []
         rows = N
+        scanner = TailScanner(stop_strings, N) if stop_strings is not None else None
+        scanned = 0  # steps whose tokens the scanner has seen
 
         # 3. decode: sample step t from ``logits``, then decode that token at slot P + t for step t + 1
         chunk = self.graph_steps if self.graphs is not None and params.greedy else 1
@@ -301,6 +312,11 @@ class GenerationEngine:
             if t == steps:
                 break
             if pending is None or t % self.sync_every == 0:
+                if scanner is not None:  # stop strings: end the rows whose text now holds one
+                    hits = scanner.scan(out_tokens[out_row, scanned:t].tolist(), out_row.tolist(), done.tolist())
+                    if hits:
+                        done[hits] = True
+                    scanned = t
                 live = int((~done).sum())
                 if live == 0:
                     break
@@ -330,6 +346,10 @@ class GenerationEngine:
                 if toks[j] in stop_set:
                     end, reason = j + 1, "stop"
                     break
+            if stop_strings is not None:  # exact, whatever the scanner saw
+                first = stop_strings.first_end(toks[:end])
+                if first is not None:
+                    end, reason = first, "stop"
             results.append(
                 GenerationOutput(
                     prompt_index=offset + b,
@@ -361,6 +381,7 @@ def generate(
     *,
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int = 0,
+    decode: Decode | None = None,
 ) -> list[GenerationOutput]:
     """Generate ``params.n`` samples per prompt; outputs in prompt-major order (prompt i, sample j at i*n+j).
 
@@ -374,4 +395,4 @@ def generate(
     rows = max(1, len(token_lists)) * params.n
     engine = GenerationEngine(model, max_batch_size=rows, max_seq_len=max_seq_len, cuda_graphs=False,
                               pack_weights=False)
-    return engine.generate(token_lists, params, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    return engine.generate(token_lists, params, eos_token_id=eos_token_id, pad_token_id=pad_token_id, decode=decode)

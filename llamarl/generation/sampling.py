@@ -39,6 +39,7 @@ from typing import Iterable, Sequence
 import torch
 
 from llamarl._native import native
+from llamarl.generation.stop import check_stop_strings
 
 NATIVE_CPU = os.environ.get("LLAMARL_FUSED_OPS", "1") != "0"
 MIN_TEMPERATURE = 1e-4  # smallest sampling temperature (0 is greedy); below it z / T overflows fp32 for large z
@@ -53,6 +54,9 @@ class SamplingParams:
     n: int = 1  # samples per prompt
     stop_token_ids: Sequence[int] = ()
     seed: int | None = None
+    # stop strings (vLLM's ``stop``): a sample ends at the first token whose text holds one (generation/stop.py);
+    # the engine then needs the tokenizer's ``decode``
+    stop: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "top_k", "n"):
@@ -72,6 +76,7 @@ class SamplingParams:
         if self.n < 1:
             raise ValueError(f"SamplingParams.n (samples per prompt) must be an int >= 1, got {self.n!r}")
         object.__setattr__(self, "stop_token_ids", token_ids("SamplingParams.stop_token_ids", self.stop_token_ids))
+        object.__setattr__(self, "stop", check_stop_strings("SamplingParams.stop", self.stop))
         if self.seed is not None:
             seed = _integer("SamplingParams.seed", self.seed)
             if not 0 <= seed < 2**63:

@@ -1,0 +1,118 @@
+"""Stop strings: a completion ends at the first token whose text contains one of them (vLLM's ``stop``).
+
+Definition. For generated tokens y_1..y_m, stop strings S and ``decode`` (the tokenizer's, special tokens
+skipped: the text the verifier scores), the completion keeps y_1..y_e with
+
+    e = min { k : some s in S occurs in decode(y_1..y_k) }
+
+(the stop string is kept, with whatever else the e-th token spells; no such k: no stop). The kept tokens
+are exactly what the trainer trains on and their text exactly what the reward function reads, so the two
+never disagree. Matching text, not token ids, makes a stop independent of how the model happened to
+tokenize it: "\\n\\nQuestion:" ends a completion written as "\\n\\n" + "Question" + ":" or as ".\\n\\n" +
+"Question:" alike.
+
+``first_end(ids)`` finds e exactly: one decode of all of ids says whether any stop occurs; if one does, a
+binary search over k for the predicate "decode(ids[:k]) contains a stop" (monotone: decode(ids[:k]) is a
+prefix of decode(ids[:k+1]) up to a trailing partial UTF-8 character, shown as U+FFFD) takes O(log m)
+more decodes.
+
+Early exit (``TailScanner``, used by the generation engine at its host synchronisations). Checking only at
+the end would be exact but would let a stopped row decode to its budget. The scanner keeps each row's
+tokens on the host and, when a new token could complete a stop, decodes the row's last ``window`` tokens;
+a stop in that text is only a hint, confirmed by ``first_end``. So early exit never changes which tokens
+a completion keeps (the engine applies ``first_end`` to every finished row), only when a stopped row stops
+costing compute. A token can complete a stop only if the text it adds contains a stop's last character, so
+rows whose new tokens add none of those characters are skipped without a decode. The text a token adds is
+read once per id as decode([t, t]) minus decode([t]) (after another token, so a decoder that drops the
+leading space of a text's first word does not hide it); a token that adds part of a character (U+FFFD),
+nothing, or text that does not extend decode([t]) is always a candidate.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+Decode = Callable[[Sequence[int]], str]
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def check_stop_strings(name: str, stops: object) -> tuple[str, ...]:
+    """``stops`` as a tuple of non-empty strings, or a ValueError naming ``name`` and what is wrong."""
+    if isinstance(stops, str):
+        raise ValueError(f"{name} must be a list of strings, got the string {stops!r}; write [{stops!r}]")
+    try:
+        out = tuple(stops)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"{name} must be a list of strings, got {stops!r}") from None
+    for s in out:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"{name} must hold non-empty strings, got {s!r} in {list(out)!r}")
+    return out
+
+
+class StopStrings:
+    """Stop strings ``stops`` matched against ``decode`` of the generated tokens (module docstring)."""
+
+    def __init__(self, stops: Sequence[str], decode: Decode) -> None:
+        self.stops = check_stop_strings("stop", stops)
+        if not self.stops:
+            raise ValueError("StopStrings needs at least one stop string")
+        if not callable(decode):
+            raise ValueError(f"decode must be a function from token ids to text, got {decode!r}")
+        self.decode = decode
+        self._last_chars = frozenset(s[-1] for s in self.stops)
+        # tokens a stop of c characters can span: each character needs at least one token, a character written
+        # in several byte tokens up to 4, and a skipped special token may sit between two
+        self.window = 4 * max(len(s) for s in self.stops) + 8
+        self._can_end: dict[int, bool] = {}
+
+    def contains_stop(self, text: str) -> bool:
+        return any(s in text for s in self.stops)
+
+    def first_end(self, ids: Sequence[int]) -> int | None:
+        """e of the module docstring for the completion ``ids``: the number of tokens it keeps, or None."""
+        if not ids or not self.contains_stop(self.decode(ids)):
+            return None
+        lo, hi = 1, len(ids)  # the predicate holds at hi; find the smallest k where it holds
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.contains_stop(self.decode(ids[:mid])):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def could_end(self, token: int) -> bool:
+        """False only if the text ``token`` adds cannot hold the last character of a stop (module docstring)."""
+        known = self._can_end.get(token)
+        if known is None:
+            alone, twice = self.decode([token]), self.decode([token, token])
+            added = twice[len(alone):] if twice.startswith(alone) else ""
+            known = not added or REPLACEMENT_CHAR in added or any(c in added for c in self._last_chars)
+            self._can_end[token] = known
+        return known
+
+
+class TailScanner:
+    """The engine's early-exit check over rows of one batch (module docstring): ``scan`` takes each live
+    row's tokens generated since the last scan and says which rows' text now holds a stop string."""
+
+    def __init__(self, stops: StopStrings, rows: int) -> None:
+        self.stops = stops
+        self.tokens: list[list[int]] = [[] for _ in range(rows)]
+
+    def scan(self, new_tokens: list[list[int]], out_rows: list[int], done: list[bool]) -> list[int]:
+        """Append ``new_tokens[i]`` to output row ``out_rows[i]``; return the indices i of rows not ``done``
+        whose tokens now contain a stop string (confirmed by ``first_end``)."""
+        hits = []
+        stops = self.stops
+        for i, (row, new) in enumerate(zip(out_rows, new_tokens)):
+            toks = self.tokens[row]
+            toks.extend(new)
+            if done[i] or not any(stops.could_end(t) for t in new):
+                continue
+            tail = toks[-(stops.window + len(new)):]
+            if stops.contains_stop(stops.decode(tail)) and stops.first_end(toks) is not None:
+                hits.append(i)
+        return hits
