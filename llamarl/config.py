@@ -5,8 +5,8 @@
 Named presets live in ``llamarl.presets``; the command line and YAML files (``--preset``, ``--config``,
 named flags, ``--set``) are read by ``llamarl.config_cli``. ``TrainConfig.to_dict``/``to_yaml``/``save``
 write the YAML file format, which mirrors the dataclasses (``trainer: {lr: 3.0e-4}``), and
-``TrainConfig.from_dict`` reads it back. Values given as text (``_Text``: CLI, or YAML strings such as
-``3e-4``) are parsed by the field's type; plain ``str`` values from Python callers are not.
+``TrainConfig.from_dict`` reads it back. Values given as text (the CLI, YAML strings such as ``3e-4``) are
+parsed by the field's type, plain ``str`` values from Python callers are not (llamarl.config_values).
 
 Validation happens before any process starts, and every message starts with the field it is about
 ("trainer.lr: must be > 0, got -1"):
@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,27 +40,21 @@ import yaml
 
 from llamarl._fs import write_text_atomic
 from llamarl.reporting import check_available, parse_report_to
+from llamarl.config_values import ConfigError, coerce, did_you_mean, fail, plain
 from llamarl.runtime.placement import GeneratorSpec, Layout, LayoutError, RewardSpec, TrainerSpec
 
 # Names checked without importing the modules that define them (llamarl.models.config.LLAMA_CONFIGS,
 # llamarl.rewards.BUILTIN_REWARDS, llamarl.data): validating a command line must stay cheap.
 BUILTIN_MODELS = ("tiny",)  # more names are looked up in LLAMA_CONFIGS when needed
 SYNTHETIC_DATASETS = ("arithmetic",)  # "synthetic:arithmetic[:options]"
-REWARD_NAMES = ("exact", "gsm8k", "math")
+REWARD_NAMES = ("exact", "gsm8k", "math")  # the built-in verifiers
+FORMAT_REWARD_NAMES = ("format_exact", "format_gsm8k", "format_math")  # built-in extra terms (rewards.format)
 DATASET_SUFFIXES = (".jsonl", ".parquet")
 
-
-class ConfigError(ValueError):
-    """An invalid configuration value; the message starts with the dotted field name."""
 
 # the sampler's smallest temperature (llamarl.generation.sampling.MIN_TEMPERATURE, equal by a test; not
 # imported from there, so that reading a config does not import torch)
 MIN_TEMPERATURE = 1e-4
-
-
-def _fail(path: str, what: str, value: Any = dataclasses.MISSING) -> None:
-    got = "" if value is dataclasses.MISSING else f", got {value!r}"
-    raise ConfigError(f"{path}: {what}{got}")
 
 
 class _Section:
@@ -72,7 +65,7 @@ class _Section:
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
-            value = _coerce(f"{self.SECTION}.{f.name}", getattr(self, f.name), hints[f.name])
+            value = coerce(f"{self.SECTION}.{f.name}", getattr(self, f.name), hints[f.name])
             object.__setattr__(self, f.name, value)
         self.check()
 
@@ -82,7 +75,7 @@ class _Section:
     def _positive(self, name: str, strict: bool = True) -> None:
         v = getattr(self, name)
         if (v <= 0 if strict else v < 0) or (isinstance(v, float) and not math.isfinite(v)):
-            _fail(f"{self.SECTION}.{name}", "must be > 0" if strict else "must be >= 0", v)
+            fail(f"{self.SECTION}.{name}", "must be > 0" if strict else "must be >= 0", v)
 
 
 @dataclass(frozen=True)
@@ -94,7 +87,7 @@ class PolicyConfig(_Section):
 
     def check(self) -> None:
         if not self.model.strip():
-            _fail("policy.model", f"must be a built-in model ({', '.join(BUILTIN_MODELS)}) or a model directory",
+            fail("policy.model", f"must be a built-in model ({', '.join(BUILTIN_MODELS)}) or a model directory",
                   self.model)
 
 
@@ -118,15 +111,15 @@ class GeneratorConfig(_Section):
         for name in ("replicas", "tp", "prompts_per_step", "samples_per_prompt", "max_new_tokens"):
             self._positive(name)
         if "" in self.stop:
-            _fail("generator.stop", "must hold non-empty strings", list(self.stop))
+            fail("generator.stop", "must hold non-empty strings", list(self.stop))
         if not self.temperature > 0 or not math.isfinite(self.temperature):
-            _fail("generator.temperature", "must be > 0 (RL needs sampling; 0 would make every sample of a "
+            fail("generator.temperature", "must be > 0 (RL needs sampling; 0 would make every sample of a "
                   "prompt identical)", self.temperature)
         if self.temperature < MIN_TEMPERATURE:
-            _fail("generator.temperature", f"must be >= {MIN_TEMPERATURE} (below it the scaled logits overflow)",
+            fail("generator.temperature", f"must be >= {MIN_TEMPERATURE} (below it the scaled logits overflow)",
                   self.temperature)
         if not 0 < self.top_p <= 1:
-            _fail("generator.top_p", "must be in (0, 1]", self.top_p)
+            fail("generator.top_p", "must be in (0, 1]", self.top_p)
 
 
 @dataclass(frozen=True)
@@ -177,7 +170,7 @@ class TrainerConfig(_Section):
         self._positive("lr")
         self._positive("lr_warmup_steps", strict=False)
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            _fail("trainer.min_lr_ratio", "must be in [0, 1] (the final learning rate as a fraction of lr)",
+            fail("trainer.min_lr_ratio", "must be in [0, 1] (the final learning rate as a fraction of lr)",
                   self.min_lr_ratio)
         self._positive("micro_batch_size")
         self._positive("mini_batches")
@@ -185,18 +178,25 @@ class TrainerConfig(_Section):
         for name in ("weight_decay", "grad_clip", "kl_coef", "entropy_coef"):
             self._positive(name, strict=False)
         if self.parallel == "none" and self.ranks != 1:
-            _fail("trainer.parallel", f"'none' needs trainer.ranks=1 (got ranks={self.ranks}); use fsdp or ddp",
+            fail("trainer.parallel", f"'none' needs trainer.ranks=1 (got ranks={self.ranks}); use fsdp or ddp",
                   self.parallel)
         if not all(0 <= b < 1 for b in self.betas):
-            _fail("trainer.betas", "both must be in [0, 1)", self.betas)
+            fail("trainer.betas", "both must be in [0, 1)", self.betas)
         if not (self.rho >= 1 and math.isfinite(self.rho)):
-            _fail("trainer.rho", "must be >= 1 (AIPO truncates pi/mu at rho; typical 2-10)", self.rho)
+            fail("trainer.rho", "must be >= 1 (AIPO truncates pi/mu at rho; typical 2-10)", self.rho)
 
 
 @dataclass(frozen=True)
 class RewardConfig(_Section):
     SECTION = "reward"
-    reward: str = "exact"  # a built-in name or "module:function" taking (completion, answer) -> float
+    # the verifier: a built-in name or "module:function" taking (completion, answer) -> float; it alone decides
+    # correctness (held-out accuracy counts its reward >= 1)
+    reward: str = "exact"
+    # more reward functions added to the verifier's reward (TRL's reward_funcs): built-in format_exact |
+    # format_gsm8k | format_math (1 if the answer is in the form the verifier reads) or module:function; a
+    # sample's reward is sum_i weights[i] * r_i over [reward, *extra] (llamarl.rewards.terms)
+    extra: tuple[str, ...] = ()
+    weights: tuple[float, ...] = ()  # one per function, the verifier first; empty: 1.0 each
     # reward worker processes of the controller (0 counts as 1: scoring always runs in a worker, under the timeout)
     workers: int = 2
     timeout_s: float = 5.0  # per completion
@@ -208,10 +208,30 @@ class RewardConfig(_Section):
         self._positive("workers", strict=False)
         self._positive("timeout_s")
         self._positive("max_failed_steps", strict=False)
-        module, sep, fn = self.reward.rpartition(":")
-        if self.reward not in REWARD_NAMES and not (sep and module.strip() and fn.strip()):
-            _fail("reward.reward", f"must be one of {', '.join(REWARD_NAMES)}, 'module:function' or "
-                  f"'path/to/file.py:function'", self.reward)
+        _check_reward_spec("reward.reward", self.reward, REWARD_NAMES)
+        for i, spec in enumerate(self.extra):
+            _check_reward_spec(f"reward.extra[{i}]", spec, REWARD_NAMES + FORMAT_REWARD_NAMES)
+        if self.weights and len(self.weights) != 1 + len(self.extra):
+            fail("reward.weights", f"needs one weight per reward function, the verifier first: {1 + len(self.extra)} "
+                  f"for reward.reward and {len(self.extra)} reward.extra, or none (1.0 each)", list(self.weights))
+        if not all(math.isfinite(w) for w in self.weights):
+            fail("reward.weights", "must be finite numbers", list(self.weights))
+
+    @property
+    def specs(self) -> tuple[str, ...]:
+        """The reward functions, the verifier first."""
+        return (self.reward, *self.extra)
+
+    @property
+    def user_specs(self) -> list[str]:
+        """The specs that name a user's function (not a built-in)."""
+        return [s for s in self.specs if s not in REWARD_NAMES + FORMAT_REWARD_NAMES]
+
+
+def _check_reward_spec(path: str, spec: str, builtins: tuple[str, ...]) -> None:
+    module, sep, fn = spec.rpartition(":")
+    if spec not in builtins and not (sep and module.strip() and fn.strip()):
+        fail(path, f"must be one of {', '.join(builtins)}, 'module:function' or 'path/to/file.py:function'", spec)
 
 
 @dataclass(frozen=True)
@@ -233,15 +253,15 @@ class DataConfig(_Section):
         self._positive("eval_size")  # held-out accuracy before and after RL is part of every run
         for name in ("prompt_field", "answer_field"):
             if not getattr(self, name):
-                _fail(f"data.{name}", "must name a field of the dataset records", getattr(self, name))
+                fail(f"data.{name}", "must name a field of the dataset records", getattr(self, name))
         if self.dataset.startswith("synthetic:") and self.dataset.split(":")[1] not in SYNTHETIC_DATASETS:
-            _fail("data.dataset", f"unknown synthetic dataset; known: "
+            fail("data.dataset", f"unknown synthetic dataset; known: "
                   f"{', '.join('synthetic:' + n for n in SYNTHETIC_DATASETS)}", self.dataset)
         if "{prompt}" not in self.template:  # filled in literally (str.replace): other braces stay as written
-            _fail("data.template", "must contain {prompt} (where the problem text goes; other braces, e.g. "
+            fail("data.template", "must contain {prompt} (where the problem text goes; other braces, e.g. "
                   "LaTeX's \\boxed{}, are kept as written)", self.template)
         if self.system is not None and not self.chat:
-            _fail("data.system", "needs data.chat=true (a raw prompt has no roles; put the text into data.template)",
+            fail("data.system", "needs data.chat=true (a raw prompt has no roles; put the text into data.template)",
                   self.system)
 
 
@@ -258,7 +278,7 @@ class WarmStartConfig(_Section):
 
     def check(self) -> None:
         if not 0.0 <= self.target_accuracy <= 1.0:
-            _fail("warm_start.target_accuracy", "must be in [0, 1] (0 disables the accuracy stop)",
+            fail("warm_start.target_accuracy", "must be in [0, 1] (0 disables the accuracy stop)",
                   self.target_accuracy)
         self._positive("steps", strict=False)
         self._positive("lr")
@@ -290,28 +310,28 @@ class RunConfig(_Section):
         self._positive("max_steps")
         self._positive("command_timeout_s", strict=False)
         if self.command_timeout_s > 1e6:  # the runtime's MAX_COMMAND_TIMEOUT_S (its waits count milliseconds)
-            _fail("run.command_timeout_s", "must be at most 1e6 seconds (about 11 days); 0 means no limit",
+            fail("run.command_timeout_s", "must be at most 1e6 seconds (about 11 days); 0 means no limit",
                   self.command_timeout_s)
         self._positive("keep_checkpoints")
         for name in ("max_staleness", "seed", "eval_every", "checkpoint_every", "log_samples"):
             self._positive(name, strict=False)
         if self.seed >= 2**32:  # step seeds are seed * 1_000_003 + step (+ replica strides): they must fit int64
-            _fail("run.seed", "must be below 2**32", self.seed)
+            fail("run.seed", "must be below 2**32", self.seed)
         if self.mode == "sync" and self.max_staleness != 0:
-            _fail("run.max_staleness", "must be 0 in sync mode (sync means no run-ahead); drop it or use "
+            fail("run.max_staleness", "must be 0 in sync mode (sync means no run-ahead); drop it or use "
                   "--mode async", self.max_staleness)
         if self.mode == "async" and self.max_staleness == 0:
-            _fail("run.max_staleness", "must be >= 1 in async mode (0 is sync mode: use --mode sync)",
+            fail("run.max_staleness", "must be >= 1 in async mode (0 is sync mode: use --mode sync)",
                   self.max_staleness)
         try:
             parse_report_to(self.report_to)
         except ValueError as exc:
-            _fail("run.report_to", str(exc), self.report_to)
+            fail("run.report_to", str(exc), self.report_to)
         if self.layout is not None:
             try:
                 Layout.parse(self.layout)
             except LayoutError as exc:
-                _fail("run.layout", str(exc))
+                fail("run.layout", str(exc))
 
 
 @dataclass(frozen=True)
@@ -327,28 +347,28 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
-                _fail(name, f"must be a {cls.__name__}", getattr(self, name))
+                fail(name, f"must be a {cls.__name__}", getattr(self, name))
         g, t = self.generator, self.trainer
         if g.samples_per_prompt < 2:
-            _fail("generator.samples_per_prompt", f"must be >= 2: the '{t.advantage}' advantage compares the "
+            fail("generator.samples_per_prompt", f"must be >= 2: the '{t.advantage}' advantage compares the "
                   f"samples of one prompt", g.samples_per_prompt)
         batch = g.prompts_per_step * g.samples_per_prompt
         if batch % t.ranks:
-            _fail("trainer.ranks", f"the step's {g.prompts_per_step}x{g.samples_per_prompt}={batch} sequences "
+            fail("trainer.ranks", f"the step's {g.prompts_per_step}x{g.samples_per_prompt}={batch} sequences "
                   f"must split evenly over the trainer ranks", t.ranks)
         if g.prompts_per_step % t.mini_batches:
-            _fail("trainer.mini_batches", f"must divide generator.prompts_per_step={g.prompts_per_step} (each "
+            fail("trainer.mini_batches", f"must divide generator.prompts_per_step={g.prompts_per_step} (each "
                   "mini-batch holds whole prompt groups)", t.mini_batches)
         part = batch // t.mini_batches
         if part % t.ranks:
-            _fail("trainer.mini_batches", f"each of the {t.mini_batches} mini-batches holds {part} sequences, "
+            fail("trainer.mini_batches", f"each of the {t.mini_batches} mini-batches holds {part} sequences, "
                   f"which must split evenly over trainer.ranks={t.ranks}", t.mini_batches)
         if self.run.layout is not None:
             for key, value in _layout_fields(self.run.layout).items():
                 section, name = key.split(".")
                 actual = getattr(getattr(self, section), name)
                 if actual != value:
-                    _fail("run.layout", f"{self.run.layout!r} sets {key}={value} but {key}={actual}; "
+                    fail("run.layout", f"{self.run.layout!r} sets {key}={value} but {key}={actual}; "
                           f"give one or make them agree")
 
     # ---------------------------------------------------------------- derived views
@@ -369,7 +389,7 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         """Nested plain dict (tuples as lists), the YAML file format."""
-        return {name: {f.name: _plain(getattr(getattr(self, name), f.name))
+        return {name: {f.name: plain(getattr(getattr(self, name), f.name))
                        for f in dataclasses.fields(getattr(self, name))} for name in SECTIONS}
 
     def to_yaml(self) -> str:
@@ -386,14 +406,17 @@ class TrainConfig:
         return path
 
     def with_absolute_paths(self) -> TrainConfig:
-        """This config with ``policy.model``, ``policy.tokenizer``, ``data.dataset``, a ``reward.reward``
-        file (``path/to/file.py:function``), ``run.out`` and ``run.resume`` absolute where they name an
-        existing path (built-in names, synthetic datasets and importable modules stay as they are)."""
+        """This config with ``policy.model``, ``policy.tokenizer``, ``data.dataset``, reward function files
+        (``path/to/file.py:function`` in ``reward.reward`` and ``reward.extra``), ``run.out`` and ``run.resume``
+        absolute where they name an existing path (built-in names, synthetic datasets and importable modules
+        stay as they are)."""
         def absolute(value: str | None) -> str | None:
             return str(Path(value).resolve()) if value and Path(value).exists() else value
 
-        module, sep, fn = self.reward.reward.rpartition(":")
-        reward = f"{absolute(module)}{sep}{fn}" if sep and module.endswith(".py") else self.reward.reward
+        def absolute_spec(spec: str) -> str:  # path/to/file.py:function
+            module, sep, fn = spec.rpartition(":")
+            return f"{absolute(module)}{sep}{fn}" if sep and module.endswith(".py") else spec
+
         return dataclasses.replace(
             self,
             policy=dataclasses.replace(self.policy, tokenizer=absolute(self.policy.tokenizer),
@@ -401,7 +424,8 @@ class TrainConfig:
                                        else absolute(self.policy.model)),
             data=dataclasses.replace(self.data, dataset=self.data.dataset if self.data.dataset.startswith("synthetic:")
                                      else absolute(self.data.dataset)),
-            reward=dataclasses.replace(self.reward, reward=reward),
+            reward=dataclasses.replace(self.reward, reward=absolute_spec(self.reward.reward),
+                                       extra=tuple(absolute_spec(s) for s in self.reward.extra)),
             run=dataclasses.replace(self.run, out=absolute(self.run.out), resume=absolute(self.run.resume)))
 
     @classmethod
@@ -419,72 +443,73 @@ class TrainConfig:
                 if not (path / "config.json").is_file():
                     from llamarl.checkpoint import training_dir_hint
 
-                    _fail("policy.model", training_dir_hint(path) or "directory has no config.json; is it a Hugging "
+                    fail("policy.model", training_dir_hint(path) or "directory has no config.json; is it a Hugging "
                           "Face model directory?", p.model)
             else:
                 from llamarl.models.config import LLAMA_CONFIGS
 
                 if p.model not in LLAMA_CONFIGS:
-                    _fail("policy.model", f"is neither a built-in model ({', '.join(LLAMA_CONFIGS)}) nor an "
+                    fail("policy.model", f"is neither a built-in model ({', '.join(LLAMA_CONFIGS)}) nor an "
                           f"existing directory; pass a Hugging Face Llama directory (config.json + "
                           f"*.safetensors)", p.model)
         if p.tokenizer is not None and not Path(p.tokenizer).exists():
-            _fail("policy.tokenizer", "no such file or directory", p.tokenizer)
+            fail("policy.tokenizer", "no such file or directory", p.tokenizer)
         d = self.data.dataset
         if not d.startswith("synthetic:"):
             path = Path(d)
             if not path.is_file():
-                _fail("data.dataset", "no such file (expected synthetic:NAME or a .jsonl/.parquet file)", d)
+                fail("data.dataset", "no such file (expected synthetic:NAME or a .jsonl/.parquet file)", d)
             if path.suffix.lower() not in DATASET_SUFFIXES:
-                _fail("data.dataset", f"unsupported file type {path.suffix!r}; use {', '.join(DATASET_SUFFIXES)}", d)
-        if self.reward.reward not in REWARD_NAMES:
-            from llamarl.rewards.registry import RewardSpecError, load_reward
+                fail("data.dataset", f"unsupported file type {path.suffix!r}; use {', '.join(DATASET_SUFFIXES)}", d)
+        for i, spec in enumerate(self.reward.specs):
+            if spec in self.reward.user_specs:
+                from llamarl.rewards.registry import RewardSpecError, load_reward
 
-            try:
-                load_reward(self.reward.reward)
-            except RewardSpecError as exc:
-                _fail("reward.reward", str(exc))
+                try:
+                    load_reward(spec)
+                except RewardSpecError as exc:
+                    fail("reward.reward" if i == 0 else f"reward.extra[{i - 1}]", str(exc))
         missing = check_available(parse_report_to(self.run.report_to))
         if missing:
-            _fail("run.report_to", missing, self.run.report_to)
+            fail("run.report_to", missing, self.run.report_to)
         if self.run.device == "cuda":
             import torch
 
             if not torch.cuda.is_available():
-                _fail("run.device", "cuda requested but torch sees no CUDA device; use --set run.device=cpu")
+                fail("run.device", "cuda requested but torch sees no CUDA device; use --set run.device=cpu")
         resumed_run = None
         if self.run.resume is not None:
             from llamarl.checkpoint import CheckpointError, load_latest
 
             if not Path(self.run.resume).is_dir():
-                _fail("run.resume", "no such directory", self.run.resume)
+                fail("run.resume", "no such directory", self.run.resume)
             try:
                 latest = load_latest(self.run.resume)  # checksums verified; a corrupt newest one is skipped
             except CheckpointError as exc:
-                _fail("run.resume", str(exc))
+                fail("run.resume", str(exc))
             if latest is None:
-                _fail("run.resume", "holds no complete checkpoint (expected DIR/checkpoints/step_*/ or a "
+                fail("run.resume", "holds no complete checkpoint (expected DIR/checkpoints/step_*/ or a "
                       "checkpoint directory); pass the --out directory of an earlier run", self.run.resume)
             step = latest.step
             if self.run.max_steps <= step:
-                _fail("run.max_steps", f"the run at {self.run.resume} is already at step {step}; pass --max-steps "
+                fail("run.max_steps", f"the run at {self.run.resume} is already at step {step}; pass --max-steps "
                       f"above it to continue (nothing was changed)", self.run.max_steps)
             resumed_run = resume_run_dir(self.run.resume).resolve()
         if self.run.out is not None:
             out = Path(self.run.out)
             if out.exists() and not out.is_dir():
-                _fail("run.out", "exists and is not a directory", self.run.out)
+                fail("run.out", "exists and is not a directory", self.run.out)
             earlier = (out / "checkpoints").is_dir() or (out / "metrics.jsonl").is_file()
             if earlier and self.run.resume is None:
                 from llamarl.checkpoint import latest_checkpoint_dir
 
                 if latest_checkpoint_dir(out) is None:
-                    _fail("run.out", "holds a run that wrote no checkpoint (it stopped before its first one), so "
+                    fail("run.out", "holds a run that wrote no checkpoint (it stopped before its first one), so "
                           "there is nothing to resume; delete that directory or choose a new --out", self.run.out)
-                _fail("run.out", "already holds a run; pass --resume with it to continue, or choose a new --out",
+                fail("run.out", "already holds a run; pass --resume with it to continue, or choose a new --out",
                       self.run.out)
             if earlier and resumed_run is not None and out.resolve() != resumed_run:
-                _fail("run.out", f"already holds another run than the one resumed ({resumed_run}); a resumed run "
+                fail("run.out", f"already holds another run than the one resumed ({resumed_run}); a resumed run "
                       "continues in its own directory or in a new one", self.run.out)
 
 
@@ -501,34 +526,23 @@ SECTIONS: dict[str, type] = {
 
 
 # -------------------------------------------------------------------- internals
-class _Text(str):
-    """A value given as text (CLI, YAML strings): parsed according to the field's type.
-
-    Plain ``str`` values (Python callers) are not parsed, so ``GeneratorConfig(tp="2")`` is an error."""
-
-
-def _did_you_mean(word: str, options) -> str:
-    hint = difflib.get_close_matches(word, list(options), n=1, cutoff=0.5)
-    return f" (did you mean '{hint[0]}'?)" if hint else ""
-
-
 def _merge(base: dict, update: dict, source: str) -> dict:
     """Copy of ``base`` with ``update``'s sections/keys applied; unknown names raise with a suggestion."""
     out = {name: dict(section) for name, section in base.items()}
     for section, values in update.items():
         if section not in SECTIONS:
-            _fail(str(section), f"unknown config section in {source}{_did_you_mean(str(section), SECTIONS)}; "
+            fail(str(section), f"unknown config section in {source}{did_you_mean(str(section), SECTIONS)}; "
                   f"sections: {', '.join(SECTIONS)}")
         if values is None:
             continue
         if not isinstance(values, dict):
-            _fail(section, f"must be a mapping of keys in {source}", values)
+            fail(section, f"must be a mapping of keys in {source}", values)
         names = [f.name for f in dataclasses.fields(SECTIONS[section])]
         for key, value in values.items():
             if key not in names:
                 hint = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
                 did = f" (did you mean '{section}.{hint[0]}'?)" if hint else ""
-                _fail(f"{section}.{key}", f"unknown key in {source}{did}; "
+                fail(f"{section}.{key}", f"unknown key in {source}{did}; "
                       f"'{section}' has: {', '.join(names)}")
             out[section][key] = value
     return out
@@ -557,79 +571,3 @@ def _layout_fields(spec: str) -> dict[str, Any]:
     return fields
 
 
-def _yaml_list(path: str, text: str) -> list:
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        _fail(path, f"is not a valid YAML list ({exc.__class__.__name__}); write e.g. "
-              '\'["\\n\\nQuestion:", "</answer>"]\' (double quotes read escapes like \\n)', str(text))
-    if not isinstance(value, list):
-        _fail(path, "must be a list", str(text))
-    return [_Text(v) if isinstance(v, str) else v for v in value]
-
-
-def _plain(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
-
-
-def _coerce(path: str, value: Any, tp: Any) -> Any:
-    """Check ``value`` against annotation ``tp``; parse it first if it is ``_Text`` for a non-text type
-    (surrounding whitespace ignored there; a string field keeps its text exactly, spaces included)."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, _Text) and value.strip().lower() in ("none", "null", "~", "")):
-            if type(None) in args:
-                return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(path, value, inner[0])
-    if origin is Literal:
-        if isinstance(value, _Text):
-            value = value.strip()
-        if value not in args:
-            _fail(path, f"must be one of {', '.join(repr(a) for a in args)}{_did_you_mean(str(value), args)}", value)
-        return str(value)
-    if origin is tuple:
-        if isinstance(value, _Text) and args[0] is str:  # a YAML list, or one string taken as it is
-            value = _yaml_list(path, value) if value.strip().startswith("[") else [value]
-        elif isinstance(value, _Text):
-            value = [v for v in value.strip("[]() ").split(",") if v.strip()]
-        fixed_length = Ellipsis not in args
-        if not isinstance(value, (list, tuple)) or (fixed_length and len(value) != len(args)):
-            _fail(path, f"must be a list of {len(args)} numbers" if fixed_length else "must be a list", value)
-        return tuple(_coerce(f"{path}[{i}]", _Text(v) if isinstance(v, str) else v, args[0])
-                     for i, v in enumerate(value))
-    if tp is bool:
-        if isinstance(value, _Text):
-            lowered = value.strip().lower()
-            if lowered in ("true", "yes", "on", "1"):
-                return True
-            if lowered in ("false", "no", "off", "0"):
-                return False
-        if not isinstance(value, bool):
-            _fail(path, "must be true or false", value)
-        return value
-    if tp is int:
-        if isinstance(value, _Text):
-            try:
-                return int(value.strip())
-            except ValueError:
-                _fail(path, "must be an integer", str(value))
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            _fail(path, "must be an integer", value)
-        return value
-    if tp is float:
-        if isinstance(value, _Text):
-            try:
-                return float(value.strip())
-            except ValueError:
-                _fail(path, "must be a number", str(value))
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            _fail(path, "must be a number", value)
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            _fail(path, "must be a string", value)
-        return str(value)
-    raise TypeError(f"{path}: unsupported annotation {tp!r} in config dataclass")

@@ -40,8 +40,8 @@ from typing import Any, Sequence
 
 import yaml
 
-from llamarl.config import (REWARD_NAMES, TrainConfig, _build, _did_you_mean, _fail, _layout_fields, _merge,
-                            _Text, resume_run_dir)
+from llamarl.config import REWARD_NAMES, TrainConfig, _build, _layout_fields, _merge, resume_run_dir
+from llamarl.config_values import Text, did_you_mean, fail
 from llamarl.presets import PRESETS
 
 # Named flags: flag -> (dotted field, help).
@@ -74,7 +74,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace, *, check_environment: bool = True) -> TrainConfig:
     """The ``TrainConfig`` described by parsed ``add_config_args`` arguments (see module docstring)."""
     if args.preset not in PRESETS:
-        _fail("--preset", f"unknown preset{_did_you_mean(args.preset, PRESETS)}; presets: {', '.join(PRESETS)}",
+        fail("--preset", f"unknown preset{did_you_mean(args.preset, PRESETS)}; presets: {', '.join(PRESETS)}",
               args.preset)
     loaded = _load_yaml("--config", Path(args.config)) if args.config else {}
     overrides: list[tuple[str, str]] = []
@@ -85,7 +85,7 @@ def config_from_args(args: argparse.Namespace, *, check_environment: bool = True
     for item in args.overrides:
         key, sep, value = item.partition("=")
         if not sep or "." not in key or not all(part.strip() for part in key.split(".", 1)):
-            _fail("--set", "expects SECTION.KEY=VALUE, e.g. --set trainer.lr=3e-4", item)
+            fail("--set", "expects SECTION.KEY=VALUE, e.g. --set trainer.lr=3e-4", item)
         overrides.append((key.strip(), value))  # a string field keeps its spaces (a template's trailing one)
     resume = next((v for d, v in reversed(overrides) if d == "run.resume"), None)
     if resume is None:
@@ -102,7 +102,7 @@ def config_from_args(args: argparse.Namespace, *, check_environment: bool = True
         explicit |= {f"{s}.{k}" for s, sec in loaded.items() for k in (sec or {})}
     for dotted, value in overrides:
         section, _, name = dotted.partition(".")
-        data = _merge(data, {section: {name: _Text(value)}}, "command line")
+        data = _merge(data, {section: {name: Text(value)}}, "command line")
         explicit.add(dotted)
     _apply_layout_shorthand(data, explicit)
     _apply_mode_rule(data, explicit, base)
@@ -130,7 +130,7 @@ def _check_same_policy(saved_cfg: TrainConfig, cfg: TrainConfig, saved: Path) ->
         from llamarl.models.config import LLAMA_CONFIGS
 
         if old is None or old in LLAMA_CONFIGS or Path(old).exists():
-            _fail(f"policy.{name}", f"the resumed run started with policy.{name}={old!r} ({saved}) and continues "
+            fail(f"policy.{name}", f"the resumed run started with policy.{name}={old!r} ({saved}) and continues "
                   f"with it; drop the override (to train another model from this run's weights, start a new run "
                   f"with --model <checkpoint>/policy)", new)
 
@@ -149,20 +149,20 @@ def load_config(argv: Sequence[str] | None = None, *, check_environment: bool = 
     if unknown:
         flag = unknown[0].split("=")[0]
         flags = [a for action in parser._actions for a in action.option_strings]
-        _fail(flag, f"unknown option{_did_you_mean(flag, flags)}; see --help")
+        fail(flag, f"unknown option{did_you_mean(flag, flags)}; see --help")
     return config_from_args(args, check_environment=check_environment)
 
 
 # -------------------------------------------------------------------- internals
 def _load_yaml(field: str, path: Path) -> dict:
     if not path.is_file():
-        _fail(field, "no such file", str(path))
+        fail(field, "no such file", str(path))
     try:
         loaded = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        _fail(field, f"{path} is not valid YAML: {exc}")
+        fail(field, f"{path} is not valid YAML: {exc}")
     if not isinstance(loaded, dict):
-        _fail(field, f"{path} must hold a mapping of sections (policy:, trainer:, ...)")
+        fail(field, f"{path} must hold a mapping of sections (policy:, trainer:, ...)")
     return loaded
 
 
@@ -171,7 +171,7 @@ def _as_text(obj: Any) -> Any:
         return {k: _as_text(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_as_text(v) for v in obj]
-    return _Text(obj) if isinstance(obj, str) else obj
+    return Text(obj) if isinstance(obj, str) else obj
 
 
 def _dest(flag: str) -> str:

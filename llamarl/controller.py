@@ -43,6 +43,7 @@ from llamarl.algorithms import group_advantages
 from llamarl.config import TrainConfig
 from llamarl.generation import SamplingParams
 from llamarl.rewards import RewardPool, RewardPoolError
+from llamarl.rewards.terms import term_names
 from llamarl.rollouts import Rollout, RolloutBatch, collate
 from llamarl.runlog import RunLog
 from llamarl.runtime import ExecutorGroup
@@ -83,6 +84,7 @@ class Controller:
         self._last_step_end = time.perf_counter()
         self._failed_steps = 0  # consecutive steps whose every sample's verifier failed
         self._warned_cut = False
+        self.term_names = term_names(cfg.reward.specs)  # the reward's functions, as metrics name them
         g = cfg.generator
         self.sampling = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                                        top_p=g.top_p, n=g.samples_per_prompt, stop=g.stop)
@@ -167,7 +169,7 @@ class Controller:
         scores = await self.ex.rewards.score_async(
             [(r.sample_id, r.text, r.answer, infos[i // n]) for i, r in enumerate(rollouts)])
         for r, s in zip(rollouts, scores):
-            r.reward, r.reward_error = s.reward, s.error
+            r.reward, r.reward_error, r.reward_terms = s.reward, s.error, s.terms
         self._check_verifier(step, [r.reward_error for r in rollouts])
         batch = RolloutBatch(rollouts, n=n, generate_s=sampled.generate_s, score_s=time.perf_counter() - t2,
                              meta={"step": step, "cursor_after": sampled.cursor})
@@ -179,6 +181,7 @@ class Controller:
             {"step": step + 1, "sample_id": r.sample_id,
              "prompt": self.tok.decode(r.prompt_ids, skip_special_tokens=False), "completion": r.text,
              "answer": r.answer, "reward": r.reward, "reward_error": r.reward_error, "advantage": float(a),
+             **({"reward_terms": dict(zip(self.term_names, r.reward_terms))} if len(self.term_names) > 1 else {}),
              "finish_reason": r.finish_reason, "tokens": len(r.completion_ids), "min_version": r.min_version}
             for r, a in zip(rollouts[:self.cfg.run.log_samples], advantages)]
         t = self.cfg.trainer
@@ -211,7 +214,7 @@ class Controller:
         now = time.perf_counter()
         self.log.step({
             "step": step + 1, "policy_version": self.version, "staleness": staleness,
-            **batch.stats(), "step_s": now - self._last_step_end,
+            **batch.stats(self.term_names), "step_s": now - self._last_step_end,
             "sync_s": sync_s, "generate_s": batch.generate_s, "score_s": batch.score_s,
             "tokens": batch.num_tokens, "tokens_per_s": batch.num_tokens / max(batch.generate_s, 1e-9),
             "reward_errors": sum(r.reward_error is not None for r in batch.rollouts),
@@ -250,14 +253,15 @@ class Controller:
         return out, seconds
 
     async def evaluate(self, step: int) -> dict:
-        """Greedy held-out accuracy of the newest weights: the fraction of problems with reward 1."""
+        """Greedy held-out accuracy of the newest weights: the fraction of problems whose verifier (the first
+        reward term, reward.reward) gives 1 or more."""
         held = self.data.heldout
         greedy = SamplingParams(max_new_tokens=self.cfg.generator.max_new_tokens, temperature=0.0, n=1,
                                 stop=self.cfg.generator.stop)
         outputs, _ = await self.generate(self.data.encode(held), greedy)
         scores = await self.ex.rewards.score_async(
             [(s.id, self.tok.decode(o["token_ids"]), s.answer, s.reward_info()) for s, o in zip(held, outputs)])
-        result = {"accuracy": sum(r.reward >= 1.0 for r in scores) / len(held),
+        result = {"accuracy": sum(r.verifier >= 1.0 for r in scores) / len(held),
                   "policy_version": min(min(o["policy_versions"], default=-1) for o in outputs)}
         self.log.eval(step, result)
         return result

@@ -61,6 +61,7 @@ class Rollout:
     text: str = ""
     reward: float = 0.0
     reward_error: str | None = None
+    reward_terms: tuple[float, ...] = ()  # the reward's functions' own rewards, the verifier first (() on error)
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
@@ -96,10 +97,11 @@ class RolloutBatch:
     def rewards(self) -> torch.Tensor:
         return torch.tensor([r.reward for r in self.rollouts], dtype=torch.float32)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self, term_names: Sequence[str] = ()) -> dict[str, float]:
         """What a step's rollouts look like, as veRL and TRL log it. Rewards count only the samples whose
         verifier answered (failures take no part in the advantages either; NaN when none did):
-        ``reward_mean``, ``reward_std`` (population); ``zero_std_frac``: the share of prompt groups whose
+        ``reward_mean``, ``reward_std`` (population), and with two or more ``term_names`` (a reward made of
+        several functions, llamarl.rewards.terms) ``reward/<name>``, each term's mean; ``zero_std_frac``: the share of prompt groups whose
         scored samples all earned the same reward (fewer than two scored included), which therefore teach
         nothing. Lengths, over all samples: ``completion_len_mean``, ``completion_len_max``, and
         ``length_capped_frac``, the share cut by the token budget (finish reason "length")."""
@@ -108,7 +110,10 @@ class RolloutBatch:
         groups = [self.rollouts[i:i + self.n] for i in range(0, len(self.rollouts), self.n)]
         flat = sum(len({r.reward for r in g if r.reward_error is None}) <= 1 for g in groups)
         lengths = [len(r.completion_ids) for r in self.rollouts]
-        return {"reward_mean": mean,
+        terms = [r.reward_terms for r in self.rollouts if r.reward_error is None]
+        per_term = {f"reward/{name}": math.fsum(t[i] for t in terms) / len(terms) if terms else math.nan
+                    for i, name in enumerate(term_names)} if len(term_names) > 1 else {}
+        return {"reward_mean": mean, **per_term,
                 "reward_std": math.sqrt(math.fsum((x - mean) ** 2 for x in scored) / len(scored)) if scored else math.nan,
                 "zero_std_frac": flat / len(groups),
                 "completion_len_mean": sum(lengths) / len(lengths), "completion_len_max": max(lengths),

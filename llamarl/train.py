@@ -193,12 +193,15 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
         data = TrainData(cfg.data, tokenizer, seed=cfg.run.seed, cursor=cursor, max_prompt_tokens=max_prompt)
     except (OSError, ValueError, ImportError) as e:
         raise ConfigError(f"data.dataset: {e}") from None
-    if cfg.reward.reward not in REWARD_NAMES:  # the keyword arguments it asks for must exist for every sample
-        missing = sorted(info_params(load_reward(cfg.reward.reward)).required - data.info_fields)
+    for i, spec in enumerate(cfg.reward.specs):  # the keyword arguments a user's function asks for must exist for
+        if spec not in cfg.reward.user_specs:        # every sample
+            continue
+        missing = sorted(info_params(load_reward(spec)).required - data.info_fields)
         if missing:
-            raise ConfigError(f"reward.reward: {cfg.reward.reward} needs the keyword argument(s) {missing}, which "
-                              f"not every sample has (all have: {sorted(data.info_fields)}); give them defaults or "
-                              "add those fields to every record of the dataset")
+            raise ConfigError(f"{'reward.reward' if i == 0 else f'reward.extra[{i - 1}]'}: {spec} needs the keyword "
+                              f"argument(s) {missing}, which not every sample has (all have: "
+                              f"{sorted(data.info_fields)}); give them defaults or add those fields to every record "
+                              "of the dataset")
     if data.dropped:
         log(f"data: dropped {data.dropped} prompts longer than {max_prompt} tokens (the context {context} minus "
             f"generator.max_new_tokens)")
@@ -360,8 +363,8 @@ def train(cfg: TrainConfig) -> dict:
         async def checkpoint(step: int, version: int, cursor: int) -> None:
             await trainer.acall("save_checkpoint", str(out), step, version, cursor, cfg.run.keep_checkpoints)
 
-        with RewardPool(cfg.reward.reward, num_workers=max(1, cfg.reward.workers),
-                        timeout_s=cfg.reward.timeout_s) as pool:
+        with RewardPool(cfg.reward.specs, num_workers=max(1, cfg.reward.workers), timeout_s=cfg.reward.timeout_s,
+                        weights=cfg.reward.weights) as pool:
             ctrl = Controller(cfg, data, Executors(gens, trainer, pool), runlog, tokenizer=tokenizer,
                               start_step=start_step, start_version=start_version, on_checkpoint=checkpoint)
             try:

@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from llamarl.config import DataConfig, GeneratorConfig, RunConfig, TrainConfig
+from llamarl.config import DataConfig, GeneratorConfig, RewardConfig, RunConfig, TrainConfig
 from llamarl.controller import Controller, Executors
 from llamarl.models import CharTokenizer
 from llamarl.rewards import RewardResult
@@ -63,27 +63,29 @@ class FakeTrainer(_Serial):
 
 
 class FakeRewards:
-    def __init__(self, fail_every: int = 0):
-        self.fail_every = fail_every
+    def __init__(self, fail_every: int = 0, terms: tuple[float, ...] = (1.0,)):
+        self.fail_every, self.terms = fail_every, terms
 
     async def score_async(self, items):
         out = []
         for i, (sid, *_) in enumerate(items):
             failed = self.fail_every and i % self.fail_every == 0
-            out.append(RewardResult(sample_id=sid, reward=0.0 if failed else 1.0,
-                                    error="ValueError: flaky" if failed else None, elapsed_s=0.0))
+            out.append(RewardResult(sample_id=sid, reward=0.0 if failed else sum(self.terms),
+                                    error="ValueError: flaky" if failed else None, elapsed_s=0.0,
+                                    terms=() if failed else self.terms))
         return out
 
 
-def _run(run: dict, *, generator: dict = None, trainer_delay: float = 0.1, fail_every: int = 0) -> RunLog:
+def _run(run: dict, *, generator: dict = None, trainer_delay: float = 0.1, fail_every: int = 0,
+         rewards: FakeRewards | None = None, reward: RewardConfig = RewardConfig()) -> RunLog:
     cfg = TrainConfig(generator=GeneratorConfig(prompts_per_step=2, samples_per_prompt=2, max_new_tokens=4),
-                      data=DataConfig(eval_size=4), run=RunConfig(checkpoint_every=0, **run))
+                      data=DataConfig(eval_size=4), run=RunConfig(checkpoint_every=0, **run), reward=reward)
     tok = CharTokenizer()
     world = {"published": 0}
     log = RunLog(None, cfg.run.max_steps, progress=False)
     log.bar.write = lambda *a, **k: None
     ex = Executors([FakeGenerator(world, **(generator or {}))], FakeTrainer(world, trainer_delay),
-                   FakeRewards(fail_every))
+                   rewards or FakeRewards(fail_every))
     ctrl = Controller(cfg, TrainData(cfg.data, tok, seed=0), ex, log, tokenizer=tok)
     asyncio.run(ctrl.run())
     return log
@@ -121,3 +123,16 @@ def test_a_verifier_failing_on_every_sample_stops_the_run_after_max_failed_steps
         _run(dict(mode="sync", max_staleness=0, max_steps=10, eval_every=0), fail_every=1, trainer_delay=0.0)
     log = _run(dict(mode="sync", max_staleness=0, max_steps=6, eval_every=0), fail_every=2, trainer_delay=0.0)
     assert len(log.rows) == 6  # failures on some samples of every step: the run goes on
+
+
+@pytest.mark.parametrize("terms, accuracy", [((0.0, 1.0, 1.0), 0.0), ((1.0, 0.0, 0.0), 1.0)])
+def test_accuracy_is_the_verifiers_alone_and_each_term_is_logged(terms, accuracy):
+    """A reward of several functions: a format bonus adding up to 2 is not a correct answer, a right answer
+    without it is."""
+    reward = RewardConfig(extra=("format_exact", "format_exact"))
+    log = _run(dict(mode="sync", max_staleness=0, max_steps=3, eval_every=1), trainer_delay=0.0,
+               rewards=FakeRewards(terms=terms), reward=reward)
+    assert [e["accuracy"] for e in log.evals] == [accuracy, accuracy]
+    row = log.rows[0]
+    assert (row["reward_mean"], row["reward/exact"], row["reward/format_exact"], row["reward/format_exact_2"]) == \
+        (sum(terms), *terms)

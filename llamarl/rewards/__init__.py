@@ -6,10 +6,13 @@
     fn = load_reward("math" | "gsm8k" | "exact" | "pkg.module:function" | "file.py:function")
     with RewardPool("math", num_workers=4, timeout_s=5.0) as pool:
         results = pool.score([(sample_id, completion, answer), ...])  # -> list[RewardResult]
+    with RewardPool(["gsm8k", "format_gsm8k"], weights=[1.0, 0.2]) as pool:  # several terms (terms.py)
+        r = pool.score([...])[0]; r.reward, r.terms, r.verifier           # 1.0 * r_0 + 0.2 * r_1, (r_0, r_1), r_0
 
 Every reward function maps (completion: str, answer: str) to a float; the built-ins return exactly 1.0
 or 0.0 and never raise. Modules: gsm8k, math, exact (verifiers), format (format rewards), deadline
-(thread-safe time budgets), registry (spec -> function), workers (RewardPool).
+(thread-safe time budgets), registry (spec -> function), terms (several functions as one reward),
+workers (RewardPool).
 """
 
 from llamarl.rewards.deadline import DeadlineExceeded, call_with_deadline

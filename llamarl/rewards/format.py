@@ -6,6 +6,9 @@ Styles (``format_reward(completion, style)`` returns 1.0 or 0.0, never raises):
   * ``"math"``:  the completion holds a closed, non-empty ``\\boxed{...}`` (see ``math.last_boxed``);
   * ``"exact"``: the first line, stripped, is one signed integer or decimal (the synthetic task's answer).
 
+``FORMAT_REWARDS["format_<style>"]`` is the check as a reward function ``(completion, answer) -> float`` (the
+built-in rewards ``format_gsm8k``, ``format_math``, ``format_exact``: extra reward terms, TRL's format reward).
+
 ``FormattedReward`` mixes a correctness reward r in {0, 1} with the format bonus f in {0, 1} as the
 convex combination ``(1 - w) * r + w * f``, 0 <= w <= 1, so a reward stays in [0, 1]; for 0 < w < 1 it
 equals 1.0 only for a correct answer in the right format (w = 0: exactly the correctness reward; w = 1:
@@ -79,3 +82,18 @@ class FormattedReward:
     def __call__(self, completion: str, answer: str, **info) -> float:
         correct = float(self.reward_fn(completion, answer, **info))
         return (1.0 - self.weight) * correct + self.weight * format_reward(completion, self.style)
+
+
+def _format_term(style: str) -> Callable[[str, str], float]:
+    def reward(completion: str, answer: str) -> float:
+        return format_reward(completion, style)
+
+    reward.__name__ = reward.__qualname__ = f"format_{style}"
+    reward.__doc__ = f"format_reward(completion, {style!r}): 1.0 iff the answer is stated as {style} expects"
+    return reward
+
+
+# the format checks as reward functions (completion, answer) -> float, the built-in rewards format_<style>:
+# an extra reward term (llamarl.rewards.terms) rewarding the form of an answer apart from its correctness
+FORMAT_REWARDS: dict[str, Callable[[str, str], float]] = {f"format_{style}": _format_term(style)
+                                                          for style in FORMAT_STYLES}

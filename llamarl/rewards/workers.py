@@ -11,7 +11,7 @@ Processes and messages:
     receives the reward *spec string* and calls ``load_reward`` itself, so user functions need not be
     picklable. It runs the function in its main thread and answers over its own duplex pipe:
         parent -> worker: (task_id, completion, answer, info) | None (exit)
-        worker -> parent: ("ready", pid) | ("load_error", text) | ("result", task_id, reward, error, s)
+        worker -> parent: ("ready", pid) | ("load_error", text) | ("result", task_id, reward, error, s, terms)
   * one dispatcher thread in the parent owns all workers: it hands a queued task to an idle ready
     worker, then waits (``multiprocessing.connection.wait``) on the pipes, the process sentinels and a
     wake-up pipe, with a timeout equal to the nearest task deadline.
@@ -53,14 +53,14 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Hashable, Mapping, Sequence
 
 from llamarl._procs import exit_when_parent_dies, ignore_sigint, sigint_blocked
-from llamarl.rewards.registry import call_reward, info_params, load_reward, warm_up
+from llamarl.rewards.registry import warm_up
+from llamarl.rewards.terms import RewardTerms, as_specs, check_weights, describe_exception
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +70,19 @@ _MAX_LOGGED_ERRORS = 20
 
 @dataclass(frozen=True)
 class RewardResult:
-    """The outcome of scoring one sample; ``error`` is None when the function returned normally."""
+    """The outcome of scoring one sample; ``error`` is None when the function returned normally. ``terms``:
+    the rewards of the reward's functions, the verifier first (llamarl.rewards.terms; () after an error)."""
 
     sample_id: Hashable
     reward: float
     error: str | None
     elapsed_s: float
+    terms: tuple[float, ...] = ()
+
+    @property
+    def verifier(self) -> float:
+        """The verifier's own reward (what decides correctness); 0.0 after an error."""
+        return self.terms[0] if self.terms else self.reward
 
 
 @dataclass(frozen=True)
@@ -95,45 +102,18 @@ class RewardPoolError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------ worker side
-def _describe_exception(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}"
-    frames = traceback.extract_tb(e.__traceback__)
-    if frames:
-        last = frames[-1]
-        text += f" (at {os.path.basename(last.filename)}:{last.lineno} in {last.name})"
-    return text
-
-
-_FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max; workers do not import torch
-
-
-def _as_reward(value: Any) -> float:
-    if isinstance(value, (str, bytes)):  # float("1.0") would accept a string: refuse, it is a bug upstream
-        raise TypeError(f"reward function returned {value!r:.80} ({type(value).__name__}); expected a number")
-    try:
-        reward = float(value)
-    except Exception:  # noqa: BLE001 - OverflowError (10**400), a __float__ that raises, ...: one sample's error
-        raise TypeError(f"reward function returned {value!r:.80} ({type(value).__name__}); expected a number "
-                        "that converts to float") from None
-    if not math.isfinite(reward):
-        raise ValueError(f"reward function returned {reward}; expected a finite number")
-    if abs(reward) > _FLOAT32_MAX:
-        raise ValueError(f"reward function returned {reward:g}, beyond float32's range (|r| <= 3.4e38), "
-                         "the precision advantages are computed in")
-    return reward
-
-
-def _worker_main(conn: mpc.Connection, spec: str, format_weight: float, format_style: str | None) -> None:
+def _worker_main(conn: mpc.Connection, specs: tuple[str, ...], weights: tuple[float, ...], format_weight: float,
+                 format_style: str | None) -> None:
     os.setsid()  # its own process group: stopping it kills whatever the reward function forked too
     ignore_sigint()  # started with SIGINT blocked (sigint_blocked); Ctrl-C is the parent's to handle
     exit_when_parent_dies(name="llamarl-reward-parent-watch")
     try:
-        fn = load_reward(spec, format_weight=format_weight, format_style=format_style)
-        params = info_params(fn)
-        warm_up(spec)
+        terms = RewardTerms(specs, weights, format_weight=format_weight, format_style=format_style)
+        for spec in specs:
+            warm_up(spec)
     except BaseException as e:
         try:
-            conn.send(("load_error", _describe_exception(e)))
+            conn.send(("load_error", describe_exception(e)))
         except (BrokenPipeError, OSError):
             pass  # the parent is gone: nobody to tell
         return
@@ -150,17 +130,9 @@ def _worker_main(conn: mpc.Connection, spec: str, format_weight: float, format_s
             return
         task_id, completion, answer, info = msg
         start = time.perf_counter()
+        reward, parts, error = terms.score(completion, answer, info)
         try:
-            value = call_reward(fn, completion, answer, info, params)
-        except BaseException as e:  # SystemExit from user code too: it costs the sample, not the worker
-            reward, error = 0.0, _describe_exception(e)
-        else:
-            try:
-                reward, error = _as_reward(value), None
-            except (TypeError, ValueError) as e:
-                reward, error = 0.0, str(e)
-        try:
-            conn.send(("result", task_id, reward, error, time.perf_counter() - start))
+            conn.send(("result", task_id, reward, error, time.perf_counter() - start, parts))
         except (BrokenPipeError, OSError):
             return
 
@@ -242,14 +214,16 @@ def _main_not_reimported():
 
 
 class RewardPool:
-    """Worker processes scoring samples with the reward named by ``spec`` (see module docstring)."""
+    """Worker processes scoring samples with the reward named by ``spec`` (see module docstring), or by
+    several specs, the verifier first, whose rewards add up with ``weights`` (llamarl.rewards.terms)."""
 
     def __init__(
         self,
-        spec: str,
+        spec: str | Sequence[str],
         num_workers: int = 2,
         timeout_s: float = 5.0,
         *,
+        weights: Sequence[float] | None = None,
         format_weight: float = 0.0,
         format_style: str | None = None,
         start_timeout_s: float = 120.0,
@@ -258,13 +232,14 @@ class RewardPool:
             raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-        # fail fast, here; and the sample info entries the function takes, the only ones sent to a worker
-        self._info_params = info_params(load_reward(spec, format_weight=format_weight, format_style=format_style))
+        # fail fast, here; and the sample info entries the functions take, the only ones sent to a worker
+        specs, weights = as_specs(spec), check_weights(weights, len(as_specs(spec)))
+        self._info_params = RewardTerms(specs, weights, format_weight=format_weight, format_style=format_style).info
         self.spec = spec
         self.timeout_s = float(timeout_s)
         self.num_workers = num_workers
         self._start_timeout_s = float(start_timeout_s)
-        self._worker_args = (spec, float(format_weight), format_style)
+        self._worker_args = (specs, weights, float(format_weight), format_style)
         self._ctx = mp.get_context("spawn")
         self._lock = threading.Lock()
         self._queue: deque[_Task] = deque()
@@ -373,7 +348,8 @@ class RewardPool:
         with self._lock:
             self._bump(workers_started=1)
 
-    def _finish(self, task: _Task, reward: float, error: str | None, elapsed_s: float, **counters: int) -> None:
+    def _finish(self, task: _Task, reward: float, error: str | None, elapsed_s: float, terms: tuple = (),
+                **counters: int) -> None:
         if error is not None:
             error = f"sample {task.sample_id!r}: {error}"
             with self._lock:
@@ -386,7 +362,7 @@ class RewardPool:
         with self._lock:
             self._bump(completed=1, **counters)
         if not task.future.done():
-            task.future.set_result(RewardResult(task.sample_id, reward, error, elapsed_s))
+            task.future.set_result(RewardResult(task.sample_id, reward, error, elapsed_s, tuple(terms)))
 
     # ---------------------------------------------------------------- dispatcher thread
     def _dispatch_loop(self) -> None:
@@ -473,12 +449,12 @@ class RewardPool:
         elif kind == "load_error":
             w.load_error = msg[1]
         elif kind == "result":
-            _, task_id, reward, error, elapsed = msg
+            _, task_id, reward, error, elapsed, terms = msg
             task = w.task
             if task is None or task.task_id != task_id:
                 return  # a late answer for a task already timed out; cannot happen after a kill
             w.task, w.deadline = None, math.inf
-            self._finish(task, reward, error, elapsed, errors=int(error is not None))
+            self._finish(task, reward, error, elapsed, terms, errors=int(error is not None))
 
     def _on_death(self, w: _Worker) -> None:
         code = w.process.exitcode

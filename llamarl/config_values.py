@@ -1,0 +1,116 @@
+"""Configuration values: the error type, and reading a value given as text or as a Python object into a
+config field's annotated type (``coerce``), with messages that start with the dotted field name.
+
+Values given as text (``Text``: the command line, YAML strings such as ``3e-4``) are parsed by the field's
+type; plain ``str`` values from Python callers are not (``GeneratorConfig(tp="2")`` is an error). Tuples:
+text "0.9,0.95" or "[0.9, 0.95]" for numbers; for strings a YAML list (``["\\nQ:", "x"]``, escapes read in
+double quotes) or one string taken exactly as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message starts with the dotted field name."""
+
+
+def fail(path: str, what: str, value: Any = dataclasses.MISSING) -> None:
+    got = "" if value is dataclasses.MISSING else f", got {value!r}"
+    raise ConfigError(f"{path}: {what}{got}")
+
+
+class Text(str):
+    """A value given as text (CLI, YAML strings): parsed according to the field's type.
+
+    Plain ``str`` values (Python callers) are not parsed, so ``GeneratorConfig(tp="2")`` is an error."""
+
+
+def did_you_mean(word: str, options) -> str:
+    hint = difflib.get_close_matches(word, list(options), n=1, cutoff=0.5)
+    return f" (did you mean '{hint[0]}'?)" if hint else ""
+
+
+def _yaml_list(path: str, text: str) -> list:
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        fail(path, f"is not a valid YAML list ({exc.__class__.__name__}); write e.g. "
+              '\'["\\n\\nQuestion:", "</answer>"]\' (double quotes read escapes like \\n)', str(text))
+    if not isinstance(value, list):
+        fail(path, "must be a list", str(text))
+    return [Text(v) if isinstance(v, str) else v for v in value]
+
+
+def plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def coerce(path: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against annotation ``tp``; parse it first if it is ``Text`` for a non-text type
+    (surrounding whitespace ignored there; a string field keeps its text exactly, spaces included)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, Text) and value.strip().lower() in ("none", "null", "~", "")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return coerce(path, value, inner[0])
+    if origin is Literal:
+        if isinstance(value, Text):
+            value = value.strip()
+        if value not in args:
+            fail(path, f"must be one of {', '.join(repr(a) for a in args)}{did_you_mean(str(value), args)}", value)
+        return str(value)
+    if origin is tuple:
+        if isinstance(value, Text) and args[0] is str:  # a YAML list, or one string taken as it is
+            value = _yaml_list(path, value) if value.strip().startswith("[") else [value]
+        elif isinstance(value, Text):
+            value = [v for v in value.strip("[]() ").split(",") if v.strip()]
+        fixed_length = Ellipsis not in args
+        if not isinstance(value, (list, tuple)) or (fixed_length and len(value) != len(args)):
+            fail(path, f"must be a list of {len(args)} numbers" if fixed_length else "must be a list", value)
+        return tuple(coerce(f"{path}[{i}]", Text(v) if isinstance(v, str) else v, args[0])
+                     for i, v in enumerate(value))
+    if tp is bool:
+        if isinstance(value, Text):
+            lowered = value.strip().lower()
+            if lowered in ("true", "yes", "on", "1"):
+                return True
+            if lowered in ("false", "no", "off", "0"):
+                return False
+        if not isinstance(value, bool):
+            fail(path, "must be true or false", value)
+        return value
+    if tp is int:
+        if isinstance(value, Text):
+            try:
+                return int(value.strip())
+            except ValueError:
+                fail(path, "must be an integer", str(value))
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            fail(path, "must be an integer", value)
+        return value
+    if tp is float:
+        if isinstance(value, Text):
+            try:
+                return float(value.strip())
+            except ValueError:
+                fail(path, "must be a number", str(value))
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            fail(path, "must be a number", value)
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            fail(path, "must be a string", value)
+        return str(value)
+    raise TypeError(f"{path}: unsupported annotation {tp!r} in config dataclass")

@@ -1,0 +1,132 @@
+"""Several reward functions as one reward (TRL's ``reward_funcs`` with ``reward_weights``).
+
+A sample's reward is the weighted sum of its terms,
+
+    r = sum_i w_i * r_i,    r_0 the verifier (``reward.reward``), r_1.. the extra terms (``reward.extra``),
+
+with w_i = 1 unless ``weights`` says otherwise. The verifier alone says whether a completion is correct
+(accuracy counts r_0 >= 1), so a format bonus can shape the reward without inflating the accuracy. Each
+term is checked like a single reward (a finite number within float32's range); a term that raises or
+returns something else fails the whole sample (it costs that sample, as one failing function does), and
+the error names the term. Terms are scored one after another in the same worker, under the sample's one
+timeout.
+
+``term_names(specs)`` names the terms in metrics: a built-in's name, or a user function's own name,
+with ``_2``, ``_3``... on repeats.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import traceback
+from typing import Any, Mapping, Sequence
+
+from llamarl.rewards.registry import InfoParams, call_reward, info_params, load_reward
+
+_FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max; workers do not import torch
+
+
+def as_reward(value: Any) -> float:
+    """``value`` as a reward: a finite float within float32's range, or a TypeError/ValueError saying why not."""
+    if isinstance(value, (str, bytes)):  # float("1.0") would accept a string: refuse, it is a bug upstream
+        raise TypeError(f"reward function returned {value!r:.80} ({type(value).__name__}); expected a number")
+    try:
+        reward = float(value)
+    except Exception:  # noqa: BLE001 - OverflowError (10**400), a __float__ that raises, ...: one sample's error
+        raise TypeError(f"reward function returned {value!r:.80} ({type(value).__name__}); expected a number "
+                        "that converts to float") from None
+    if not math.isfinite(reward):
+        raise ValueError(f"reward function returned {reward}; expected a finite number")
+    if abs(reward) > _FLOAT32_MAX:
+        raise ValueError(f"reward function returned {reward:g}, beyond float32's range (|r| <= 3.4e38), "
+                         "the precision advantages are computed in")
+    return reward
+
+
+def as_specs(spec: str | Sequence[str]) -> tuple[str, ...]:
+    """One spec or several, as a non-empty tuple of specs."""
+    specs = (spec,) if isinstance(spec, str) else tuple(spec)
+    if not specs:
+        raise ValueError("no reward function given: pass a spec such as 'gsm8k' (or several)")
+    return specs
+
+
+def check_weights(weights: Sequence[float] | None, terms: int) -> tuple[float, ...]:
+    """One finite weight per term (None or empty: 1.0 each)."""
+    if not weights:
+        return (1.0,) * terms
+    out = tuple(float(w) for w in weights)
+    if len(out) != terms:
+        raise ValueError(f"{len(out)} reward weights for {terms} reward functions; give one per function "
+                         "(the verifier first) or none")
+    if not all(math.isfinite(w) for w in out):
+        raise ValueError(f"reward weights must be finite numbers, got {list(out)}")
+    return out
+
+
+def term_names(specs: Sequence[str]) -> list[str]:
+    """Metric names of the terms (module docstring)."""
+    names: list[str] = []
+    for spec in specs:
+        base = spec.rpartition(":")[2].rpartition(".")[2] or spec
+        name, k = base, 2
+        while name in names:
+            name, k = f"{base}_{k}", k + 1
+        names.append(name)
+    return names
+
+
+def union_params(params: Sequence[InfoParams]) -> InfoParams:
+    """What any of the functions takes: the info entries that must reach the worker scoring them all."""
+    return InfoParams(any(p.takes_all for p in params), frozenset().union(*(p.names for p in params)),
+                      frozenset().union(*(p.required for p in params)),
+                      frozenset.intersection(*(p.positional for p in params)) if params else frozenset())
+
+
+class RewardTerms:
+    """The loaded terms of a reward: ``score`` gives (r, (r_0, r_1, ...)) for one completion."""
+
+    def __init__(self, spec: str | Sequence[str], weights: Sequence[float] | None = None, *,
+                 format_weight: float = 0.0, format_style: str | None = None) -> None:
+        self.specs = as_specs(spec)
+        self.weights = check_weights(weights, len(self.specs))
+        # the format mix (llamarl.rewards.format.FormattedReward) applies to the verifier
+        self.fns = [load_reward(s, format_weight=format_weight, format_style=format_style) if i == 0
+                    else load_reward(s) for i, s in enumerate(self.specs)]
+        self.params = [info_params(fn) for fn in self.fns]
+        self.info = union_params(self.params)
+        self.names = term_names(self.specs)
+
+    def score(self, completion: str, answer: str, info: Mapping[str, Any] | None = None
+              ) -> tuple[float, tuple[float, ...], str | None]:
+        """(r, (r_0, r_1, ...), None), or (0.0, (), error) when a term fails: it raised (the error gives its
+        exception and where), or returned what is not a reward. With several terms the error names the term."""
+        parts = []
+        for name, fn, params in zip(self.names, self.fns, self.params):
+            try:
+                value = call_reward(fn, completion, answer, info, params)
+            except BaseException as e:  # SystemExit from user code too: it costs the sample, not the worker
+                return 0.0, (), self._error(name, describe_exception(e))
+            try:
+                parts.append(as_reward(value))
+            except (TypeError, ValueError) as e:
+                return 0.0, (), self._error(name, str(e))
+        try:
+            total = as_reward(math.fsum(w * r for w, r in zip(self.weights, parts)))
+        except (TypeError, ValueError) as e:  # finite terms whose weighted sum leaves float32's range
+            return 0.0, (), f"the weighted sum of the reward terms {dict(zip(self.names, parts))}: {e}"
+        return total, tuple(parts), None
+
+    def _error(self, name: str, text: str) -> str:
+        return text if len(self.fns) == 1 else f"reward term {name!r}: {text}"
+
+
+def describe_exception(e: BaseException) -> str:
+    """``Type: message (at file:line in function)``, the innermost frame."""
+    text = f"{type(e).__name__}: {e}"
+    frames = traceback.extract_tb(e.__traceback__)
+    if frames:
+        last = frames[-1]
+        text += f" (at {os.path.basename(last.filename)}:{last.lineno} in {last.name})"
+    return text
