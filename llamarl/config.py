@@ -100,6 +100,8 @@ class GeneratorConfig(_Section):
     samples_per_prompt: int = 8
     max_new_tokens: int = 8
     temperature: float = 1.0
+    # nucleus sampling; mu is then the truncated distribution, so the AIPO weight pi/mu of a token sampled on-policy
+    # is the kept mass (<= 1) (llamarl.generation.sampling)
     top_p: float = 1.0
     quantization: Literal["none", "int8", "fp8"] = "none"
     # stop strings: a completion ends at the first token whose text holds one (kept; llamarl.generation.stop),
