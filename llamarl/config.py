@@ -88,7 +88,7 @@ class PolicyConfig(_Section):
     def check(self) -> None:
         if not self.model.strip():
             fail("policy.model", f"must be a built-in model ({', '.join(BUILTIN_MODELS)}) or a model directory",
-                  self.model)
+                 self.model)
 
 
 @dataclass(frozen=True)
@@ -108,18 +108,24 @@ class GeneratorConfig(_Section):
     # e.g. ["\n\nQuestion:"] for a few-shot prompt or ["</answer>"]; on the command line a YAML list
     # (--set 'generator.stop=["\n\nQuestion:"]') or one string
     stop: tuple[str, ...] = ()
+    # DAPO's dynamic sampling: a prompt whose samples all earn the same reward teaches nothing (advantage 0), so
+    # draw further batches of prompts_per_step prompts until the step has prompts_per_step prompts whose rewards
+    # differ, at most max_sample_batches batches (then flat ones fill the step); the controller's docstring
+    dynamic_sampling: bool = False
+    max_sample_batches: int = 4
 
     def check(self) -> None:
-        for name in ("replicas", "tp", "prompts_per_step", "samples_per_prompt", "max_new_tokens"):
+        for name in ("replicas", "tp", "prompts_per_step", "samples_per_prompt", "max_new_tokens",
+                     "max_sample_batches"):
             self._positive(name)
         if "" in self.stop:
             fail("generator.stop", "must hold non-empty strings", list(self.stop))
         if not self.temperature > 0 or not math.isfinite(self.temperature):
             fail("generator.temperature", "must be > 0 (RL needs sampling; 0 would make every sample of a "
-                  "prompt identical)", self.temperature)
+                 "prompt identical)", self.temperature)
         if self.temperature < MIN_TEMPERATURE:
             fail("generator.temperature", f"must be >= {MIN_TEMPERATURE} (below it the scaled logits overflow)",
-                  self.temperature)
+                 self.temperature)
         if not 0 < self.top_p <= 1:
             fail("generator.top_p", "must be in (0, 1]", self.top_p)
 
@@ -173,7 +179,7 @@ class TrainerConfig(_Section):
         self._positive("lr_warmup_steps", strict=False)
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             fail("trainer.min_lr_ratio", "must be in [0, 1] (the final learning rate as a fraction of lr)",
-                  self.min_lr_ratio)
+                 self.min_lr_ratio)
         self._positive("micro_batch_size")
         self._positive("mini_batches")
         self._positive("epochs")
@@ -181,7 +187,7 @@ class TrainerConfig(_Section):
             self._positive(name, strict=False)
         if self.parallel == "none" and self.ranks != 1:
             fail("trainer.parallel", f"'none' needs trainer.ranks=1 (got ranks={self.ranks}); use fsdp or ddp",
-                  self.parallel)
+                 self.parallel)
         if not all(0 <= b < 1 for b in self.betas):
             fail("trainer.betas", "both must be in [0, 1)", self.betas)
         if not (self.rho >= 1 and math.isfinite(self.rho)):
@@ -215,7 +221,7 @@ class RewardConfig(_Section):
             _check_reward_spec(f"reward.extra[{i}]", spec, REWARD_NAMES + FORMAT_REWARD_NAMES)
         if self.weights and len(self.weights) != 1 + len(self.extra):
             fail("reward.weights", f"needs one weight per reward function, the verifier first: {1 + len(self.extra)} "
-                  f"for reward.reward and {len(self.extra)} reward.extra, or none (1.0 each)", list(self.weights))
+                 f"for reward.reward and {len(self.extra)} reward.extra, or none (1.0 each)", list(self.weights))
         if not all(math.isfinite(w) for w in self.weights):
             fail("reward.weights", "must be finite numbers", list(self.weights))
 
@@ -258,13 +264,13 @@ class DataConfig(_Section):
                 fail(f"data.{name}", "must name a field of the dataset records", getattr(self, name))
         if self.dataset.startswith("synthetic:") and self.dataset.split(":")[1] not in SYNTHETIC_DATASETS:
             fail("data.dataset", f"unknown synthetic dataset; known: "
-                  f"{', '.join('synthetic:' + n for n in SYNTHETIC_DATASETS)}", self.dataset)
+                 f"{', '.join('synthetic:' + n for n in SYNTHETIC_DATASETS)}", self.dataset)
         if "{prompt}" not in self.template:  # filled in literally (str.replace): other braces stay as written
             fail("data.template", "must contain {prompt} (where the problem text goes; other braces, e.g. "
-                  "LaTeX's \\boxed{}, are kept as written)", self.template)
+                 "LaTeX's \\boxed{}, are kept as written)", self.template)
         if self.system is not None and not self.chat:
             fail("data.system", "needs data.chat=true (a raw prompt has no roles; put the text into data.template)",
-                  self.system)
+                 self.system)
 
 
 @dataclass(frozen=True)
@@ -281,7 +287,7 @@ class WarmStartConfig(_Section):
     def check(self) -> None:
         if not 0.0 <= self.target_accuracy <= 1.0:
             fail("warm_start.target_accuracy", "must be in [0, 1] (0 disables the accuracy stop)",
-                  self.target_accuracy)
+                 self.target_accuracy)
         self._positive("steps", strict=False)
         self._positive("lr")
         self._positive("batch_size")
@@ -313,7 +319,7 @@ class RunConfig(_Section):
         self._positive("command_timeout_s", strict=False)
         if self.command_timeout_s > 1e6:  # the runtime's MAX_COMMAND_TIMEOUT_S (its waits count milliseconds)
             fail("run.command_timeout_s", "must be at most 1e6 seconds (about 11 days); 0 means no limit",
-                  self.command_timeout_s)
+                 self.command_timeout_s)
         self._positive("keep_checkpoints")
         for name in ("max_staleness", "seed", "eval_every", "checkpoint_every", "log_samples"):
             self._positive(name, strict=False)
@@ -321,10 +327,10 @@ class RunConfig(_Section):
             fail("run.seed", "must be below 2**32", self.seed)
         if self.mode == "sync" and self.max_staleness != 0:
             fail("run.max_staleness", "must be 0 in sync mode (sync means no run-ahead); drop it or use "
-                  "--mode async", self.max_staleness)
+                 "--mode async", self.max_staleness)
         if self.mode == "async" and self.max_staleness == 0:
             fail("run.max_staleness", "must be >= 1 in async mode (0 is sync mode: use --mode sync)",
-                  self.max_staleness)
+                 self.max_staleness)
         try:
             parse_report_to(self.report_to)
         except ValueError as exc:
@@ -353,25 +359,25 @@ class TrainConfig:
         g, t = self.generator, self.trainer
         if g.samples_per_prompt < 2:
             fail("generator.samples_per_prompt", f"must be >= 2: the '{t.advantage}' advantage compares the "
-                  f"samples of one prompt", g.samples_per_prompt)
+                 f"samples of one prompt", g.samples_per_prompt)
         batch = g.prompts_per_step * g.samples_per_prompt
         if batch % t.ranks:
             fail("trainer.ranks", f"the step's {g.prompts_per_step}x{g.samples_per_prompt}={batch} sequences "
-                  f"must split evenly over the trainer ranks", t.ranks)
+                 f"must split evenly over the trainer ranks", t.ranks)
         if g.prompts_per_step % t.mini_batches:
             fail("trainer.mini_batches", f"must divide generator.prompts_per_step={g.prompts_per_step} (each "
-                  "mini-batch holds whole prompt groups)", t.mini_batches)
+                 "mini-batch holds whole prompt groups)", t.mini_batches)
         part = batch // t.mini_batches
         if part % t.ranks:
             fail("trainer.mini_batches", f"each of the {t.mini_batches} mini-batches holds {part} sequences, "
-                  f"which must split evenly over trainer.ranks={t.ranks}", t.mini_batches)
+                 f"which must split evenly over trainer.ranks={t.ranks}", t.mini_batches)
         if self.run.layout is not None:
             for key, value in _layout_fields(self.run.layout).items():
                 section, name = key.split(".")
                 actual = getattr(getattr(self, section), name)
                 if actual != value:
                     fail("run.layout", f"{self.run.layout!r} sets {key}={value} but {key}={actual}; "
-                          f"give one or make them agree")
+                         f"give one or make them agree")
 
     # ---------------------------------------------------------------- derived views
     @property
@@ -446,14 +452,14 @@ class TrainConfig:
                     from llamarl.checkpoint import training_dir_hint
 
                     fail("policy.model", training_dir_hint(path) or "directory has no config.json; is it a Hugging "
-                          "Face model directory?", p.model)
+                         "Face model directory?", p.model)
             else:
                 from llamarl.models.config import LLAMA_CONFIGS
 
                 if p.model not in LLAMA_CONFIGS:
                     fail("policy.model", f"is neither a built-in model ({', '.join(LLAMA_CONFIGS)}) nor an "
-                          f"existing directory; pass a Hugging Face Llama directory (config.json + "
-                          f"*.safetensors)", p.model)
+                         f"existing directory; pass a Hugging Face Llama directory (config.json + "
+                         f"*.safetensors)", p.model)
         if p.tokenizer is not None and not Path(p.tokenizer).exists():
             fail("policy.tokenizer", "no such file or directory", p.tokenizer)
         d = self.data.dataset
@@ -491,11 +497,11 @@ class TrainConfig:
                 fail("run.resume", str(exc))
             if latest is None:
                 fail("run.resume", "holds no complete checkpoint (expected DIR/checkpoints/step_*/ or a "
-                      "checkpoint directory); pass the --out directory of an earlier run", self.run.resume)
+                     "checkpoint directory); pass the --out directory of an earlier run", self.run.resume)
             step = latest.step
             if self.run.max_steps <= step:
                 fail("run.max_steps", f"the run at {self.run.resume} is already at step {step}; pass --max-steps "
-                      f"above it to continue (nothing was changed)", self.run.max_steps)
+                     f"above it to continue (nothing was changed)", self.run.max_steps)
             resumed_run = resume_run_dir(self.run.resume).resolve()
         if self.run.out is not None:
             out = Path(self.run.out)
@@ -507,12 +513,12 @@ class TrainConfig:
 
                 if latest_checkpoint_dir(out) is None:
                     fail("run.out", "holds a run that wrote no checkpoint (it stopped before its first one), so "
-                          "there is nothing to resume; delete that directory or choose a new --out", self.run.out)
+                         "there is nothing to resume; delete that directory or choose a new --out", self.run.out)
                 fail("run.out", "already holds a run; pass --resume with it to continue, or choose a new --out",
-                      self.run.out)
+                     self.run.out)
             if earlier and resumed_run is not None and out.resolve() != resumed_run:
                 fail("run.out", f"already holds another run than the one resumed ({resumed_run}); a resumed run "
-                      "continues in its own directory or in a new one", self.run.out)
+                     "continues in its own directory or in a new one", self.run.out)
 
 
 def resume_run_dir(resume: Any) -> Path:
@@ -534,7 +540,7 @@ def _merge(base: dict, update: dict, source: str) -> dict:
     for section, values in update.items():
         if section not in SECTIONS:
             fail(str(section), f"unknown config section in {source}{did_you_mean(str(section), SECTIONS)}; "
-                  f"sections: {', '.join(SECTIONS)}")
+                 f"sections: {', '.join(SECTIONS)}")
         if values is None:
             continue
         if not isinstance(values, dict):
@@ -545,7 +551,7 @@ def _merge(base: dict, update: dict, source: str) -> dict:
                 hint = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
                 did = f" (did you mean '{section}.{hint[0]}'?)" if hint else ""
                 fail(f"{section}.{key}", f"unknown key in {source}{did}; "
-                      f"'{section}' has: {', '.join(names)}")
+                     f"'{section}' has: {', '.join(names)}")
             out[section][key] = value
     return out
 

@@ -75,7 +75,7 @@ def config_from_args(args: argparse.Namespace, *, check_environment: bool = True
     """The ``TrainConfig`` described by parsed ``add_config_args`` arguments (see module docstring)."""
     if args.preset not in PRESETS:
         fail("--preset", f"unknown preset{did_you_mean(args.preset, PRESETS)}; presets: {', '.join(PRESETS)}",
-              args.preset)
+             args.preset)
     loaded = _load_yaml("--config", Path(args.config)) if args.config else {}
     overrides: list[tuple[str, str]] = []
     for flag, (dotted, _) in NAMED_FLAGS.items():
@@ -131,8 +131,8 @@ def _check_same_policy(saved_cfg: TrainConfig, cfg: TrainConfig, saved: Path) ->
 
         if old is None or old in LLAMA_CONFIGS or Path(old).exists():
             fail(f"policy.{name}", f"the resumed run started with policy.{name}={old!r} ({saved}) and continues "
-                  f"with it; drop the override (to train another model from this run's weights, start a new run "
-                  f"with --model <checkpoint>/policy)", new)
+                 f"with it; drop the override (to train another model from this run's weights, start a new run "
+                 f"with --model <checkpoint>/policy)", new)
 
 
 def load_config(argv: Sequence[str] | None = None, *, check_environment: bool = True) -> TrainConfig:

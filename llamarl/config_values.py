@@ -43,7 +43,7 @@ def _yaml_list(path: str, text: str) -> list:
         value = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         fail(path, f"is not a valid YAML list ({exc.__class__.__name__}); write e.g. "
-              '\'["\\n\\nQuestion:", "</answer>"]\' (double quotes read escapes like \\n)', str(text))
+             '\'["\\n\\nQuestion:", "</answer>"]\' (double quotes read escapes like \\n)', str(text))
     if not isinstance(value, list):
         fail(path, "must be a list", str(text))
     return [Text(v) if isinstance(v, str) else v for v in value]

@@ -20,6 +20,11 @@ needs no answer from here; results are handled in step order). With ``max_stalen
 the same code runs in lock step: generate → score → train → sync → generate ... — the baseline every
 speed-up is measured against.
 
+Dynamic sampling (``generator.dynamic_sampling``, DAPO's): the sampling stage also scores, and draws further
+batches of prompts until the step has ``prompts_per_step`` prompt groups whose rewards differ (or
+``generator.max_sample_batches`` batches are spent); see ``_sample_informative``. Each step logs its
+``sample_batches``.
+
 All process plumbing (spawning, RPC, failures) lives in llamarl.runtime; executors are reached through
 ``acall``. An executor failure raises out of ``run`` with the remote traceback.
 
@@ -44,12 +49,13 @@ from llamarl.config import TrainConfig
 from llamarl.generation import SamplingParams
 from llamarl.rewards import RewardPool, RewardPoolError
 from llamarl.rewards.terms import term_names
-from llamarl.rollouts import Rollout, RolloutBatch, collate
+from llamarl.rollouts import Rollout, RolloutBatch, collate, is_flat
 from llamarl.runlog import RunLog
 from llamarl.runtime import ExecutorGroup
 from llamarl.train_data import TrainData
 
 REPLICA_SEED_STRIDE = 1_000_000_007  # > any step count: replica seeds never meet another step's seed
+BATCH_SEED_STRIDE = 1024 * REPLICA_SEED_STRIDE  # a step's further batches (dynamic sampling), past any replica's
 CUT_WARNING_FRAC = 0.9  # warn once when this share of a step's completions ran out of tokens
 
 
@@ -62,6 +68,9 @@ class Sampled(NamedTuple):
     outputs: list[dict]  # generator outputs, prompt-major, samples_per_prompt per prompt
     cursor: int  # the data stream position after this step's prompts (what a checkpoint records)
     generate_s: float  # the slowest replica's time in its engine (not waiting behind an evaluation there)
+    rollouts: list | None = None  # scored already (dynamic sampling), in the order of ``samples``
+    score_s: float = 0.0
+    batches: int = 1  # batches of prompts drawn for the step
 
 
 @dataclass
@@ -147,32 +156,85 @@ class Controller:
                 self._progress.notify_all()
 
     async def sample(self, step: int) -> Sampled:
+        """The step's prompts and their samples; with generator.dynamic_sampling, scored and filtered."""
+        sampled = await self._sample_batch(step, 0)
+        return await self._sample_informative(sampled) if self.cfg.generator.dynamic_sampling else sampled
+
+    async def _sample_batch(self, step: int, k: int) -> Sampled:
+        """Batch k of step ``step``: the next prompts_per_step prompts of the stream, sampled with a seed of its own."""
         samples = self.data.next(self.cfg.generator.prompts_per_step)
         prompts = self.data.encode(samples)
         cursor = self.data.cursor
-        params = dataclasses.replace(self.sampling, seed=self.cfg.run.seed * 1_000_003 + step)
-        outputs, seconds = await self.generate(prompts, params)
+        seed = self.cfg.run.seed * 1_000_003 + step + k * BATCH_SEED_STRIDE
+        outputs, seconds = await self.generate(prompts, dataclasses.replace(self.sampling, seed=seed))
         return Sampled(step, samples, prompts, outputs, cursor, seconds)
 
-    async def score(self, sampled: Sampled) -> RolloutBatch:
-        step, samples, prompts, outputs = sampled.step, sampled.samples, sampled.prompts, sampled.outputs
-        n = self.sampling.n
-        rollouts = [
+    async def _sample_informative(self, first: Sampled) -> Sampled:
+        """DAPO's dynamic sampling. A prompt group is flat when its scored samples all earned the same reward
+        (llamarl.rollouts.is_flat): its advantages are 0 and it teaches nothing. Batches of
+        prompts_per_step prompts are drawn, sampled and scored until prompts_per_step groups are not flat or
+        generator.max_sample_batches batches are spent; the step keeps the first prompts_per_step groups that
+        are not flat, in the order drawn, filled up with flat ones when the batches ran out (the step's size
+        stays fixed, so mini-batches still split it evenly). Groups beyond those are dropped, as in DAPO.
+        The batches are drawn one after another in this stage, so which prompts a step gets depends only on
+        the data stream and the seeds (a resumed run draws the same), never on timing; every token keeps
+        the version it was sampled with, and later batches only sample with newer weights."""
+        g, n = self.cfg.generator, self.sampling.n
+        informative: list[tuple] = []  # (sample, prompt ids, its n rollouts), in the order drawn
+        flat: list[tuple] = []
+        batch, batches, generate_s, score_s = first, 1, 0.0, 0.0
+        while True:
+            generate_s += batch.generate_s
+            t0 = time.perf_counter()
+            rollouts = await self._scored_rollouts(batch)
+            score_s += time.perf_counter() - t0
+            for i, (sample, prompt) in enumerate(zip(batch.samples, batch.prompts)):
+                group = rollouts[i * n:(i + 1) * n]
+                (flat if is_flat(group) else informative).append((sample, prompt, group))
+            if len(informative) >= g.prompts_per_step or batches >= g.max_sample_batches:
+                break
+            batch = await self._sample_batch(first.step, batches)
+            batches += 1
+        chosen = (informative + flat)[:g.prompts_per_step]
+        rollouts = []
+        for j, (_, _, group) in enumerate(chosen):
+            for r in group:
+                r.group = j
+                rollouts.append(r)
+        return Sampled(first.step, [c[0] for c in chosen], [c[1] for c in chosen], [], batch.cursor, generate_s,
+                       rollouts=rollouts, score_s=score_s, batches=batches)
+
+    def _rollouts(self, sampled: Sampled) -> list[Rollout]:
+        samples, prompts, n = sampled.samples, sampled.prompts, self.sampling.n
+        return [
             Rollout(sample_id=f"{samples[i // n].id}#{i % n}", group=i // n, prompt_ids=prompts[i // n],
                     completion_ids=o["token_ids"], logprobs=o["logprobs"], versions=o["policy_versions"],
                     answer=samples[i // n].answer, finish_reason=o["finish_reason"],
                     text=self.tok.decode(o["token_ids"]))
-            for i, o in enumerate(outputs)
+            for i, o in enumerate(sampled.outputs)
         ]
-        t2 = time.perf_counter()  # the pipeline may have held the samples since they were generated
-        infos = [s.reward_info() for s in samples]  # (the pool sends on what the function asks for)
+
+    async def _scored_rollouts(self, sampled: Sampled) -> list[Rollout]:
+        """The rollouts of ``sampled`` with their rewards (or the verifier's error) filled in."""
+        rollouts, n = self._rollouts(sampled), self.sampling.n
+        infos = [s.reward_info() for s in sampled.samples]  # (the pool sends on what the function asks for)
         scores = await self.ex.rewards.score_async(
             [(r.sample_id, r.text, r.answer, infos[i // n]) for i, r in enumerate(rollouts)])
         for r, s in zip(rollouts, scores):
             r.reward, r.reward_error, r.reward_terms = s.reward, s.error, s.terms
+        return rollouts
+
+    async def score(self, sampled: Sampled) -> RolloutBatch:
+        step, n = sampled.step, self.sampling.n
+        if sampled.rollouts is None:
+            t2 = time.perf_counter()  # the pipeline may have held the samples since they were generated
+            rollouts = await self._scored_rollouts(sampled)
+            score_s = time.perf_counter() - t2
+        else:  # scored while sampling (dynamic sampling)
+            rollouts, score_s = sampled.rollouts, sampled.score_s
         self._check_verifier(step, [r.reward_error for r in rollouts])
-        batch = RolloutBatch(rollouts, n=n, generate_s=sampled.generate_s, score_s=time.perf_counter() - t2,
-                             meta={"step": step, "cursor_after": sampled.cursor})
+        batch = RolloutBatch(rollouts, n=n, generate_s=sampled.generate_s, score_s=score_s,
+                             meta={"step": step, "cursor_after": sampled.cursor, "batches": sampled.batches})
         # advantages, the trainer's tensors and the logged samples are prepared here, off the trainer's path
         # a sample whose verifier failed (raised, timed out) has no reward: it takes no part in its group
         scored_ok = torch.tensor([r.reward_error is None for r in rollouts])
@@ -218,6 +280,7 @@ class Controller:
             "sync_s": sync_s, "generate_s": batch.generate_s, "score_s": batch.score_s,
             "tokens": batch.num_tokens, "tokens_per_s": batch.num_tokens / max(batch.generate_s, 1e-9),
             "reward_errors": sum(r.reward_error is not None for r in batch.rollouts),
+            "sample_batches": batch.meta["batches"],
             "rows_trained": batch.meta["rows"], **stats,
         })
         self.log.samples(batch.meta["samples"])
@@ -310,3 +373,4 @@ async def _run_stages(*stages: Awaitable[None]) -> None:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+

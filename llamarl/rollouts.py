@@ -108,7 +108,7 @@ class RolloutBatch:
         scored = [r.reward for r in self.rollouts if r.reward_error is None]
         mean = math.fsum(scored) / len(scored) if scored else math.nan
         groups = [self.rollouts[i:i + self.n] for i in range(0, len(self.rollouts), self.n)]
-        flat = sum(len({r.reward for r in g if r.reward_error is None}) <= 1 for g in groups)
+        flat = sum(is_flat(g) for g in groups)
         lengths = [len(r.completion_ids) for r in self.rollouts]
         terms = [r.reward_terms for r in self.rollouts if r.reward_error is None]
         per_term = {f"reward/{name}": math.fsum(t[i] for t in terms) / len(terms) if terms else math.nan
@@ -118,6 +118,12 @@ class RolloutBatch:
                 "zero_std_frac": flat / len(groups),
                 "completion_len_mean": sum(lengths) / len(lengths), "completion_len_max": max(lengths),
                 "length_capped_frac": sum(r.finish_reason == "length" for r in self.rollouts) / len(self.rollouts)}
+
+
+def is_flat(group: Sequence[Rollout]) -> bool:
+    """Whether a prompt group teaches nothing: its scored samples all earned the same reward (fewer than two
+    scored included), so every advantage is 0."""
+    return len({r.reward for r in group if r.reward_error is None}) <= 1
 
 
 def collate(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_id: int, *,

@@ -77,8 +77,10 @@ class FakeRewards:
 
 
 def _run(run: dict, *, generator: dict = None, trainer_delay: float = 0.1, fail_every: int = 0,
-         rewards: FakeRewards | None = None, reward: RewardConfig = RewardConfig()) -> RunLog:
-    cfg = TrainConfig(generator=GeneratorConfig(prompts_per_step=2, samples_per_prompt=2, max_new_tokens=4),
+         rewards: FakeRewards | None = None, reward: RewardConfig = RewardConfig(), sampling: dict = None,
+         controller: list | None = None) -> RunLog:
+    cfg = TrainConfig(generator=GeneratorConfig(prompts_per_step=2, samples_per_prompt=2, max_new_tokens=4,
+                                                **(sampling or {})),
                       data=DataConfig(eval_size=4), run=RunConfig(checkpoint_every=0, **run), reward=reward)
     tok = CharTokenizer()
     world = {"published": 0}
@@ -87,6 +89,8 @@ def _run(run: dict, *, generator: dict = None, trainer_delay: float = 0.1, fail_
     ex = Executors([FakeGenerator(world, **(generator or {}))], FakeTrainer(world, trainer_delay),
                    rewards or FakeRewards(fail_every))
     ctrl = Controller(cfg, TrainData(cfg.data, tok, seed=0), ex, log, tokenizer=tok)
+    if controller is not None:
+        controller.append(ctrl)
     asyncio.run(ctrl.run())
     return log
 
@@ -136,3 +140,41 @@ def test_accuracy_is_the_verifiers_alone_and_each_term_is_logged(terms, accuracy
     row = log.rows[0]
     assert (row["reward_mean"], row["reward/exact"], row["reward/format_exact"], row["reward/format_exact_2"]) == \
         (sum(terms), *terms)
+
+
+class PromptRewards(FakeRewards):
+    """Prompt k of the stream (sample id arith-train-k#j) is informative when k % 3 == 0 (its samples earn
+    j % 2), flat otherwise (all 0); records which prompts it scored."""
+
+    def __init__(self):
+        super().__init__()
+        self.scored: list[int] = []
+
+    async def score_async(self, items):
+        out = []
+        for sid, *_ in items:
+            k, j = (int(x) for x in sid.removeprefix("arith-train-").split("#"))
+            self.scored.append(k)
+            r = float(j % 2) if k % 3 == 0 else 0.0
+            out.append(RewardResult(sample_id=sid, reward=r, error=None, elapsed_s=0.0, terms=(r,)))
+        return out
+
+
+@pytest.mark.parametrize("mode, staleness", [("sync", 0), ("async", 2)])
+def test_dynamic_sampling_trains_on_groups_whose_rewards_differ(mode, staleness):
+    """2 prompts per step; prompts 0, 3, 6, 9, ... are informative. Step 1 draws (0, 1), (2, 3) and keeps 0 and
+    3; step 2 draws (4, 5), (6, 7), (8, 9) and keeps 6 and 9; with at most 2 batches, step 2 keeps 6 and
+    fills up with the flat 4."""
+    for max_batches, batches, zero_std in ((4, [2, 3], [0.0, 0.0]), (2, [2, 2], [0.0, 0.5])):
+        rewards, ctrl = PromptRewards(), []
+        log = _run(dict(mode=mode, max_staleness=staleness, max_steps=2, eval_every=0), trainer_delay=0.0,
+                   rewards=rewards, sampling=dict(dynamic_sampling=True, max_sample_batches=max_batches),
+                   controller=ctrl)
+        assert [r["sample_batches"] for r in log.rows] == batches
+        assert [r["zero_std_frac"] for r in log.rows] == zero_std
+        assert sorted(set(rewards.scored)) == list(range(2 * sum(batches)))  # every batch drawn was scored
+        assert ctrl[0].data.cursor == 2 * sum(batches)
+        assert all(r["reward_mean"] == 0.25 * (2 - 2 * z) for r, z in zip(log.rows, zero_std))
+    log = _run(dict(mode=mode, max_staleness=staleness, max_steps=2, eval_every=0), trainer_delay=0.0,
+               rewards=PromptRewards())
+    assert [r["sample_batches"] for r in log.rows] == [1, 1] and [r["zero_std_frac"] for r in log.rows] == [0.5, 0.5]

@@ -501,6 +501,24 @@ def test_a_resumed_run_continues_exactly_like_the_uninterrupted_one(tmp_path):
             assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
 
 
+def test_a_resumed_run_with_dynamic_sampling_draws_the_same_prompts(tmp_path):
+    """Dynamic sampling draws a varying number of batches per step, one after another: a resumed sync run
+    still repeats the uninterrupted one exactly (a step's checkpoint records the data position after its
+    last batch). The cut run resumes from its step-3 checkpoint written mid-run, not from its final one."""
+    import shutil
+
+    args = RESUMABLE + ["--mode", "sync", "--set", "generator.dynamic_sampling=true",
+                        "--set", "generator.prompts_per_step=4", "--set", "generator.max_sample_batches=3"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    train(load_config(args + ["--max-steps", "6", "--out", str(whole)]))
+    train(load_config(args + ["--max-steps", "4", "--out", str(cut)]))
+    shutil.rmtree(cut / "checkpoints" / "step_000004")  # as if the run had died during step 4
+    train(load_config(["--resume", str(cut), "--max-steps", "6"]))
+    a, b = read_metrics(whole)[0], read_metrics(cut)[0]
+    assert [_deterministic(r) for r in b] == [_deterministic(r) for r in a]
+    assert a[2]["sample_batches"] > 1  # the step before the checkpoint drew extra batches
+
+
 @pytest.mark.parametrize("sig, to_group, status, ignore_sigint",
                          [(signal.SIGINT, True, 130, False), (signal.SIGTERM, False, 143, False),
                           (signal.SIGTERM, False, 143, True)],
