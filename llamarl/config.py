@@ -34,13 +34,13 @@ import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 
 from llamarl._fs import write_text_atomic
 from llamarl.reporting import check_available, parse_report_to
-from llamarl.config_values import ConfigError, coerce, did_you_mean, fail, plain
+from llamarl.config_values import VERBATIM, ConfigError, coerce, did_you_mean, fail, plain
 from llamarl.runtime.placement import GeneratorSpec, Layout, LayoutError, RewardSpec, TrainerSpec
 
 # Names checked without importing the modules that define them (llamarl.models.config.LLAMA_CONFIGS,
@@ -63,7 +63,7 @@ class _Section:
     SECTION: typing.ClassVar[str] = ""
 
     def __post_init__(self) -> None:
-        hints = typing.get_type_hints(type(self))
+        hints = typing.get_type_hints(type(self), include_extras=True)
         for f in dataclasses.fields(self):
             value = coerce(f"{self.SECTION}.{f.name}", getattr(self, f.name), hints[f.name])
             object.__setattr__(self, f.name, value)
@@ -105,9 +105,10 @@ class GeneratorConfig(_Section):
     top_p: float = 1.0
     quantization: Literal["none", "int8", "fp8"] = "none"
     # stop strings: a completion ends at the first token whose text holds one (kept; llamarl.generation.stop),
-    # e.g. ["\n\nQuestion:"] for a few-shot prompt or ["</answer>"]; on the command line a YAML list
-    # (--set 'generator.stop=["\n\nQuestion:"]') or one string
-    stop: tuple[str, ...] = ()
+    # e.g. ["\nQuestion:"] for few-shot prompts "Question: {prompt}\nAnswer: " (examples are joined by a newline)
+    # or ["</answer>"]; on the command line a YAML list of quoted items (--set 'generator.stop=["\nQuestion:"]')
+    # or one string, taken as it is
+    stop: Annotated[tuple[str, ...], VERBATIM] = ()
     # DAPO's dynamic sampling: a prompt whose samples all earn the same reward teaches nothing (advantage 0), so
     # draw further batches of prompts_per_step prompts until the step has prompts_per_step prompts whose rewards
     # differ, at most max_sample_batches batches (then flat ones fill the step); the controller's docstring

@@ -3,14 +3,17 @@ config field's annotated type (``coerce``), with messages that start with the do
 
 Values given as text (``Text``: the command line, YAML strings such as ``3e-4``) are parsed by the field's
 type; plain ``str`` values from Python callers are not (``GeneratorConfig(tp="2")`` is an error). Tuples:
-text "0.9,0.95" or "[0.9, 0.95]" for numbers; for strings a YAML list (``["\\nQ:", "x"]``, escapes read in
-double quotes) or one string taken exactly as it is.
+text "0.9,0.95" or "[0.9, 0.95]"; for strings also a YAML list (``[gsm8k, "x.py:f"]``). A field annotated
+``Annotated[tuple[str, ...], VERBATIM]`` (stop strings, which may start with "[") takes a YAML list only
+when its items are quoted (``["\\nQ:", 'x']``, escapes read in double quotes), else the one string as it is
+(``[INST]`` is the string "[INST]").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from typing import Any, Literal
@@ -38,12 +41,24 @@ def did_you_mean(word: str, options) -> str:
     return f" (did you mean '{hint[0]}'?)" if hint else ""
 
 
+VERBATIM = "verbatim"  # Annotated[tuple[str, ...], VERBATIM] (see _string_list)
+
+_QUOTED = r"""(?:"(?:[^"\\]|\\.)*"|'(?:[^']|'')*')"""
+_QUOTED_LIST = re.compile(rf"\[\s*(?:{_QUOTED}(?:\s*,\s*{_QUOTED})*\s*,?)?\s*\]", re.DOTALL)
+
+
+def _string_list(path: str, text: str) -> list:
+    """A VERBATIM field's text (strings that may hold anything, "[INST]" too): a YAML flow list whose items
+    are all quoted, else the one string as it is."""
+    return _yaml_list(path, text) if _QUOTED_LIST.fullmatch(text.strip()) else [text]
+
+
 def _yaml_list(path: str, text: str) -> list:
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         fail(path, f"is not a valid YAML list ({exc.__class__.__name__}); write e.g. "
-             '\'["\\n\\nQuestion:", "</answer>"]\' (double quotes read escapes like \\n)', str(text))
+             '\'["\\nQuestion:", "</answer>"]\' (double quotes read escapes like \\n)', str(text))
     if not isinstance(value, list):
         fail(path, "must be a list", str(text))
     return [Text(v) if isinstance(v, str) else v for v in value]
@@ -57,6 +72,10 @@ def coerce(path: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against annotation ``tp``; parse it first if it is ``Text`` for a non-text type
     (surrounding whitespace ignored there; a string field keeps its text exactly, spaces included)."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated:  # Annotated[tuple[str, ...], VERBATIM]: strings that may start with "["
+        if isinstance(value, Text) and VERBATIM in args[1:]:
+            value = _string_list(path, value)
+        return coerce(path, value, args[0])
     if origin in (typing.Union, types.UnionType):
         if value is None or (isinstance(value, Text) and value.strip().lower() in ("none", "null", "~", "")):
             if type(None) in args:
@@ -70,8 +89,9 @@ def coerce(path: str, value: Any, tp: Any) -> Any:
             fail(path, f"must be one of {', '.join(repr(a) for a in args)}{did_you_mean(str(value), args)}", value)
         return str(value)
     if origin is tuple:
-        if isinstance(value, Text) and args[0] is str:  # a YAML list, or one string taken as it is
-            value = _yaml_list(path, value) if value.strip().startswith("[") else [value]
+        if isinstance(value, Text) and args[0] is str:  # a YAML list ([a, "b"]), else items split at commas
+            value = _yaml_list(path, value) if value.strip().startswith("[") else value.split(",")
+            value = [Text(str(v).strip()) for v in value if str(v).strip()]
         elif isinstance(value, Text):
             value = [v for v in value.strip("[]() ").split(",") if v.strip()]
         fixed_length = Ellipsis not in args

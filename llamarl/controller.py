@@ -322,8 +322,9 @@ class Controller:
         greedy = SamplingParams(max_new_tokens=self.cfg.generator.max_new_tokens, temperature=0.0, n=1,
                                 stop=self.cfg.generator.stop)
         outputs, _ = await self.generate(self.data.encode(held), greedy)
-        scores = await self.ex.rewards.score_async(
-            [(s.id, self.tok.decode(o["token_ids"]), s.answer, s.reward_info()) for s, o in zip(held, outputs)])
+        scores = await self.ex.rewards.score_async(  # the verifier alone: other terms cannot fail a right answer
+            [(s.id, self.tok.decode(o["token_ids"]), s.answer, s.reward_info()) for s, o in zip(held, outputs)],
+            verifier_only=True)
         result = {"accuracy": sum(r.verifier >= 1.0 for r in scores) / len(held),
                   "policy_version": min(min(o["policy_versions"], default=-1) for o in outputs)}
         self.log.eval(step, result)

@@ -249,7 +249,7 @@ def evaluate(
             s = samples[i]
             completion = tokenizer.decode(out.token_ids)
             if isinstance(reward_fn, RewardPool):
-                scored: Any = reward_fn.submit(s.id, completion, s.answer, s.reward_info())
+                scored: Any = reward_fn.submit(s.id, completion, s.answer, s.reward_info(), verifier_only=True)
             else:
                 scored = _score_in_process(reward_fn, fn_params, s, completion)
             pending.append((i, out.sample_index, scored, completion, len(out.token_ids), out.finish_reason))
@@ -317,7 +317,7 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="leave out the samples whose rendered prompt leaves no room to generate in the model's "
                         "context (their ids go to the summary) instead of refusing the whole dataset")
     p.add_argument("--stop", action="append", default=None,
-                   help="stop string, escapes allowed (e.g. '\\n\\nQuestion:'): a completion ends at the first token "
+                   help="stop string, escapes allowed (e.g. '\\nQuestion:'): a completion ends at the first token "
                         "whose text holds it, kept; repeatable (default: newline for the synthetic task, else none)")
     p.add_argument("--seed", type=int, default=0, help="sampling and few-shot selection seed (default: 0)")
     p.add_argument("--reward-workers", type=int, default=2, help="reward worker processes (default: 2)")

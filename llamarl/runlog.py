@@ -119,7 +119,8 @@ class RunLog:
             ax.plot([e["step"] for e in self.evals], [e["accuracy"] for e in self.evals], "o-", lw=2,
                     label="held-out accuracy (greedy)")
         ax.set_xlabel("step")
-        ax.set_ylim(-0.02, 1.02)
+        if all(0.0 <= r["reward_mean"] <= 1.0 for r in self.rows if math.isfinite(r["reward_mean"])):
+            ax.set_ylim(-0.02, 1.02)  # else (a reward of several terms, or beyond [0, 1]): matplotlib's range
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
         fig.tight_layout()

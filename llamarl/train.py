@@ -79,6 +79,7 @@ def prepare_policy(cfg: TrainConfig, tokenizer, data: TrainData) -> tuple[Path, 
     files = [a.data.dataset, a.reward.reward.rpartition(":")[0], a.policy.tokenizer]
     key = cache_key("warmstart-v2", model_cfg.to_hf_dict(), dataclasses.replace(ws, cache_dir=None), a.data,
                     cfg.run.seed, a.reward.reward, cfg.generator.max_new_tokens,
+                    *([cfg.generator.stop] if cfg.generator.stop else []),  # (the probe's completions end there)
                     *([a.policy.tokenizer] if a.policy.tokenizer else []),
                     *[content_fingerprint(f) for f in files if f and os.path.exists(f)])
     path = (Path(ws.cache_dir) if ws.cache_dir else default_cache_dir()) / f"{cfg.policy.model}-{key}"
@@ -101,7 +102,7 @@ def prepare_policy(cfg: TrainConfig, tokenizer, data: TrainData) -> tuple[Path, 
         def probe() -> float:  # greedy accuracy on training problems (never the held-out split)
             return evaluate(model, tokenizer, probe_samples, reward_fn, max_new_tokens=cfg.generator.max_new_tokens,
                             batch_size=len(probe_samples), fmt=stream.formatter.fmt,
-                            shots=stream.formatter.shots).accuracy
+                            shots=stream.formatter.shots, stop=cfg.generator.stop).accuracy
 
         info = train_supervised(model, stream.next, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size,
                                 encode_prompt=stream.formatter.encode, encode_answer=tokenizer.encode,
@@ -287,6 +288,11 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
     if cfg.trainer.lr_warmup_steps >= cfg.run.max_steps:
         out.append(f"trainer.lr_warmup_steps={cfg.trainer.lr_warmup_steps} >= run.max_steps={cfg.run.max_steps}: "
                    "the learning rate never reaches trainer.lr")
+    for stop in g.stop:
+        if "\\n" in stop or "\\t" in stop:
+            out.append(f"generator.stop {stop!r} holds a backslash followed by n or t as two characters (a --set value "
+                       "is taken literally); for a newline or a tab write a YAML list with double quotes, e.g. "
+                       '--set \'generator.stop=["\\nQuestion:"]\'')
     d = cfg.data
     if d.few_shot and not d.chat and not g.stop and not d.dataset.startswith("synthetic:"):
         out.append(f"data.few_shot={d.few_shot} without generator.stop: a base model tends to write the next example "

@@ -9,6 +9,7 @@ margins are tenfold); every assertion is on versions and values, none on time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 
 import pytest
@@ -63,16 +64,20 @@ class FakeTrainer(_Serial):
 
 
 class FakeRewards:
-    def __init__(self, fail_every: int = 0, terms: tuple[float, ...] = (1.0,)):
-        self.fail_every, self.terms = fail_every, terms
+    """Every sample earns ``terms`` (the verifier first), or fails: every ``fail_every``-th one, or every one
+    scored with all its terms when ``extra_fails`` (an extra term that raises)."""
 
-    async def score_async(self, items):
+    def __init__(self, fail_every: int = 0, terms: tuple[float, ...] = (1.0,), extra_fails: bool = False):
+        self.fail_every, self.terms, self.extra_fails = fail_every, terms, extra_fails
+
+    async def score_async(self, items, verifier_only=False):
         out = []
+        terms = self.terms[:1] if verifier_only else self.terms
         for i, (sid, *_) in enumerate(items):
-            failed = self.fail_every and i % self.fail_every == 0
-            out.append(RewardResult(sample_id=sid, reward=0.0 if failed else sum(self.terms),
+            failed = (self.fail_every and i % self.fail_every == 0) or (self.extra_fails and not verifier_only)
+            out.append(RewardResult(sample_id=sid, reward=0.0 if failed else sum(terms),
                                     error="ValueError: flaky" if failed else None, elapsed_s=0.0,
-                                    terms=() if failed else self.terms))
+                                    terms=() if failed else terms))
         return out
 
 
@@ -140,6 +145,11 @@ def test_accuracy_is_the_verifiers_alone_and_each_term_is_logged(terms, accuracy
     row = log.rows[0]
     assert (row["reward_mean"], row["reward/exact"], row["reward/format_exact"], row["reward/format_exact_2"]) == \
         (sum(terms), *terms)
+    # an extra term that fails costs the training samples, never a right answer in the evaluation
+    log = _run(dict(mode="sync", max_staleness=0, max_steps=3, eval_every=1), trainer_delay=0.0,
+               rewards=FakeRewards(terms=terms, extra_fails=True),
+               reward=dataclasses.replace(reward, max_failed_steps=0))
+    assert [e["accuracy"] for e in log.evals] == [accuracy, accuracy] and log.rows[0]["reward_errors"] == 4
 
 
 class PromptRewards(FakeRewards):

@@ -182,7 +182,10 @@ def test_cli_stop_strings_of_several_tokens_cut_the_transformers_greedy_text(che
     tok = CharTokenizer()
     prompts = ["12+30=", "7*8=", "99-1=", "abc"]
     reference = [_hf_greedy(hf, tok, p, 12) for p in prompts]
-    stops = [reference[0][2:5], reference[1][4:6] + "\n"]  # the second holds a newline only once escaped
+    def window(text: str, n: int, start: int) -> str:  # n characters from start on, none of them U+FFFD (unk)
+        return next(text[i:i + n] for i in range(start, len(text)) if "\ufffd" not in text[i:i + n])
+
+    stops = [window(reference[0], 3, 2), window(reference[1], 2, 4) + "\n"]  # a newline, once escaped
     flags = ["--stop", stops[0], "--stop", stops[1].replace("\n", "\\n")]
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"question": p, "answer": "0"}) + "\n" for p in prompts))

@@ -54,6 +54,8 @@ def test_the_reward_is_the_weighted_sum_of_its_terms(terms_file):
 def test_a_failing_term_fails_the_sample_and_is_named(terms_file):
     total, parts, error = RewardTerms(["exact", f"{terms_file}:broken"]).score("1", "1")
     assert (total, parts) == (0.0, ()) and error.startswith("reward term 'broken': KeyError: 'no such thing' (at ")
+    huge = RewardTerms(["exact", "format_exact"], [1e308, 1e308]).score("1", "1")  # finite terms, overflowing sum
+    assert huge[:2] == (0.0, ()) and huge[2].startswith("the weighted sum of the reward terms")
     total, parts, error = RewardTerms(["exact", f"{terms_file}:not_a_number"]).score("1", "1")
     assert (total, parts) == (0.0, ()) and error.startswith("reward term 'not_a_number': reward function returned 'high'")
     # one function: the error reads as it always did
@@ -85,14 +87,19 @@ def test_the_pool_scores_every_term_sends_what_any_term_asks_for(terms_file):
     assert right.terms == (1.0, 3.0, 1.0) and right.reward == pytest.approx(1.0 + 0.3 + 2.0)
     assert wrong.terms == (0.0, 3.0, 0.0) and wrong.reward == pytest.approx(0.3) and wrong.verifier == 0.0
     assert right.error is None and right.verifier == 1.0
-    with RewardPool(["exact", f"{terms_file}:broken"], num_workers=1) as pool:
+    with RewardPool(["exact", f"{terms_file}:broken"], num_workers=1, weights=[3.0, 1.0]) as pool:
         failed, = pool.score([("c", "5", "5")])
+        # correctness alone: the verifier's own reward, unweighted, whatever the other terms do
+        right, wrong = pool.score([("d", "5", "5"), ("e", "4", "5")], verifier_only=True)
     assert failed.reward == 0.0 and failed.terms == () and "reward term 'broken': KeyError" in failed.error
     assert failed.verifier == 0.0
+    assert (right.reward, right.terms, right.error, wrong.reward, wrong.terms) == (1.0, (1.0,), None, 0.0, (0.0,))
 
 
 def test_the_configuration_of_the_terms(tmp_path, terms_file):
     assert RewardConfig(extra=("format_exact",)).specs == ("exact", "format_exact")
+    for text in ("[format_exact, 'format_math']", "format_exact, format_math"):  # YAML list or commas
+        assert load_config(["--set", f"reward.extra={text}"]).reward.extra == ("format_exact", "format_math")
     for kwargs, pattern in [
         (dict(extra=("nope",)), r"reward.extra\[0\]: must be one of exact, gsm8k, math, format_exact"),
         (dict(extra=("format_exact",), weights=(1.0,)), r"reward.weights: needs one weight per reward function"),

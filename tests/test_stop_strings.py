@@ -53,14 +53,47 @@ def _metaspace():
     return HFTokenizer(tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
+def _byte_fallback():
+    """Llama 2's tokenizer.json layout: SentencePiece pieces plus the 256 byte tokens <0x00>..<0xFF> for what
+    the pieces cannot spell ("\n" among them), decoded by ByteFallback, which writes U+FFFD for a whole run of
+    byte tokens while it is not valid UTF-8."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["▁", "▁The", "▁answer", "▁is", "▁4", "2", ".", "▁x", "▁Question", ":", "▁what"]:
+        vocab[piece] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return HFTokenizer(tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+TOKENIZERS = {"byte_level": _byte_level, "metaspace": _metaspace, "byte_fallback": _byte_fallback}
+
+
 @pytest.fixture(scope="module")
 def byte_level():
     return _byte_level()
 
 
-@pytest.fixture(scope="module", params=["byte_level", "metaspace"])
+@pytest.fixture(scope="module", params=list(TOKENIZERS))
 def any_tokenizer(request):
-    return _byte_level() if request.param == "byte_level" else _metaspace()
+    return TOKENIZERS[request.param]()
+
+
+def test_a_newline_hidden_by_a_later_incomplete_byte_run_still_ends_the_completion():
+    """ByteFallback: "\n" is the byte token <0x0A>; while the next byte tokens spell only part of "✅" the
+    whole run decodes to U+FFFD, hiding the newline in those prefixes. The end is still the newline's token,
+    also when the budget cuts the character, or a stray continuation byte never completes it."""
+    tok = _byte_fallback()
+    ss = StopStrings(["\n"], tok.decode)
+    ids = tok.encode("The answer is 42.\n✅ x")
+    newline = ids.index(tok._tok.token_to_id("<0x0A>")) + 1
+    assert "\n" not in tok.decode(ids[:newline + 1])  # hidden in the next prefix
+    assert ss.first_end(ids) == ss.first_end(ids[:newline + 2]) == newline
+    stray = ids[:newline] + [tok._tok.token_to_id("<0x85>")] + tok.encode(" The") + ids[newline - 1:newline]
+    assert "\n" not in tok.decode(stray)[:-1] and ss.first_end(stray) == newline
 
 
 def test_first_end_matches_the_definition_on_random_text(any_tokenizer):
@@ -76,7 +109,7 @@ def test_first_end_matches_the_definition_on_random_text(any_tokenizer):
         full = byte_level.decode(ids)
         cands = [full[i:j] for i in range(len(full)) for j in range(i + 1, min(len(full), i + 12) + 1)]
         stops = rng.sample(cands, min(2, len(cands))) if cands and rng.random() < 0.8 else ["\n\nQuestion:", "本"]
-        stops = [s for s in stops if s.strip("\ufffd")] or ["zz"]
+        stops = [s for s in stops if "\ufffd" not in s] or ["zz"]
         ss = StopStrings(stops, byte_level.decode)
         want = brute_force_end(byte_level.decode, stops, ids)
         assert ss.first_end(ids) == want, (ids, stops)

@@ -134,3 +134,12 @@ def test_few_shot_raw_prompts_without_a_stop_string_are_warned_about(tmp_path):
     assert len(warned) == 1
     for extra in (["--set", 'generator.stop=["\\n"]'], ["--set", "data.chat=true"], ["--set", "data.few_shot=0"]):
         assert not any("generator.stop" in w for w in config_warnings(load_config(base + extra))), extra
+
+
+def test_a_stop_string_with_a_literal_backslash_n_is_warned_about():
+    from llamarl.train import config_warnings
+
+    literal = config_warnings(load_config(SMOKE + ["--set", "generator.stop=\\nQuestion:"]))
+    assert any(w.startswith("generator.stop '\\\\nQuestion:' holds a backslash") for w in literal), literal
+    newline = config_warnings(load_config(SMOKE + ["--set", 'generator.stop=["\\nQuestion:"]']))
+    assert not any("backslash" in w for w in newline), newline

@@ -174,7 +174,7 @@ class GenerationEngine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         if params.stop and decode is None:
             raise ValueError(f"SamplingParams.stop={list(params.stop)!r} is matched against text: pass the tokenizer's "
-                             "decode (generate(..., decode=tokenizer.decode))")
+                             "decode (generate(..., decode=tokenizer.decode); a GeneratorExecutor takes tokenizer=)")
         vocab, context = self.config.vocab_size, self.config.max_position_embeddings
         if isinstance(prompts, torch.Tensor):
             prompts = list(prompts)

@@ -11,18 +11,23 @@ never disagree. Matching text, not token ids, makes a stop independent of how th
 tokenize it: "\\n\\nQuestion:" ends a completion written as "\\n\\n" + "Question" + ":" or as ".\\n\\n" +
 "Question:" alike.
 
-``first_end(ids)`` finds e exactly: one decode of all of ids says whether any stop occurs; if one does, a
-binary search over k for the predicate "decode(ids[:k]) contains a stop" (monotone: decode(ids[:k]) is a
-prefix of decode(ids[:k+1]) up to a trailing partial UTF-8 character, shown as U+FFFD) takes O(log m)
-more decodes.
+``first_end(ids)`` finds e exactly, by trying k = 1, 2, ... over the tokens that could end a stop (below) and
+decoding those prefixes. The predicate "decode(ids[:k]) contains a stop" is not monotone in k: a decoder
+writes U+FFFD for bytes that do not (yet) form valid UTF-8, and ByteFallback decoders (Llama 2's) do so for
+the whole run of byte tokens, so a newline spelled <0x0A> shows in one prefix and is gone from the next,
+while the run is incomplete. What holds: when decode(ids) has no U+FFFD, each prefix's text is a prefix of it
+with some trailing characters masked as U+FFFD, so a stop (which may not contain U+FFFD) in any prefix is in
+decode(ids) too; one decode then settles that a completion has no stop, the common case.
 
 Early exit (``TailScanner``, used by the generation engine at its host synchronisations). Checking only at
 the end would be exact but would let a stopped row decode to its budget. The scanner keeps each row's
 tokens on the host and, when a new token could complete a stop, decodes the row's last ``window`` tokens;
 a stop in that text is only a hint, confirmed by ``first_end``. So early exit never changes which tokens
 a completion keeps (the engine applies ``first_end`` to every finished row), only when a stopped row stops
-costing compute. A token can complete a stop only if the text it adds contains a stop's last character, so
-rows whose new tokens add none of those characters are skipped without a decode. The text a token adds is
+costing compute (with sampling, earlier compaction changes which random numbers the other rows draw, never
+their distribution: llamarl.generation.engine). A token can complete a stop only if the text it adds
+contains a stop's last character, so rows whose new tokens add none of those characters are skipped without
+a decode. The text a token adds is
 read once per id as decode([t, t]) minus decode([t]) (after another token, so a decoder that drops the
 leading space of a text's first word does not hide it); a token that adds part of a character (U+FFFD),
 nothing, or text that does not extend decode([t]) is always a candidate.
@@ -48,6 +53,9 @@ def check_stop_strings(name: str, stops: object) -> tuple[str, ...]:
     for s in out:
         if not isinstance(s, str) or not s:
             raise ValueError(f"{name} must hold non-empty strings, got {s!r} in {list(out)!r}")
+        if REPLACEMENT_CHAR in s:
+            raise ValueError(f"{name}: {s!r} holds U+FFFD, the character decoders put for bytes that are not valid "
+                             "UTF-8; a stop must be text")
     return out
 
 
@@ -72,16 +80,13 @@ class StopStrings:
 
     def first_end(self, ids: Sequence[int]) -> int | None:
         """e of the module docstring for the completion ``ids``: the number of tokens it keeps, or None."""
-        if not ids or not self.contains_stop(self.decode(ids)):
+        if not ids:
             return None
-        lo, hi = 1, len(ids)  # the predicate holds at hi; find the smallest k where it holds
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self.contains_stop(self.decode(ids[:mid])):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
+        text = self.decode(ids)
+        if REPLACEMENT_CHAR not in text and not self.contains_stop(text):
+            return None  # no prefix holds one either (module docstring)
+        return next((k for k in range(1, len(ids) + 1)
+                     if self.could_end(ids[k - 1]) and self.contains_stop(self.decode(ids[:k]))), None)
 
     def could_end(self, token: int) -> bool:
         """False only if the text ``token`` adds cannot hold the last character of a stop (module docstring)."""

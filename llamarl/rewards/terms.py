@@ -98,12 +98,15 @@ class RewardTerms:
         self.info = union_params(self.params)
         self.names = term_names(self.specs)
 
-    def score(self, completion: str, answer: str, info: Mapping[str, Any] | None = None
-              ) -> tuple[float, tuple[float, ...], str | None]:
+    def score(self, completion: str, answer: str, info: Mapping[str, Any] | None = None, *,
+              verifier_only: bool = False) -> tuple[float, tuple[float, ...], str | None]:
         """(r, (r_0, r_1, ...), None), or (0.0, (), error) when a term fails: it raised (the error gives its
-        exception and where), or returned what is not a reward. With several terms the error names the term."""
+        exception and where), or returned what is not a reward. With several terms the error names the term.
+        ``verifier_only``: (r_0, (r_0,), None) from the verifier alone, unweighted (is the answer correct)."""
+        count = 1 if verifier_only else len(self.fns)
+        weights = (1.0,) if verifier_only else self.weights
         parts = []
-        for name, fn, params in zip(self.names, self.fns, self.params):
+        for name, fn, params in zip(self.names[:count], self.fns[:count], self.params[:count]):
             try:
                 value = call_reward(fn, completion, answer, info, params)
             except BaseException as e:  # SystemExit from user code too: it costs the sample, not the worker
@@ -113,8 +116,8 @@ class RewardTerms:
             except (TypeError, ValueError) as e:
                 return 0.0, (), self._error(name, str(e))
         try:
-            total = as_reward(math.fsum(w * r for w, r in zip(self.weights, parts)))
-        except (TypeError, ValueError) as e:  # finite terms whose weighted sum leaves float32's range
+            total = as_reward(math.fsum(w * r for w, r in zip(weights, parts)))
+        except (ArithmeticError, TypeError, ValueError) as e:  # finite terms whose weighted sum overflows
             return 0.0, (), f"the weighted sum of the reward terms {dict(zip(self.names, parts))}: {e}"
         return total, tuple(parts), None
 

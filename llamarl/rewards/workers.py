@@ -10,7 +10,7 @@ Processes and messages:
   * each worker is a "spawn"ed process (never fork: the parent may run torch/NCCL threads) that
     receives the reward *spec string* and calls ``load_reward`` itself, so user functions need not be
     picklable. It runs the function in its main thread and answers over its own duplex pipe:
-        parent -> worker: (task_id, completion, answer, info) | None (exit)
+        parent -> worker: (task_id, completion, answer, info, verifier_only) | None (exit)
         worker -> parent: ("ready", pid) | ("load_error", text) | ("result", task_id, reward, error, s, terms)
   * one dispatcher thread in the parent owns all workers: it hands a queued task to an idle ready
     worker, then waits (``multiprocessing.connection.wait``) on the pipes, the process sentinels and a
@@ -128,9 +128,9 @@ def _worker_main(conn: mpc.Connection, specs: tuple[str, ...], weights: tuple[fl
             return
         if msg is None:
             return
-        task_id, completion, answer, info = msg
+        task_id, completion, answer, info, verifier_only = msg
         start = time.perf_counter()
-        reward, parts, error = terms.score(completion, answer, info)
+        reward, parts, error = terms.score(completion, answer, info, verifier_only=verifier_only)
         try:
             conn.send(("result", task_id, reward, error, time.perf_counter() - start, parts))
         except (BrokenPipeError, OSError):
@@ -146,6 +146,7 @@ class _Task:
     answer: str
     info: Mapping[str, Any] | None
     future: Future
+    verifier_only: bool = False
 
 
 class _Worker:
@@ -260,10 +261,11 @@ class RewardPool:
 
     # ---------------------------------------------------------------- public API
     def submit(self, sample_id: Hashable, completion: str, answer: str,
-               info: Mapping[str, Any] | None = None) -> Future:
+               info: Mapping[str, Any] | None = None, *, verifier_only: bool = False) -> Future:
         """Queue one sample; the future resolves to its ``RewardResult``. ``info``: what else is known of the
         sample, passed to a reward function that asks for it by name (llamarl.rewards.registry.call_reward);
-        only the entries it takes cross to the worker."""
+        only the entries it takes cross to the worker. ``verifier_only``: score with the first function alone
+        (its own reward, unweighted: whether the answer is correct, whatever the other terms would say)."""
         if not isinstance(completion, str) or not isinstance(answer, str):
             raise TypeError(
                 f"sample {sample_id!r}: completion and answer must be str, got "
@@ -276,7 +278,7 @@ class RewardPool:
             if self._broken is not None:
                 raise RewardPoolError(self._broken)
             self._queue.append(_Task(self._next_task_id, sample_id, completion, answer,
-                                     self._info_params.select(info), future))
+                                     self._info_params.select(info), future, verifier_only))
             self._next_task_id += 1
             self._bump(submitted=1)
             wake = not self._wake_pending
@@ -285,14 +287,14 @@ class RewardPool:
             self._wake()
         return future
 
-    def score(self, items: Sequence[tuple]) -> list[RewardResult]:
+    def score(self, items: Sequence[tuple], *, verifier_only: bool = False) -> list[RewardResult]:
         """Score ``(sample_id, completion, answer[, info])`` items; results come back in input order."""
-        futures = [self.submit(*self._unpack(item, i)) for i, item in enumerate(items)]
+        futures = [self.submit(*self._unpack(item, i), verifier_only=verifier_only) for i, item in enumerate(items)]
         return [f.result() for f in futures]
 
-    async def score_async(self, items: Sequence[tuple]) -> list[RewardResult]:
+    async def score_async(self, items: Sequence[tuple], *, verifier_only: bool = False) -> list[RewardResult]:
         """``score`` for asyncio code: awaits the results without blocking the event loop."""
-        futures = [self.submit(*self._unpack(item, i)) for i, item in enumerate(items)]
+        futures = [self.submit(*self._unpack(item, i), verifier_only=verifier_only) for i, item in enumerate(items)]
         return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
 
     @property
@@ -411,7 +413,7 @@ class RewardPool:
                 if not task.future.running() and not task.future.set_running_or_notify_cancel():
                     continue  # cancelled by the caller while queued
                 try:
-                    w.conn.send((task.task_id, task.completion, task.answer, task.info))
+                    w.conn.send((task.task_id, task.completion, task.answer, task.info, task.verifier_only))
                 except (BrokenPipeError, OSError):
                     with self._lock:
                         self._queue.appendleft(task)  # the worker is gone; _service replaces it
