@@ -100,6 +100,7 @@ class GeneratorConfig(_Section):
     samples_per_prompt: int = 8
     max_new_tokens: int = 8
     temperature: float = 1.0
+    top_k: int = 0  # sample among the k most likely tokens (0: all); mu is then that truncated distribution
     # nucleus sampling; mu is then the truncated distribution, so the AIPO weight pi/mu of a token sampled on-policy
     # is the kept mass (<= 1) (llamarl.generation.sampling)
     top_p: float = 1.0
@@ -119,6 +120,7 @@ class GeneratorConfig(_Section):
         for name in ("replicas", "tp", "prompts_per_step", "samples_per_prompt", "max_new_tokens",
                      "max_sample_batches"):
             self._positive(name)
+        self._positive("top_k", strict=False)
         if "" in self.stop:
             fail("generator.stop", "must hold non-empty strings", list(self.stop))
         if not self.temperature > 0 or not math.isfinite(self.temperature):
@@ -206,6 +208,11 @@ class RewardConfig(_Section):
     # sample's reward is sum_i weights[i] * r_i over [reward, *extra] (llamarl.rewards.terms)
     extra: tuple[str, ...] = ()
     weights: tuple[float, ...] = ()  # one per function, the verifier first; empty: 1.0 each
+    # DAPO's soft overlong punishment, a reward term "overlong" (llamarl.rewards.terms.overlong_penalty): a
+    # completion within the last overlong_buffer tokens of generator.max_new_tokens loses up to
+    # overlong_penalty, linearly in how far in it reached (0: off)
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
     # reward worker processes of the controller (0 counts as 1: scoring always runs in a worker, under the timeout)
     workers: int = 2
     timeout_s: float = 5.0  # per completion
@@ -225,6 +232,8 @@ class RewardConfig(_Section):
                  f"for reward.reward and {len(self.extra)} reward.extra, or none (1.0 each)", list(self.weights))
         if not all(math.isfinite(w) for w in self.weights):
             fail("reward.weights", "must be finite numbers", list(self.weights))
+        self._positive("overlong_buffer", strict=False)
+        self._positive("overlong_penalty", strict=False)
 
     @property
     def specs(self) -> tuple[str, ...]:
@@ -368,6 +377,9 @@ class TrainConfig:
         if g.prompts_per_step % t.mini_batches:
             fail("trainer.mini_batches", f"must divide generator.prompts_per_step={g.prompts_per_step} (each "
                  "mini-batch holds whole prompt groups)", t.mini_batches)
+        if self.reward.overlong_buffer >= g.max_new_tokens:
+            fail("reward.overlong_buffer", f"must be below generator.max_new_tokens={g.max_new_tokens} (the "
+                 "punishment starts overlong_buffer tokens before the end)", self.reward.overlong_buffer)
         part = batch // t.mini_batches
         if part % t.ranks:
             fail("trainer.mini_batches", f"each of the {t.mini_batches} mini-batches holds {part} sequences, "

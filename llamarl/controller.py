@@ -48,7 +48,7 @@ from llamarl.algorithms import group_advantages
 from llamarl.config import TrainConfig
 from llamarl.generation import SamplingParams
 from llamarl.rewards import RewardPool, RewardPoolError
-from llamarl.rewards.terms import term_names
+from llamarl.rewards.terms import overlong_penalty, term_names
 from llamarl.rollouts import Rollout, RolloutBatch, collate, is_flat
 from llamarl.runlog import RunLog
 from llamarl.runtime import ExecutorGroup
@@ -93,10 +93,11 @@ class Controller:
         self._last_step_end = time.perf_counter()
         self._failed_steps = 0  # consecutive steps whose every sample's verifier failed
         self._warned_cut = False
-        self.term_names = term_names(cfg.reward.specs)  # the reward's functions, as metrics name them
+        # the reward's terms, as metrics name them: its functions, then DAPO's overlong punishment if on
+        self.term_names = term_names(cfg.reward.specs) + (["overlong"] if cfg.reward.overlong_buffer else [])
         g = cfg.generator
         self.sampling = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
-                                       top_p=g.top_p, n=g.samples_per_prompt, stop=g.stop)
+                                       top_k=g.top_k, top_p=g.top_p, n=g.samples_per_prompt, stop=g.stop)
 
     # ------------------------------------------------------------------ the algorithm
     async def run(self) -> None:
@@ -222,6 +223,13 @@ class Controller:
             [(r.sample_id, r.text, r.answer, infos[i // n]) for i, r in enumerate(rollouts)])
         for r, s in zip(rollouts, scores):
             r.reward, r.reward_error, r.reward_terms = s.reward, s.error, s.terms
+        rw = self.cfg.reward
+        if rw.overlong_buffer:
+            for r in rollouts:
+                if r.reward_error is None:
+                    penalty = overlong_penalty(len(r.completion_ids), self.sampling.max_new_tokens,
+                                               rw.overlong_buffer, rw.overlong_penalty)
+                    r.reward, r.reward_terms = r.reward + penalty, (*r.reward_terms, penalty)
         return rollouts
 
     async def score(self, sampled: Sampled) -> RolloutBatch:

@@ -40,8 +40,10 @@ class FakeGenerator(_Serial):
         super().__init__()
         self.world, self.delay, self.eval_delay = world, delay, eval_delay
         self.slow_steps, self.slow_delay = set(slow_steps), slow_delay
+        self.params = []  # the SamplingParams of every call
 
     async def generate(self, prompts, params):
+        self.params.append(params)
         version = self.world["published"]
         greedy = params.temperature == 0.0
         step = None if greedy else params.seed  # run.seed 0: a step's seed is its index
@@ -91,7 +93,8 @@ def _run(run: dict, *, generator: dict = None, trainer_delay: float = 0.1, fail_
     world = {"published": 0}
     log = RunLog(None, cfg.run.max_steps, progress=False)
     log.bar.write = lambda *a, **k: None
-    ex = Executors([FakeGenerator(world, **(generator or {}))], FakeTrainer(world, trainer_delay),
+    gen = FakeGenerator(world, **(generator or {}))
+    ex = Executors([gen], FakeTrainer(world, trainer_delay),
                    rewards or FakeRewards(fail_every))
     ctrl = Controller(cfg, TrainData(cfg.data, tok, seed=0), ex, log, tokenizer=tok)
     if controller is not None:
@@ -188,3 +191,18 @@ def test_dynamic_sampling_trains_on_groups_whose_rewards_differ(mode, staleness)
     log = _run(dict(mode=mode, max_staleness=staleness, max_steps=2, eval_every=0), trainer_delay=0.0,
                rewards=PromptRewards())
     assert [r["sample_batches"] for r in log.rows] == [1, 1] and [r["zero_std_frac"] for r in log.rows] == [0.5, 0.5]
+
+
+def test_overlong_punishment_and_top_k_reach_the_rollouts():
+    """Every fake completion has 2 tokens of a budget of 4: with overlong_buffer=3 the punishment starts after
+    1 token, so each loses 1/3 of overlong_penalty=0.6; the verifier alone decides the accuracy; top_k reaches
+    the generator."""
+    ctrl = []
+    log = _run(dict(mode="sync", max_staleness=0, max_steps=3, eval_every=1), trainer_delay=0.0,
+               reward=RewardConfig(overlong_buffer=3, overlong_penalty=0.6), sampling=dict(top_k=5),
+               controller=ctrl)
+    row = log.rows[0]
+    assert row["reward/exact"] == 1.0 and row["reward/overlong"] == pytest.approx(-0.2)
+    assert row["reward_mean"] == pytest.approx(0.8) and [e["accuracy"] for e in log.evals] == [1.0, 1.0]
+    params = ctrl[0].ex.generators[0].params
+    assert {p.top_k for p in params if p.temperature > 0} == {5}

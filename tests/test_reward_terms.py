@@ -145,3 +145,15 @@ def test_a_training_run_logs_each_term_and_trains_on_their_sum(tmp_path, monkeyp
         assert t == {"exact": load_reward("exact")(s["completion"], s["answer"]),
                      "format_exact": format_reward(s["completion"], "exact")}
         assert s["reward"] == pytest.approx(t["exact"] + 0.25 * t["format_exact"])
+
+
+def test_overlong_penalty_is_dapos_soft_punishment():
+    from llamarl.rewards.terms import overlong_penalty
+
+    # budget 10, buffer 4: free up to 6 tokens, then -1/4 per token, -1 at the budget
+    assert [overlong_penalty(n, 10, 4) for n in range(0, 11)] == [0.0] * 7 + [-0.25, -0.5, -0.75, -1.0]
+    assert overlong_penalty(9, 10, 4, penalty=2.0) == -1.5 and overlong_penalty(10, 10, 0) == 0.0
+    with pytest.raises(ConfigError, match=r"reward.overlong_buffer: must be below generator.max_new_tokens=4"):
+        load_config(["--preset", "smoke", "--set", "reward.overlong_buffer=4"])
+    with pytest.raises(ConfigError, match=r"reward.overlong_penalty: must be >= 0"):
+        RewardConfig(overlong_penalty=-1.0)

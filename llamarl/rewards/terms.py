@@ -65,6 +65,18 @@ def check_weights(weights: Sequence[float] | None, terms: int) -> tuple[float, .
     return out
 
 
+def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float = 1.0) -> float:
+    """DAPO's soft overlong punishment of a completion of ``length`` tokens out of at most ``max_tokens``:
+
+        0                                              if length <= max_tokens - buffer
+        -penalty * (length - (max_tokens - buffer)) / buffer   otherwise (down to -penalty at max_tokens)
+
+    so a completion that runs into its budget, whose answer was likely cut off, is worth less than a finished
+    one, smoothly over the last ``buffer`` tokens (``buffer`` 0: never)."""
+    excess = min(max(length - (max_tokens - buffer), 0), buffer) if buffer > 0 else 0
+    return -penalty * excess / buffer if excess else 0.0
+
+
 def term_names(specs: Sequence[str]) -> list[str]:
     """Metric names of the terms (module docstring)."""
     names: list[str] = []
