@@ -109,28 +109,26 @@ def coerce(path: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, bool):
             fail(path, "must be true or false", value)
         return value
-    if tp is int:
-        if isinstance(value, Text):
-            try:
-                return int(value.strip())
-            except ValueError:
-                fail(path, "must be an integer", str(value))
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            fail(path, "must be an integer", value)
-        return value
-    if tp is float:
-        if isinstance(value, Text):
-            try:
-                return float(value.strip())
-            except ValueError:
-                fail(path, "must be a number", str(value))
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            fail(path, "must be a number", value)
-        return float(value)
+    if tp in (int, float):
+        return _number(path, value, tp)
     if tp is str:
         if not isinstance(value, str):
             fail(path, "must be a string", value)
         return str(value)
     raise TypeError(f"{path}: unsupported annotation {tp!r} in config dataclass")
+
+
+def _number(path: str, value: Any, tp: type) -> int | float:
+    """An int field takes ints (and floats with an integral value), a float field ints and floats; text is
+    parsed; bools are refused."""
+    what = "an integer" if tp is int else "a number"
+    if isinstance(value, Text):
+        try:
+            return tp(value.strip())
+        except ValueError:
+            fail(path, f"must be {what}", str(value))
+    if tp is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int if tp is int else (int, float)):
+        fail(path, f"must be {what}", value)
+    return tp(value)
