@@ -100,9 +100,9 @@ class GeneratorConfig(_Section):
     samples_per_prompt: int = 8
     max_new_tokens: int = 8
     temperature: float = 1.0
-    top_k: int = 0  # sample among the k most likely tokens (0: all); mu is then that truncated distribution
-    # nucleus sampling; mu is then the truncated distribution, so the AIPO weight pi/mu of a token sampled on-policy
-    # is the kept mass (<= 1) (llamarl.generation.sampling)
+    # top-k / nucleus sampling (0 / 1: off); the log-probs mu stay the full softmax's, so the AIPO weights do not
+    # correct for the truncation (a warning at start; llamarl.generation.sampling)
+    top_k: int = 0
     top_p: float = 1.0
     quantization: Literal["none", "int8", "fp8"] = "none"
     # stop strings: a completion ends at the first token whose text holds one (kept; llamarl.generation.stop),

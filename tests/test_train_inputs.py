@@ -143,3 +143,12 @@ def test_a_stop_string_with_a_literal_backslash_n_is_warned_about():
     assert any(w.startswith("generator.stop '\\\\nQuestion:' holds a backslash") for w in literal), literal
     newline = config_warnings(load_config(SMOKE + ["--set", 'generator.stop=["\\nQuestion:"]']))
     assert not any("backslash" in w for w in newline), newline
+
+
+def test_truncated_sampling_is_warned_about_since_mu_is_the_full_softmax():
+    from llamarl.train import config_warnings
+
+    for flag, name in (("generator.top_p=0.9", "generator.top_p=0.9"), ("generator.top_k=20", "generator.top_k=20")):
+        warned = config_warnings(load_config(SMOKE + ["--set", flag]))
+        assert any(w.startswith(f"{name} samples from the truncated distribution") for w in warned), warned
+    assert not any("truncated" in w for w in config_warnings(load_config(SMOKE)))

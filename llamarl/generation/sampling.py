@@ -5,13 +5,11 @@ Given fp32 logits z [N, V] for the next token and temperature T:
     greedy (T == 0):  y = argmax z;                          logprob = log_softmax(z)[y]
     sampling (T > 0): p = softmax(z / T), truncated to the top_k largest entries (if top_k > 0), then to
                       the smallest prefix (in decreasing probability) whose mass reaches top_p, then
-                      renormalised;  y ~ p;                  logprob = log p[y]
+                      renormalised;  y ~ p;                  logprob = log_softmax(z / T)[y]
 
-The returned log-prob is thus always under μ, the distribution y was actually drawn from: without top-k/top-p
-log_softmax(z / T)[y], the trainer's own convention for π (llamarl.algorithms.aipo); with them the
-truncated, renormalised p, log p[y] = log_softmax(z / T)[y] - log(mass of the kept tokens). The trainer's
-π stays the full softmax, so π/μ is the importance weight of samples drawn from the truncated p (on the
-policy that sampled, π/μ is the kept mass, <= 1).
+The returned log-prob is therefore always under the *untruncated* temperature-scaled distribution μ
+(the convention AIPO uses; its training runs leave top_k = 0, top_p = 1 so that μ is exactly the
+sampling distribution). With top-k/top-p the reported μ is the pre-truncation one.
 
 Drawing y ~ p: on CUDA, y = argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. (P[y = i] = p_i, since
 E_i / p_i are independent exponentials of rate p_i and the smallest wins), which needs no host
@@ -154,10 +152,11 @@ def sample_tokens(
         logp = torch.log_softmax(logits, dim=-1)
     else:
         scaled = logits / params.temperature
+        logp = torch.log_softmax(scaled, dim=-1)
         if params.top_k > 0 or params.top_p < 1.0:
-            scaled = truncate_logits(scaled, params.top_k, params.top_p)  # the tokens left out: -inf
-        logp = torch.log_softmax(scaled, dim=-1)  # μ: what y is drawn from
-        probs = logp.exp()
+            probs = torch.softmax(truncate_logits(scaled, params.top_k, params.top_p), dim=-1)
+        else:
+            probs = logp.exp()
         if probs.is_cuda:
             noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
             tokens = (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
