@@ -49,7 +49,7 @@ from llamarl.config import TrainConfig
 from llamarl.generation import SamplingParams
 from llamarl.rewards import RewardPool, RewardPoolError
 from llamarl.rewards.terms import overlong_penalty, term_names
-from llamarl.rollouts import Rollout, RolloutBatch, collate, is_flat
+from llamarl.rollouts import Rollout, RolloutBatch, choose_groups, collate, is_flat
 from llamarl.runlog import RunLog
 from llamarl.runtime import ExecutorGroup
 from llamarl.train_data import TrainData
@@ -71,6 +71,7 @@ class Sampled(NamedTuple):
     rollouts: list | None = None  # scored already (dynamic sampling), in the order of ``samples``
     score_s: float = 0.0
     batches: int = 1  # batches of prompts drawn for the step
+    drawn: list | None = None  # every rollout generated for the step, kept or dropped (dynamic sampling)
 
 
 @dataclass
@@ -94,7 +95,7 @@ class Controller:
         self._failed_steps = 0  # consecutive steps whose every sample's verifier failed
         self._warned_cut = False
         # the reward's terms, as metrics name them: its functions, then DAPO's overlong punishment if on
-        self.term_names = term_names(cfg.reward.specs) + (["overlong"] if cfg.reward.overlong_buffer else [])
+        self.term_names = term_names([*cfg.reward.specs, *(["overlong"] if cfg.reward.overlong_buffer else [])])
         g = cfg.generator
         self.sampling = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                                        top_k=g.top_k, top_p=g.top_p, n=g.samples_per_prompt, stop=g.stop)
@@ -173,37 +174,43 @@ class Controller:
     async def _sample_informative(self, first: Sampled) -> Sampled:
         """DAPO's dynamic sampling. A prompt group is flat when its scored samples all earned the same reward
         (llamarl.rollouts.is_flat): its advantages are 0 and it teaches nothing. Batches of
-        prompts_per_step prompts are drawn, sampled and scored until prompts_per_step groups are not flat or
-        generator.max_sample_batches batches are spent; the step keeps the first prompts_per_step groups that
-        are not flat, in the order drawn, filled up with flat ones when the batches ran out (the step's size
-        stays fixed, so mini-batches still split it evenly). Groups beyond those are dropped, as in DAPO.
-        The batches are drawn one after another in this stage, so which prompts a step gets depends only on
-        the data stream and the seeds (a resumed run draws the same), never on timing; every token keeps
-        the version it was sampled with, and later batches only sample with newer weights."""
+        prompts_per_step prompts are drawn, sampled and scored until prompts_per_step groups are not flat,
+        generator.max_sample_batches batches are spent, or the verifier failed on every sample of a batch (so
+        a broken reward stops the run after reward.max_failed_steps steps, not that many times the batches);
+        the step keeps prompts_per_step groups (``rollouts.choose_groups``: the first that are not flat, filled
+        up with flat ones, in draw order; the step's size stays fixed, so mini-batches still split it evenly).
+        The other groups are dropped, as in DAPO; the step's metrics of what was generated (tokens, lengths,
+        the share cut by the budget, reward failures) count them too. The batches are drawn one after
+        another in this stage, and in sync mode which prompts a step gets depends only on the data stream and
+        the seeds (a resumed run draws the same); in async mode the rewards, and so the batches drawn,
+        depend on the weights each batch saw. Every token keeps the version it was sampled with, and later
+        batches only sample with newer weights."""
         g, n = self.cfg.generator, self.sampling.n
-        informative: list[tuple] = []  # (sample, prompt ids, its n rollouts), in the order drawn
-        flat: list[tuple] = []
+        groups: list[tuple] = []  # (sample, prompt ids, its n rollouts), in the order drawn
         batch, batches, generate_s, score_s = first, 1, 0.0, 0.0
         while True:
             generate_s += batch.generate_s
+            rollouts = self._rollouts(batch)
             t0 = time.perf_counter()
-            rollouts = await self._scored_rollouts(batch)
+            await self._score(rollouts, batch.samples)
             score_s += time.perf_counter() - t0
-            for i, (sample, prompt) in enumerate(zip(batch.samples, batch.prompts)):
-                group = rollouts[i * n:(i + 1) * n]
-                (flat if is_flat(group) else informative).append((sample, prompt, group))
-            if len(informative) >= g.prompts_per_step or batches >= g.max_sample_batches:
+            groups += [(sample, prompt, rollouts[i * n:(i + 1) * n])
+                       for i, (sample, prompt) in enumerate(zip(batch.samples, batch.prompts))]
+            informative = sum(not is_flat(gr) for _, _, gr in groups)
+            failed = all(r.reward_error is not None for r in rollouts)
+            if informative >= g.prompts_per_step or batches >= g.max_sample_batches or failed:
                 break
             batch = await self._sample_batch(first.step, batches)
             batches += 1
-        chosen = (informative + flat)[:g.prompts_per_step]
+        chosen = [groups[i] for i in choose_groups([gr for _, _, gr in groups], g.prompts_per_step)]
         rollouts = []
         for j, (_, _, group) in enumerate(chosen):
             for r in group:
                 r.group = j
                 rollouts.append(r)
         return Sampled(first.step, [c[0] for c in chosen], [c[1] for c in chosen], [], batch.cursor, generate_s,
-                       rollouts=rollouts, score_s=score_s, batches=batches)
+                       rollouts=rollouts, score_s=score_s, batches=batches,
+                       drawn=[r for _, _, gr in groups for r in gr])
 
     def _rollouts(self, sampled: Sampled) -> list[Rollout]:
         samples, prompts, n = sampled.samples, sampled.prompts, self.sampling.n
@@ -215,10 +222,10 @@ class Controller:
             for i, o in enumerate(sampled.outputs)
         ]
 
-    async def _scored_rollouts(self, sampled: Sampled) -> list[Rollout]:
-        """The rollouts of ``sampled`` with their rewards (or the verifier's error) filled in."""
-        rollouts, n = self._rollouts(sampled), self.sampling.n
-        infos = [s.reward_info() for s in sampled.samples]  # (the pool sends on what the function asks for)
+    async def _score(self, rollouts: list[Rollout], samples: list) -> None:
+        """Fill in the rewards of ``rollouts`` (prompt-major, n per sample), or the verifier's error."""
+        n = self.sampling.n
+        infos = [s.reward_info() for s in samples]  # (the pool sends on what the function asks for)
         scores = await self.ex.rewards.score_async(
             [(r.sample_id, r.text, r.answer, infos[i // n]) for i, r in enumerate(rollouts)])
         for r, s in zip(rollouts, scores):
@@ -230,19 +237,21 @@ class Controller:
                     penalty = overlong_penalty(len(r.completion_ids), self.sampling.max_new_tokens,
                                                rw.overlong_buffer, rw.overlong_penalty)
                     r.reward, r.reward_terms = r.reward + penalty, (*r.reward_terms, penalty)
-        return rollouts
 
     async def score(self, sampled: Sampled) -> RolloutBatch:
         step, n = sampled.step, self.sampling.n
         if sampled.rollouts is None:
+            rollouts = self._rollouts(sampled)
             t2 = time.perf_counter()  # the pipeline may have held the samples since they were generated
-            rollouts = await self._scored_rollouts(sampled)
+            await self._score(rollouts, sampled.samples)
             score_s = time.perf_counter() - t2
         else:  # scored while sampling (dynamic sampling)
             rollouts, score_s = sampled.rollouts, sampled.score_s
-        self._check_verifier(step, [r.reward_error for r in rollouts])
+        drawn = sampled.drawn or rollouts  # everything generated for the step (dynamic sampling drops some)
+        self._check_verifier(step, [r.reward_error for r in drawn])
         batch = RolloutBatch(rollouts, n=n, generate_s=sampled.generate_s, score_s=score_s,
-                             meta={"step": step, "cursor_after": sampled.cursor, "batches": sampled.batches})
+                             meta={"step": step, "cursor_after": sampled.cursor, "batches": sampled.batches,
+                                   "drawn": drawn})
         # advantages, the trainer's tensors and the logged samples are prepared here, off the trainer's path
         # a sample whose verifier failed (raised, timed out) has no reward: it takes no part in its group
         scored_ok = torch.tensor([r.reward_error is None for r in rollouts])

@@ -91,8 +91,15 @@ class RolloutBatch:
         return min(r.min_version for r in self.rollouts)
 
     @property
+    def generated(self) -> list[Rollout]:
+        """Every rollout generated for the step: ``meta["drawn"]`` when dynamic sampling dropped some, else
+        ``rollouts``."""
+        return self.meta.get("drawn") or self.rollouts
+
+    @property
     def num_tokens(self) -> int:
-        return sum(len(r.completion_ids) for r in self.rollouts)
+        """Tokens the generators sampled for the step (dropped groups included)."""
+        return sum(len(r.completion_ids) for r in self.generated)
 
     def rewards(self) -> torch.Tensor:
         return torch.tensor([r.reward for r in self.rollouts], dtype=torch.float32)
@@ -103,13 +110,15 @@ class RolloutBatch:
         ``reward_mean``, ``reward_std`` (population), and with two or more ``term_names`` (a reward made of
         several functions, llamarl.rewards.terms) ``reward/<name>``, each term's mean; ``zero_std_frac``: the share of prompt groups whose
         scored samples all earned the same reward (fewer than two scored included), which therefore teach
-        nothing. Lengths, over all samples: ``completion_len_mean``, ``completion_len_max``, and
-        ``length_capped_frac``, the share cut by the token budget (finish reason "length")."""
+        nothing. Lengths, over every sample generated (``generated``): ``completion_len_mean``,
+        ``completion_len_max``, and ``length_capped_frac``, the share cut by the token budget (finish reason
+        "length")."""
         scored = [r.reward for r in self.rollouts if r.reward_error is None]
         mean = math.fsum(scored) / len(scored) if scored else math.nan
         groups = [self.rollouts[i:i + self.n] for i in range(0, len(self.rollouts), self.n)]
         flat = sum(is_flat(g) for g in groups)
-        lengths = [len(r.completion_ids) for r in self.rollouts]
+        generated = self.generated
+        lengths = [len(r.completion_ids) for r in generated]
         terms = [r.reward_terms for r in self.rollouts if r.reward_error is None]
         per_term = {f"reward/{name}": math.fsum(t[i] for t in terms) / len(terms) if terms else math.nan
                     for i, name in enumerate(term_names)} if len(term_names) > 1 else {}
@@ -117,13 +126,24 @@ class RolloutBatch:
                 "reward_std": math.sqrt(math.fsum((x - mean) ** 2 for x in scored) / len(scored)) if scored else math.nan,
                 "zero_std_frac": flat / len(groups),
                 "completion_len_mean": sum(lengths) / len(lengths), "completion_len_max": max(lengths),
-                "length_capped_frac": sum(r.finish_reason == "length" for r in self.rollouts) / len(self.rollouts)}
+                "length_capped_frac": sum(r.finish_reason == "length" for r in generated) / len(generated)}
 
 
 def is_flat(group: Sequence[Rollout]) -> bool:
     """Whether a prompt group teaches nothing: its scored samples all earned the same reward (fewer than two
     scored included), so every advantage is 0."""
     return len({r.reward for r in group if r.reward_error is None}) <= 1
+
+
+def choose_groups(groups: Sequence[Sequence[Rollout]], size: int) -> list[int]:
+    """Dynamic sampling's choice among the prompt groups drawn for a step (indices, in draw order): the first
+    ``size`` groups that are not flat, filled up when there are fewer with flat ones, those with the most
+    scored samples first (a group whose verifier failed on every sample is worth least). Returned in draw
+    order, so the fillers fall where they were drawn, not all into the last mini-batch."""
+    informative = [i for i, g in enumerate(groups) if not is_flat(g)][:size]
+    flat = sorted((i for i, g in enumerate(groups) if is_flat(g)),
+                  key=lambda i: -sum(r.reward_error is None for r in groups[i]))  # stable: draw order within ties
+    return sorted(informative + flat[:size - len(informative)])
 
 
 def collate(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_id: int, *,

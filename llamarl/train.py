@@ -294,6 +294,9 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
         out.append(f"trainer.lr_warmup_steps={cfg.trainer.lr_warmup_steps} >= run.max_steps={cfg.run.max_steps}: "
                    "the learning rate never reaches trainer.lr")
     for stop in g.stop:
+        if stop.startswith("[") and stop.endswith("]") and any(c in stop for c in ",'\""):
+            out.append(f"generator.stop {stop!r} is one stop string that looks like a list: a list's items must all "
+                       'be quoted, e.g. --set \'generator.stop=["</answer>", "\\nQuestion:"]\'')
         if "\\n" in stop or "\\t" in stop:
             out.append(f"generator.stop {stop!r} holds a backslash followed by n or t as two characters (a --set value "
                        "is taken literally); for a newline or a tab write a YAML list with double quotes, e.g. "

@@ -17,7 +17,7 @@ import pytest
 from llamarl.config import DataConfig, GeneratorConfig, RewardConfig, RunConfig, TrainConfig
 from llamarl.controller import Controller, Executors
 from llamarl.models import CharTokenizer
-from llamarl.rewards import RewardResult
+from llamarl.rewards import RewardPoolError, RewardResult
 from llamarl.runlog import RunLog
 from llamarl.train_data import TrainData
 
@@ -129,8 +129,6 @@ def test_reward_mean_is_over_the_samples_that_were_scored():
 
 
 def test_a_verifier_failing_on_every_sample_stops_the_run_after_max_failed_steps():
-    from llamarl.rewards import RewardPoolError
-
     with pytest.raises(RewardPoolError, match=r"every sample of 3 steps in a row \(steps 1-3\).*ValueError: flaky"):
         _run(dict(mode="sync", max_staleness=0, max_steps=10, eval_every=0), fail_every=1, trainer_delay=0.0)
     log = _run(dict(mode="sync", max_staleness=0, max_steps=6, eval_every=0), fail_every=2, trainer_delay=0.0)
@@ -188,6 +186,13 @@ def test_dynamic_sampling_trains_on_groups_whose_rewards_differ(mode, staleness)
         assert sorted(set(rewards.scored)) == list(range(2 * sum(batches)))  # every batch drawn was scored
         assert ctrl[0].data.cursor == 2 * sum(batches)
         assert all(r["reward_mean"] == 0.25 * (2 - 2 * z) for r, z in zip(log.rows, zero_std))
+        assert [r["tokens"] for r in log.rows] == [2 * 2 * 2 * b for b in batches]  # every sample drawn, 2 tokens
+    # a batch whose every sample failed ends the drawing: a broken verifier stops the run after 3 steps
+    ctrl = []
+    with pytest.raises(RewardPoolError, match="every sample of 3 steps in a row"):
+        _run(dict(mode=mode, max_staleness=staleness, max_steps=6, eval_every=0), trainer_delay=0.0,
+             rewards=FakeRewards(fail_every=1), sampling=dict(dynamic_sampling=True), controller=ctrl)
+    assert len(ctrl[0].ex.generators[0].params) <= 3 + staleness + 1  # one batch per step (of 4 allowed)
     log = _run(dict(mode=mode, max_staleness=staleness, max_steps=2, eval_every=0), trainer_delay=0.0,
                rewards=PromptRewards())
     assert [r["sample_batches"] for r in log.rows] == [1, 1] and [r["zero_std_frac"] for r in log.rows] == [0.5, 0.5]

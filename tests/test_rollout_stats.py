@@ -29,3 +29,26 @@ def test_rewards_over_scored_samples_groups_and_lengths():
 def test_no_scored_sample_gives_nan_rewards():
     stats = RolloutBatch([_rollout(0, 1, 0.0, error="x"), _rollout(0, 2, 0.0, error="y")], n=2).stats()
     assert math.isnan(stats["reward_mean"]) and math.isnan(stats["reward_std"]) and stats["zero_std_frac"] == 1.0
+
+
+def test_dynamic_sampling_chooses_informative_groups_then_scored_flat_ones_in_draw_order():
+    from llamarl.rollouts import choose_groups
+
+    informative = [_rollout(0, 1, 1.0), _rollout(0, 1, 0.0)]
+    flat = [_rollout(0, 1, 0.0), _rollout(0, 1, 0.0)]
+    half_failed = [_rollout(0, 1, 0.0), _rollout(0, 1, 0.0, error="x")]
+    failed = [_rollout(0, 1, 0.0, error="x"), _rollout(0, 1, 0.0, error="y")]
+    drawn = [failed, informative, half_failed, flat, informative, informative]
+    assert choose_groups(drawn, 2) == [1, 4]  # the first two informative ones
+    assert choose_groups(drawn, 4) == [1, 3, 4, 5]
+    assert choose_groups(drawn, 5) == [1, 2, 3, 4, 5]  # then flat, the most scored first: failed last
+    assert choose_groups(drawn[:3], 3) == [0, 1, 2]
+
+
+def test_lengths_and_tokens_count_every_sample_generated():
+    kept = [_rollout(0, 3, 1.0), _rollout(0, 1, 0.0)]
+    dropped = [_rollout(1, 8, 0.0, "length"), _rollout(1, 8, 0.0, "length")]
+    batch = RolloutBatch(kept, n=2, meta={"drawn": dropped + kept})
+    stats = batch.stats()
+    assert batch.num_tokens == 20 and stats["completion_len_max"] == 8 and stats["length_capped_frac"] == 0.5
+    assert stats["reward_mean"] == 0.5 and stats["zero_std_frac"] == 0.0  # rewards: what the step trains on

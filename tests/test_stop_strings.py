@@ -135,6 +135,19 @@ def test_a_stop_is_found_however_it_is_tokenized(byte_level):
     assert TailScanner(euro, rows=1).scan([ids[:k]], [0], [False]) == [0]
 
 
+def test_a_completion_cut_inside_a_character_is_settled_by_a_few_decodes():
+    """A long completion without a stop whose budget ends inside a byte-spelled character: its text ends in
+    U+FFFD, and first_end steps back over the cut character instead of decoding every candidate's prefix."""
+    tok = _byte_fallback()
+    calls = []
+    ss = StopStrings(["\n\n"], lambda ids: calls.append(len(ids)) or tok.decode(ids))
+    ids = tok.encode("The answer is 42.\n" * 200 + "✅")[:-1]  # cut after the first two bytes of the check mark
+    assert tok.decode(ids).endswith("\ufffd\ufffd")
+    assert ss.first_end(ids) is None and sum(calls) < 8 * len(ids)  # scanning every newline: ~200 x len(ids)
+    tail = tok.encode("\n\nx")  # the newlines after the cut character end it
+    assert ss.first_end(ids + tail) == len(ids) + tail.index(tok._tok.token_to_id("<0x0A>")) + 2
+
+
 def test_the_scanner_finds_what_first_end_finds_fed_in_chunks(any_tokenizer):
     byte_level = any_tokenizer
     rng = random.Random(1)

@@ -152,3 +152,13 @@ def test_truncated_sampling_is_warned_about_since_mu_is_the_full_softmax():
         warned = config_warnings(load_config(SMOKE + ["--set", flag]))
         assert any(w.startswith(f"{name} samples from the truncated distribution") for w in warned), warned
     assert not any("truncated" in w for w in config_warnings(load_config(SMOKE)))
+
+
+def test_a_stop_string_that_looks_like_a_list_is_warned_about():
+    from llamarl.train import config_warnings
+
+    warned = config_warnings(load_config(SMOKE + ["--set", 'generator.stop=["</answer>", Question:]']))
+    assert any("is one stop string that looks like a list" in w for w in warned), warned
+    for fine in ("[INST]", '["</answer>", "Question:"]'):
+        assert not any("looks like a list" in w for w in config_warnings(load_config(SMOKE + ["--set",
+                                                                                         f"generator.stop={fine}"])))

@@ -17,7 +17,10 @@ writes U+FFFD for bytes that do not (yet) form valid UTF-8, and ByteFallback dec
 the whole run of byte tokens, so a newline spelled <0x0A> shows in one prefix and is gone from the next,
 while the run is incomplete. What holds: when decode(ids) has no U+FFFD, each prefix's text is a prefix of it
 with some trailing characters masked as U+FFFD, so a stop (which may not contain U+FFFD) in any prefix is in
-decode(ids) too; one decode then settles that a completion has no stop, the common case.
+decode(ids) too; one decode then settles that a completion has no stop, the common case. The same holds for
+the longest prefix without U+FFFD when only a character cut at the end (by the token budget) spoils the
+text: then only the few prefixes past it are tried. Otherwise (a stop, or U+FFFD inside the text) the scan
+costs a decode of each candidate's prefix, O(m) each.
 
 Early exit (``TailScanner``, used by the generation engine at its host synchronisations). Checking only at
 the end would be exact but would let a stopped row decode to its budget. The scanner keeps each row's
@@ -40,6 +43,7 @@ from typing import Callable, Sequence
 Decode = Callable[[Sequence[int]], str]
 
 REPLACEMENT_CHAR = "\ufffd"
+MAX_CUT_TOKENS = 8  # tokens of a character cut at a completion's end that first_end steps back over
 
 
 def check_stop_strings(name: str, stops: object) -> tuple[str, ...]:
@@ -82,10 +86,15 @@ class StopStrings:
         """e of the module docstring for the completion ``ids``: the number of tokens it keeps, or None."""
         if not ids:
             return None
-        text = self.decode(ids)
-        if REPLACEMENT_CHAR not in text and not self.contains_stop(text):
-            return None  # no prefix holds one either (module docstring)
-        return next((k for k in range(1, len(ids) + 1)
+        # the longest prefix (all of ids, or all but a few tokens of a character cut at the end, e.g. by the token
+        # budget) whose text has no U+FFFD: if it holds no stop, no shorter prefix does (module docstring)
+        clean = next((m for m in range(len(ids), max(0, len(ids) - MAX_CUT_TOKENS) - 1, -1)
+                      if REPLACEMENT_CHAR not in self.decode(ids[:m])), None)
+        if clean is not None and not self.contains_stop(self.decode(ids[:clean])):
+            start = clean + 1  # only the prefixes past it are left to try
+        else:
+            start = 1
+        return next((k for k in range(start, len(ids) + 1)
                      if self.could_end(ids[k - 1]) and self.contains_stop(self.decode(ids[:k]))), None)
 
     def could_end(self, token: int) -> bool:
