@@ -296,7 +296,7 @@ class Controller:
             **batch.stats(self.term_names), "step_s": now - self._last_step_end,
             "sync_s": sync_s, "generate_s": batch.generate_s, "score_s": batch.score_s,
             "tokens": batch.num_tokens, "tokens_per_s": batch.num_tokens / max(batch.generate_s, 1e-9),
-            "reward_errors": sum(r.reward_error is not None for r in batch.rollouts),
+            "reward_errors": sum(r.reward_error is not None for r in batch.generated),
             "sample_batches": batch.meta["batches"],
             "rows_trained": batch.meta["rows"], **stats,
         })
@@ -391,4 +391,3 @@ async def _run_stages(*stages: Awaitable[None]) -> None:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-

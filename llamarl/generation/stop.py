@@ -30,10 +30,9 @@ a completion keeps (the engine applies ``first_end`` to every finished row), onl
 costing compute (with sampling, earlier compaction changes which random numbers the other rows draw, never
 their distribution: llamarl.generation.engine). A token can complete a stop only if the text it adds
 contains a stop's last character, so rows whose new tokens add none of those characters are skipped without
-a decode. The text a token adds is
-read once per id as decode([t, t]) minus decode([t]) (after another token, so a decoder that drops the
-leading space of a text's first word does not hide it); a token that adds part of a character (U+FFFD),
-nothing, or text that does not extend decode([t]) is always a candidate.
+a decode. The text a token adds is read once per id as decode([t, t]) minus decode([t]) (after another token,
+so a decoder that drops the leading space of a text's first word does not hide it); a token that adds part
+of a character (U+FFFD), nothing, or text that does not extend decode([t]) is always a candidate.
 """
 
 from __future__ import annotations
