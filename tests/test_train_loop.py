@@ -105,13 +105,11 @@ def _executor_pid(root: int, name: str) -> int | None:
 
 
 def _start(args: list[str], tmp_path: Path, ignore_sigint: bool = False) -> subprocess.Popen:
-    """The run as a subprocess in its own session, started as a shell starts a command: no signal blocked,
-    SIGINT at its default (a child inherits the mask and ignored signals of the pytest process, which other
-    tests' threads and processes may have left otherwise; ``/tmp/llamarl_sigdiag.log`` records what they
-    were). ``ignore_sigint``: started with SIGINT ignored, as a background job of a shell script is."""
+    """The run as a subprocess in its own session, started as an interactive shell starts a command: no
+    signal blocked, SIGINT at its default. (A child inherits ignored signals: run from a background job, as
+    `pytest &` in a script, pytest itself has SIGINT ignored, and a Ctrl-C test would then test nothing but
+    that.) ``ignore_sigint``: started with SIGINT ignored, as a background job of a shell script is."""
     env = dict(os.environ, LLAMARL_CACHE_DIR=str(tmp_path / "cache"), PYTHONUNBUFFERED="1")
-    with open("/proc/self/status") as f, open("/tmp/llamarl_sigdiag.log", "a") as log:
-        log.write(" ".join(line.strip() for line in f if line.startswith(("SigBlk", "SigIgn"))) + "\n")
 
     def setup() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, set())
