@@ -240,10 +240,11 @@ class RewardConfig(_Section):
         """The reward functions, the verifier first."""
         return (self.reward, *self.extra)
 
-    @property
-    def user_specs(self) -> list[str]:
-        """The specs that name a user's function (not a built-in)."""
-        return [s for s in self.specs if s not in REWARD_NAMES + FORMAT_REWARD_NAMES]
+    def user_functions(self) -> list[tuple[str, str]]:
+        """(field, spec) of each spec that names a user's function, not a built-in: the field is
+        ``reward.reward`` or ``reward.extra[i]``, for messages."""
+        fields = ["reward.reward", *(f"reward.extra[{i}]" for i in range(len(self.extra)))]
+        return [(f, s) for f, s in zip(fields, self.specs) if s not in REWARD_NAMES + FORMAT_REWARD_NAMES]
 
 
 def _check_reward_spec(path: str, spec: str, builtins: tuple[str, ...]) -> None:
@@ -482,14 +483,13 @@ class TrainConfig:
                 fail("data.dataset", "no such file (expected synthetic:NAME or a .jsonl/.parquet file)", d)
             if path.suffix.lower() not in DATASET_SUFFIXES:
                 fail("data.dataset", f"unsupported file type {path.suffix!r}; use {', '.join(DATASET_SUFFIXES)}", d)
-        for i, spec in enumerate(self.reward.specs):
-            if spec in self.reward.user_specs:
-                from llamarl.rewards.registry import RewardSpecError, load_reward
+        for path, spec in self.reward.user_functions():
+            from llamarl.rewards.registry import RewardSpecError, load_reward
 
-                try:
-                    load_reward(spec)
-                except RewardSpecError as exc:
-                    fail("reward.reward" if i == 0 else f"reward.extra[{i - 1}]", str(exc))
+            try:
+                load_reward(spec)
+            except RewardSpecError as exc:
+                fail(path, str(exc))
         missing = check_available(parse_report_to(self.run.report_to))
         if missing:
             fail("run.report_to", missing, self.run.report_to)

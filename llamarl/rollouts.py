@@ -108,9 +108,9 @@ class RolloutBatch:
         """What a step's rollouts look like, as veRL and TRL log it. Rewards count only the samples whose
         verifier answered (failures take no part in the advantages either; NaN when none did):
         ``reward_mean``, ``reward_std`` (population), and with two or more ``term_names`` (a reward made of
-        several functions, llamarl.rewards.terms) ``reward/<name>``, each term's mean; ``zero_std_frac``: the share of prompt groups whose
-        scored samples all earned the same reward (fewer than two scored included), which therefore teach
-        nothing. Lengths, over every sample generated (``generated``): ``completion_len_mean``,
+        several functions, llamarl.rewards.terms) ``reward/<name>``, each term's mean; ``zero_std_frac``:
+        the share of prompt groups whose scored samples all earned the same reward (fewer than two scored
+        included), which therefore teach nothing. Lengths, over every sample generated (``generated``): ``completion_len_mean``,
         ``completion_len_max``, and ``length_capped_frac``, the share cut by the token budget (finish reason
         "length")."""
         scored = [r.reward for r in self.rollouts if r.reward_error is None]

@@ -194,15 +194,12 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
         data = TrainData(cfg.data, tokenizer, seed=cfg.run.seed, cursor=cursor, max_prompt_tokens=max_prompt)
     except (OSError, ValueError, ImportError) as e:
         raise ConfigError(f"data.dataset: {e}") from None
-    for i, spec in enumerate(cfg.reward.specs):  # the keyword arguments a user's function asks for must exist for
-        if spec not in cfg.reward.user_specs:        # every sample
-            continue
+    for path, spec in cfg.reward.user_functions():  # the keyword arguments it asks for must exist for every sample
         missing = sorted(info_params(load_reward(spec)).required - data.info_fields)
         if missing:
-            raise ConfigError(f"{'reward.reward' if i == 0 else f'reward.extra[{i - 1}]'}: {spec} needs the keyword "
-                              f"argument(s) {missing}, which not every sample has (all have: "
-                              f"{sorted(data.info_fields)}); give them defaults or add those fields to every record "
-                              "of the dataset")
+            raise ConfigError(f"{path}: {spec} needs the keyword argument(s) {missing}, which not every sample "
+                              f"has (all have: {sorted(data.info_fields)}); give them defaults or add those fields "
+                              "to every record of the dataset")
     if data.dropped:
         log(f"data: dropped {data.dropped} prompts longer than {max_prompt} tokens (the context {context} minus "
             f"generator.max_new_tokens)")

@@ -60,7 +60,7 @@ from typing import Any, Hashable, Mapping, Sequence
 
 from llamarl._procs import exit_when_parent_dies, ignore_sigint, sigint_blocked
 from llamarl.rewards.registry import warm_up
-from llamarl.rewards.terms import RewardTerms, as_specs, check_weights, describe_exception
+from llamarl.rewards.terms import RewardTerms, describe_exception
 
 logger = logging.getLogger(__name__)
 
@@ -234,13 +234,13 @@ class RewardPool:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         # fail fast, here; and the sample info entries the functions take, the only ones sent to a worker
-        specs, weights = as_specs(spec), check_weights(weights, len(as_specs(spec)))
-        self._info_params = RewardTerms(specs, weights, format_weight=format_weight, format_style=format_style).info
+        terms = RewardTerms(spec, weights, format_weight=format_weight, format_style=format_style)
+        self._info_params = terms.info
         self.spec = spec
         self.timeout_s = float(timeout_s)
         self.num_workers = num_workers
         self._start_timeout_s = float(start_timeout_s)
-        self._worker_args = (specs, weights, float(format_weight), format_style)
+        self._worker_args = (terms.specs, terms.weights, float(format_weight), format_style)
         self._ctx = mp.get_context("spawn")
         self._lock = threading.Lock()
         self._queue: deque[_Task] = deque()
