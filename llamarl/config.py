@@ -151,10 +151,14 @@ class TrainerConfig(_Section):
     micro_batch_size: int = 16  # sequences per forward/backward on one rank
     # optimizer updates per RL step: the step's prompt groups are cut into mini_batches equal parts (whole
     # groups), and epochs passes are made over them, one AdamW update per part (veRL's ppo_mini_batch_size /
-    # ppo_epochs, TRL's num_iterations); each update weights its tokens by min(pi/mu, rho) with pi the
-    # policy of that moment, and the generators receive the weights once, after the last update
+    # ppo_epochs, TRL's num_iterations); the generators receive the weights once, after the last update
     mini_batches: int = 1
     epochs: int = 1
+    # several updates per step: pi/pi_old clipped to [1 - clip_ratio, 1 + clip_ratio_high], tokens weighted by
+    # min(pi_old/mu, rho), pi_old the step's starting policy (AReaL's decoupled PPO; DAPO: clip_ratio_high=0.28);
+    # 0: no clip. A step of one update is plain AIPO either way (llamarl.algorithms.aipo)
+    clip_ratio: float = 0.2
+    clip_ratio_high: float | None = None  # None: clip_ratio
     dtype: Literal["float32", "bfloat16"] = "float32"
     loss: Literal["auto", "fused", "reference"] = "auto"  # auto: fused Triton kernel where it runs
     rho: float = 2.0  # AIPO one-sided truncation of pi/mu
@@ -193,6 +197,11 @@ class TrainerConfig(_Section):
                  self.parallel)
         if not all(0 <= b < 1 for b in self.betas):
             fail("trainer.betas", "both must be in [0, 1)", self.betas)
+        if not 0 <= self.clip_ratio < 1:
+            fail("trainer.clip_ratio", "must be in [0, 1) (0: no clip; veRL and TRL use 0.2)", self.clip_ratio)
+        high = self.clip_ratio_high
+        if high is not None and not (high >= 0 and math.isfinite(high) and self.clip_ratio > 0):
+            fail("trainer.clip_ratio_high", "must be a finite number >= 0 (DAPO: 0.28), with trainer.clip_ratio > 0", high)
         if not (self.rho >= 1 and math.isfinite(self.rho)):
             fail("trainer.rho", "must be >= 1 (AIPO truncates pi/mu at rho; typical 2-10)", self.rho)
 

@@ -9,6 +9,12 @@ p_i = softmax(z_i / T), lse_i its log-normaliser:
     loss   = Σ_i s_i [ −w_i A_i logπ_i + β·k3_i − γ·H_i ],
              k3_i = exp(logπ_ref,i − logπ_i) − (logπ_ref,i − logπ_i) − 1       (β, ref optional)
 
+or, with ``clip=(ε_l, ε_h)`` (the decoupled PPO form of ``llamarl.algorithms.aipo_loss``; logπ_old,i the
+step's starting policy, default logπ_i detached):
+
+    w_i = min(exp(logπ_old,i − logμ_i), ρ),   q_i = exp(logπ_i − logπ_old,i),
+    policy term −w_i · min(q_i A_i, clip(q_i, 1 − ε_l, 1 + ε_h) A_i)   in place of −w_i A_i logπ_i
+
 with the row weights s_i of the normalisation (all 0 when no row is masked in):
 
     norm="token":     s_i = m_i / M,              M = Σ_i m_i                      (token mean)
@@ -17,7 +23,7 @@ with the row weights s_i of the normalisation (all 0 when no row is masked in):
 
 Because w is detached, dloss/dlogπ_i is a per-row scalar known in the forward pass:
 
-    c_i = s_i · ( −w_i A_i + β (1 − exp(logπ_ref,i − logπ_i)) )
+    c_i = s_i · ( −w_i A_i [· q_i · 1(not clipped), with clip] + β (1 − exp(logπ_ref,i − logπ_i)) )
     e_i = s_i · γ
     ∂loss/∂z_ij = ( c_i (1[j = y_i] − p_ij) + e_i p_ij (log p_ij + H_i) ) / T      =: g_ij
 
@@ -44,7 +50,7 @@ fp32 right after ``tl.load``; the gradient tile is rounded once to the input dty
 backward GEMMs (eager autograd does the same). Row offsets are int64.
 
 Metrics (detached 0-d fp32 tensors, means over masked rows; all 0 if M = 0): ratio_mean, ratio_max,
-truncated_frac (r > ρ), mismatch_kl = mean(r − 1 − log r), the k3 estimate of KL(μ‖π), entropy,
+truncated_frac (weight truncated), clip_frac (with clip), mismatch_kl = mean(r − 1 − log r), the k3 estimate of KL(μ‖π), entropy,
 kl_ref (with ``ref_logprobs``), tokens. An all-zero mask gives loss 0 and zero gradients.
 
 Rows with m_i = 0 cost full compute: pass only the rows you train on (e.g. completion tokens).
@@ -65,14 +71,16 @@ from llamarl_kernels.logprobs import (
     row_launch,
     softmax_row_stats,
 )
+from llamarl_kernels.shapes import check_clip
 
 
 @triton.jit
 def _aipo_rows_kernel(
-    logits_ptr, stride_row, targets_ptr, behavior_ptr, adv_ptr, scale_ptr, ref_ptr,
+    logits_ptr, stride_row, targets_ptr, behavior_ptr, adv_ptr, scale_ptr, ref_ptr, old_ptr,
     logprobs_ptr, entropy_ptr,
-    V, temperature, rho, kl_coef, entropy_coef,
-    HAS_REF: tl.constexpr, WRITE_GRAD: tl.constexpr, ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    V, temperature, rho, kl_coef, entropy_coef, clip_lo, clip_hi,
+    HAS_REF: tl.constexpr, CLIP: tl.constexpr, HAS_OLD: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Per row: logπ and H into the [N] outputs; with WRITE_GRAD, overwrite the logits row by g."""
     row = tl.program_id(0).to(tl.int64)
@@ -83,8 +91,18 @@ def _aipo_rows_kernel(
     tl.store(entropy_ptr + row, entropy)
     if WRITE_GRAD:
         s = tl.load(scale_ptr + row)  # the row's weight s_i in the loss; 0 for masked rows
-        w = tl.minimum(tl.exp(logprob - tl.load(behavior_ptr + row)), rho)
-        c = -w * tl.load(adv_ptr + row)
+        a = tl.load(adv_ptr + row)
+        if CLIP:  # decoupled PPO: w at π_old, gradient of the clipped surrogate (0 where the clip holds)
+            old = logprob
+            if HAS_OLD:
+                old = tl.load(old_ptr + row)
+            w = tl.minimum(tl.exp(old - tl.load(behavior_ptr + row)), rho)
+            q = tl.exp(logprob - old)
+            clipped = ((a > 0) & (q > clip_hi)) | ((a < 0) & (q < clip_lo))
+            c = tl.where(clipped, 0.0, -w * a * q)
+        else:
+            w = tl.minimum(tl.exp(logprob - tl.load(behavior_ptr + row)), rho)
+            c = -w * a
         if HAS_REF:
             c += kl_coef * (1.0 - tl.exp(tl.load(ref_ptr + row) - logprob))
         c = tl.where(s > 0, c * s, 0.0)  # dloss/dlogπ; masked rows get exactly 0
@@ -147,8 +165,8 @@ def _row_weights(mask: torch.Tensor, norm: str = "token", sequence_ids: torch.Te
     return mask / (lengths[seq].clamp(min=1.0) * sequences)
 
 
-def _run_chunks(hidden, weight, targets, behavior, adv, scale, ref, rho, temperature, kl_coef, entropy_coef,
-                chunk_size, need_grad_hidden, need_grad_weight):
+def _run_chunks(hidden, weight, targets, behavior, adv, scale, ref, old, clip, rho, temperature, kl_coef,
+                entropy_coef, chunk_size, need_grad_hidden, need_grad_weight):
     """The chunk loop: returns logπ [N], H [N] (fp32) and grad_hidden / grad_weight (or None)."""
     n_rows, vocab = hidden.shape[0], weight.shape[0]
     device = hidden.device
@@ -162,6 +180,8 @@ def _run_chunks(hidden, weight, targets, behavior, adv, scale, ref, rho, tempera
     grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=device) if need_grad_weight else None
     buffer = torch.empty((rows, vocab), dtype=hidden.dtype, device=device)
     ref_arg = ref if ref is not None else behavior  # never read when HAS_REF is False
+    old_arg = old if old is not None else behavior  # never read when HAS_OLD is False
+    clip_lo, clip_hi = (1.0 - clip[0], 1.0 + clip[1]) if clip is not None else (0.0, 0.0)
 
     for start in range(0, n_rows, rows):
         stop = min(start + rows, n_rows)
@@ -170,9 +190,10 @@ def _run_chunks(hidden, weight, targets, behavior, adv, scale, ref, rho, tempera
         torch.matmul(h_chunk, weight.t(), out=logits)
         _aipo_rows_kernel[(stop - start,)](
             logits, logits.stride(0), targets[start:stop], behavior[start:stop], adv[start:stop],
-            scale[start:stop], ref_arg[start:stop], logprobs[start:stop], entropy[start:stop],
-            vocab, float(temperature), float(rho), float(kl_coef), float(entropy_coef),
-            HAS_REF=ref is not None, WRITE_GRAD=write_grad, ENTROPY_GRAD=entropy_coef != 0.0,
+            scale[start:stop], ref_arg[start:stop], old_arg[start:stop], logprobs[start:stop], entropy[start:stop],
+            vocab, float(temperature), float(rho), float(kl_coef), float(entropy_coef), float(clip_lo),
+            float(clip_hi), HAS_REF=ref is not None, CLIP=clip is not None, HAS_OLD=old is not None,
+            WRITE_GRAD=write_grad, ENTROPY_GRAD=entropy_coef != 0.0,
             BLOCK_V=launch.block_v, num_warps=launch.num_warps,
         )
         if need_grad_hidden:
@@ -185,7 +206,7 @@ def _run_chunks(hidden, weight, targets, behavior, adv, scale, ref, rho, tempera
     return logprobs, entropy, grad_hidden, grad_weight
 
 
-def _loss_and_metrics(logprobs, entropy, behavior, adv, mask, scale, ref, rho, kl_coef, entropy_coef):
+def _loss_and_metrics(logprobs, entropy, behavior, adv, mask, scale, ref, old, clip, rho, kl_coef, entropy_coef):
     """Loss value (Σ s_i ℓ_i) and metrics (token means) from the per-row fp32 vectors (cheap [N] arithmetic)."""
     tokens = mask.sum()
     denom = tokens.clamp(min=1.0)
@@ -197,8 +218,18 @@ def _loss_and_metrics(logprobs, entropy, behavior, adv, mask, scale, ref, rho, k
 
     log_ratio = logprobs - behavior
     ratio = log_ratio.exp()
-    per_row = -ratio.clamp(max=rho) * adv * logprobs - entropy_coef * entropy
     metrics = {}
+    if clip is None:
+        weighted_ratio = ratio
+        per_row = -ratio.clamp(max=rho) * adv * logprobs
+    else:
+        old = logprobs if old is None else old
+        weighted_ratio = (old - behavior).exp()
+        q = torch.where(on, logprobs - old, zero).exp()
+        surrogate = torch.minimum(q * adv, q.clamp(1.0 - clip[0], 1.0 + clip[1]) * adv)
+        per_row = -weighted_ratio.clamp(max=rho) * surrogate
+        metrics["clip_frac"] = mean((((adv > 0) & (q > 1.0 + clip[1])) | ((adv < 0) & (q < 1.0 - clip[0]))).float())
+    per_row = per_row - entropy_coef * entropy
     if ref is not None:
         ref_diff = ref - logprobs
         k3 = ref_diff.exp() - ref_diff - 1.0
@@ -208,7 +239,7 @@ def _loss_and_metrics(logprobs, entropy, behavior, adv, mask, scale, ref, rho, k
     metrics.update(
         ratio_mean=mean(ratio),
         ratio_max=torch.where(on, ratio, zero).amax(),
-        truncated_frac=mean((ratio > rho).float()),
+        truncated_frac=mean((weighted_ratio > rho).float()),
         mismatch_kl=mean(ratio - 1.0 - log_ratio),
         entropy=mean(entropy),
         tokens=tokens,
@@ -220,18 +251,18 @@ class _FusedAIPOLoss(torch.autograd.Function):
     """Forward computes loss, per-row logπ/H and both gradients; backward only scales the gradients."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, behavior, adv, mask, scale, ref, rho, temperature, kl_coef,
-                entropy_coef, chunk_size):
+    def forward(ctx, hidden, weight, targets, behavior, adv, mask, scale, ref, old, clip, rho, temperature,
+                kl_coef, entropy_coef, chunk_size):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         logprobs, entropy, grad_h, grad_w = _run_chunks(
-            hidden, weight, targets, behavior, adv, scale, ref, rho, temperature, kl_coef, entropy_coef,
-            chunk_size, need_h, need_w,
+            hidden, weight, targets, behavior, adv, scale, ref, old, clip, rho, temperature, kl_coef,
+            entropy_coef, chunk_size, need_h, need_w,
         )
-        loss, metrics = _loss_and_metrics(logprobs, entropy, behavior, adv, mask, scale, ref, rho, kl_coef,
-                                          entropy_coef)
+        loss, metrics = _loss_and_metrics(logprobs, entropy, behavior, adv, mask, scale, ref, old, clip, rho,
+                                          kl_coef, entropy_coef)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.backward_done = False
-        packed = torch.stack([metrics[k] for k in _METRIC_KEYS] + ([metrics["kl_ref"]] if ref is not None else []))
+        packed = torch.stack([metrics[k] for k in _metric_keys(ref is not None, clip is not None)])
         ctx.mark_non_differentiable(packed)
         return loss, packed
 
@@ -249,10 +280,13 @@ class _FusedAIPOLoss(torch.autograd.Function):
             grad_h.mul_(grad_loss)
         if grad_w is not None:
             grad_w.mul_(grad_loss)
-        return (grad_h, grad_w) + (None,) * 11
+        return (grad_h, grad_w) + (None,) * 13
 
 
-_METRIC_KEYS = ("ratio_mean", "ratio_max", "truncated_frac", "mismatch_kl", "entropy", "tokens")
+def _metric_keys(has_ref: bool, has_clip: bool) -> tuple[str, ...]:
+    """The order of the metrics packed into the autograd function's second output."""
+    keys = ("ratio_mean", "ratio_max", "truncated_frac", "mismatch_kl", "entropy", "tokens")
+    return keys + (("kl_ref",) if has_ref else ()) + (("clip_frac",) if has_clip else ())
 
 
 def fused_aipo_loss(
@@ -270,6 +304,8 @@ def fused_aipo_loss(
     entropy_coef: float = 0.0,
     norm: str = "token",
     sequence_ids: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    clip: tuple[float, float] | None = None,
     chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """AIPO loss from ``hidden [N, D]`` and lm_head ``weight [V, D]``; see the module docstring.
@@ -278,6 +314,7 @@ def fused_aipo_loss(
     are per row ``[N]``. ``norm="token"`` (default) averages over the masked-in rows; ``norm="sequence"``
     averages per sequence first and needs ``sequence_ids [N]`` (any integers; rows with equal ids form one
     sequence, in any order), as ``llamarl.algorithms.aipo_loss(norm="sequence")`` does on [B, T] inputs.
+    ``clip=(ε_low, ε_high)`` selects the decoupled PPO form, with ``old_logprobs [N]`` (default: logπ).
     Differentiable in ``hidden`` and ``weight``. Returns ``(loss, metrics)`` with a 0-d fp32 loss.
     ``chunk_size`` overrides the rows per chunk (default: ``LOGITS_CHUNK_BYTES`` of logits).
     """
@@ -291,6 +328,10 @@ def fused_aipo_loss(
         raise ValueError(f"{where}: kl_coef={kl_coef} needs ref_logprobs (see fused_logprobs)")
     if not (isinstance(entropy_coef, (int, float)) and math.isfinite(entropy_coef)):
         raise ValueError(f"{where}: entropy_coef must be a finite number, got {entropy_coef!r}")
+    check_clip(where, clip)
+    if old_logprobs is not None and clip is None:
+        raise ValueError(f"{where}: old_logprobs is only read with clip=(eps_low, eps_high); pass clip too, "
+                         "or drop old_logprobs")
     if norm not in ("token", "sequence"):
         raise ValueError(f"{where}: norm must be 'token' or 'sequence', got {norm!r}")
     n_rows, device = hidden.shape[0], hidden.device
@@ -304,19 +345,21 @@ def fused_aipo_loss(
     adv = _row_vector(where, "advantages", advantages, n_rows, device)
     mask_f = _row_vector(where, "mask", mask, n_rows, device)
     ref = None if ref_logprobs is None else _row_vector(where, "ref_logprobs", ref_logprobs, n_rows, device)
+    old = None if old_logprobs is None else _row_vector(where, "old_logprobs", old_logprobs, n_rows, device)
+    clip = None if clip is None else (float(clip[0]), float(clip[1]))
     targets = targets.contiguous()
     scale = _row_weights(mask_f, norm, sequence_ids)
 
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         loss, packed = _FusedAIPOLoss.apply(
-            hidden, weight, targets, behavior, adv, mask_f, scale, ref, rho, temperature, kl_coef, entropy_coef,
-            chunk_size,
+            hidden, weight, targets, behavior, adv, mask_f, scale, ref, old, clip, rho, temperature, kl_coef,
+            entropy_coef, chunk_size,
         )
-        keys = _METRIC_KEYS + (("kl_ref",) if ref is not None else ())
-        return loss, dict(zip(keys, packed.unbind()))
+        return loss, dict(zip(_metric_keys(ref is not None, clip is not None), packed.unbind()))
     with torch.no_grad():
         logprobs, entropy, _, _ = _run_chunks(
-            hidden, weight, targets, behavior, adv, scale, ref, rho, temperature, kl_coef, entropy_coef,
-            chunk_size, False, False,
+            hidden, weight, targets, behavior, adv, scale, ref, old, clip, rho, temperature, kl_coef,
+            entropy_coef, chunk_size, False, False,
         )
-        return _loss_and_metrics(logprobs, entropy, behavior, adv, mask_f, scale, ref, rho, kl_coef, entropy_coef)
+        return _loss_and_metrics(logprobs, entropy, behavior, adv, mask_f, scale, ref, old, clip, rho, kl_coef,
+                                 entropy_coef)

@@ -58,6 +58,9 @@ def quantized_linear_ref(
 #   ℓ = −w·A·logπ + β·k3 − γ·H;  loss = Σ m·ℓ / max(Σ m, 1)                        norm="token"
 #   loss = mean over sequences b with Σ_b m > 0 of Σ_b m·ℓ / Σ_b m                 norm="sequence"
 #   metrics: means over m of r, r > ρ, r − 1 − log r (k3 of KL(μ‖π)), H, k3; max of r; Σ m.
+#   with clip = (ε_l, ε_h) and old = logπ_old (default logπ detached):  w = min(exp(old − logμ), ρ),
+#   q = exp(logπ − old), −w·A·logπ becomes −w·min(q·A, clamp(q, 1 − ε_l, 1 + ε_h)·A); "r > ρ" is then
+#   exp(old − logμ) > ρ, and clip_frac = mean over m of [(A > 0 and q > 1 + ε_h) or (A < 0 and q < 1 − ε_l)].
 # ----------------------------------------------------------------------------------------------------
 def logprobs_from_hidden_ref(
     hidden: "torch.Tensor", weight: "torch.Tensor", targets: "torch.Tensor", temperature: float = 1.0
@@ -85,9 +88,12 @@ def aipo_loss_from_hidden_ref(
     entropy_coef: float = 0.0,
     norm: str = "token",
     sequence_ids: "torch.Tensor | None" = None,
+    old_logprobs: "torch.Tensor | None" = None,
+    clip: "tuple[float, float] | None" = None,
 ) -> "tuple[torch.Tensor, dict[str, torch.Tensor]]":
     """AIPO loss (differentiable in hidden and weight) and its metrics, as in the header; with
-    norm="sequence", rows with equal ``sequence_ids`` form one sequence."""
+    norm="sequence", rows with equal ``sequence_ids`` form one sequence; with ``clip``, the decoupled
+    PPO policy term."""
     logprobs, entropy = logprobs_from_hidden_ref(hidden, weight, targets, temperature)
     dtype = logprobs.dtype
     m = mask.to(dtype)
@@ -99,8 +105,20 @@ def aipo_loss_from_hidden_ref(
 
     log_ratio = logprobs.detach() - behavior_logprobs.to(dtype)
     ratio = log_ratio.exp()
-    per_token = -ratio.clamp(max=rho) * advantages.to(dtype) * logprobs - entropy_coef * entropy
+    adv = advantages.to(dtype)
     metrics = {}
+    if clip is None:
+        truncated = ratio > rho
+        per_token = -ratio.clamp(max=rho) * adv * logprobs
+    else:
+        old = logprobs.detach() if old_logprobs is None else old_logprobs.to(dtype)
+        old_ratio = (old - behavior_logprobs.to(dtype)).exp()
+        truncated = old_ratio > rho
+        q = (logprobs - old).exp()
+        per_token = -old_ratio.clamp(max=rho) * torch.minimum(q * adv, q.clamp(1 - clip[0], 1 + clip[1]) * adv)
+        clipped = ((adv > 0) & (q.detach() > 1 + clip[1])) | ((adv < 0) & (q.detach() < 1 - clip[0]))
+        metrics["clip_frac"] = mean(clipped.to(dtype))
+    per_token = per_token - entropy_coef * entropy
     if ref_logprobs is not None:
         ref_diff = ref_logprobs.to(dtype) - logprobs
         k3 = ref_diff.exp() - ref_diff - 1.0
@@ -115,7 +133,7 @@ def aipo_loss_from_hidden_ref(
     metrics.update(
         ratio_mean=mean(ratio),
         ratio_max=torch.where(on, ratio, torch.zeros_like(ratio)).amax(),
-        truncated_frac=mean((ratio > rho).to(dtype)),
+        truncated_frac=mean(truncated.to(dtype)),
         mismatch_kl=mean(ratio - 1.0 - log_ratio),
         entropy=mean(entropy.detach()),
         tokens=tokens,

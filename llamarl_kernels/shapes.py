@@ -1,7 +1,10 @@
-"""Shape checks shared by the Triton kernels and their native CPU counterparts (``llamarl.models.cpu_fused``);
-pure torch, so importing this never imports Triton."""
+"""Argument and shape checks shared by the Triton kernels, their native CPU counterparts
+(``llamarl.models.cpu_fused``) and the eager specifications (``llamarl.algorithms``); pure Python and torch,
+so importing this never imports Triton."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -26,3 +29,14 @@ def rope_kv_shapes(q, k, v, cos, signed_sin, k_cache, v_cache, slots) -> tuple[i
     if isinstance(slots, torch.Tensor) and (slots.dtype != torch.long or slots.shape != (T,)):
         raise ValueError(f"rope_kv: slots must be an int or a LongTensor [{T}], got {slots.dtype} {tuple(slots.shape)}")
     return B, T, H, Hkv, Dh
+
+
+def check_clip(where: str, clip) -> None:
+    """``clip`` is None or (ε_low, ε_high) with 0 ≤ ε_low < 1 and finite ε_high ≥ 0."""
+    if clip is None:
+        return
+    ok = (isinstance(clip, (tuple, list)) and len(clip) == 2
+          and all(isinstance(e, (int, float)) and not isinstance(e, bool) and math.isfinite(e) for e in clip))
+    if not ok or not (0 <= clip[0] < 1 and clip[1] >= 0):
+        raise ValueError(f"{where}: clip must be None or (eps_low, eps_high) with 0 <= eps_low < 1 and "
+                         f"eps_high >= 0, e.g. (0.2, 0.2) or DAPO's (0.2, 0.28); got {clip!r}")

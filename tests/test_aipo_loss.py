@@ -42,6 +42,53 @@ def test_hand_computed_loss_metrics_and_gradient():
     torch.testing.assert_close(lp.grad, torch.tensor(grad, dtype=torch.float64), rtol=1e-12, atol=0)
 
 
+# π_old for the clip test: q = π/π_old = e^0.5 (token 0, A > 0: above 1 + ε_high, clipped), e^-0.5
+# (token 1, A < 0: below 1 − ε_low, clipped), 1 (token 2), e^-0.5 (token 4, A < 0 ... clipped), masked 3
+OLD = [-1.5, -1.5, -0.5, -3.0, 0.4]
+
+
+def test_decoupled_clip_hand_computed():
+    """ℓ_t = −min(π_old/μ, ρ) · min(q A, clip(q, 1 − ε_l, 1 + ε_h) A), q = π/π_old: value, gradient
+    (0 where the clip holds, −w A q / M elsewhere) and clip_frac, computed by hand."""
+    lp, blp, adv, mask = _flat_inputs()
+    eps_low, eps_high = 0.2, 0.28
+    old = torch.tensor(OLD, dtype=torch.float64)
+    loss, metrics = aipo_loss(lp, blp, adv, mask, rho=RHO, old_logprobs=old, clip=(eps_low, eps_high))
+    on = [i for i in range(5) if MASK[i]]
+    w = {i: min(math.exp(OLD[i] - BLP[i]), RHO) for i in on}
+    q = {i: math.exp(LP[i] - OLD[i]) for i in on}
+    clipped = {i: (ADV[i] > 0 and q[i] > 1 + eps_high) or (ADV[i] < 0 and q[i] < 1 - eps_low) for i in on}
+    assert [i for i in on if clipped[i]] == [0, 1, 4] and not clipped[2]
+    surrogate = {i: min(q[i] * ADV[i], min(max(q[i], 1 - eps_low), 1 + eps_high) * ADV[i]) for i in on}
+    assert loss.item() == pytest.approx(sum(-w[i] * surrogate[i] for i in on) / 4, rel=1e-12)
+    assert metrics["clip_frac"].item() == pytest.approx(0.75)
+    assert metrics["truncated_frac"].item() == pytest.approx(sum(math.exp(OLD[i] - BLP[i]) > RHO for i in on) / 4)
+    assert metrics["ratio_mean"].item() == pytest.approx(sum(math.exp(LP[i] - BLP[i]) for i in on) / 4)
+    loss.backward()
+    grad = [0.0 if (not MASK[i] or clipped[i]) else -w[i] * ADV[i] * q[i] / 4 for i in range(5)]
+    torch.testing.assert_close(lp.grad, torch.tensor(grad, dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("norm", ["token", "sequence"])
+def test_clip_without_old_logprobs_has_aipos_gradient(norm):
+    """The first update of a step (π_old = π): q = 1, nothing is clipped, and the gradient is AIPO's exactly."""
+    g = torch.Generator().manual_seed(0)
+    lp0 = torch.randn(3, 6, generator=g, dtype=torch.float64) - 2.0
+    blp = lp0 + 0.7 * torch.randn(3, 6, generator=g, dtype=torch.float64)
+    adv, mask = torch.randn(3, generator=g, dtype=torch.float64), torch.rand(3, 6, generator=g) > 0.3
+    grads, metrics = [], []
+    for clip in (None, (0.2, 0.28)):
+        lp = lp0.clone().requires_grad_()
+        loss, m = aipo_loss(lp, blp, adv, mask, rho=RHO, norm=norm, clip=clip)
+        loss.backward()
+        grads.append(lp.grad)
+        metrics.append(m)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-14, atol=0)
+    assert metrics[1]["clip_frac"].item() == 0.0 and "clip_frac" not in metrics[0]
+    for key in ("ratio_mean", "truncated_frac", "mismatch_kl"):
+        assert metrics[1][key].item() == pytest.approx(metrics[0][key].item(), rel=1e-14)
+
+
 def test_unbounded_rho_is_plain_importance_weighting():
     lp, blp, adv, mask = _flat_inputs()
     loss, metrics = aipo_loss(lp, blp, adv, mask, rho=math.inf)
@@ -218,6 +265,12 @@ def _bad(**overrides):
         (_bad(logprobs=torch.zeros(6), behavior_logprobs=torch.zeros(6), advantages=torch.zeros(6),
               mask=torch.ones(6), norm="sequence"), "norm='sequence' needs"),
         (_bad(logprobs=torch.zeros(2, 3, dtype=torch.long)), "floating-point"),
+        (_bad(clip=(1.0, 0.2)), r"clip must be None or \(eps_low, eps_high\)"),
+        (_bad(clip=(0.2, -0.1)), "clip must be"),
+        (_bad(clip=0.2), "clip must be"),
+        (_bad(clip=(0.2, float("inf"))), "clip must be"),
+        (_bad(old_logprobs=torch.zeros(2, 3)), "old_logprobs is only read with clip"),
+        (_bad(old_logprobs=torch.zeros(3, 2), clip=(0.2, 0.2)), "old_logprobs has shape"),
     ],
 )
 def test_aipo_loss_bad_input(args, match):

@@ -155,6 +155,61 @@ def test_sequence_norm_matches_the_2d_specification_in_fp64(temperature, entropy
         assert metrics[key].item() == pytest.approx(spec_metrics[key].item(), rel=1e-5, abs=1e-6)
 
 
+def clip_term_scale(case, rho, temperature, old_logprobs, clip, kl_coef=0.0, entropy_coef=0.0, **_):
+    """Mean |ℓ_t| of the decoupled clip form over the trained tokens, in fp64 (see loss_term_scale)."""
+    lp, ent = logprobs_from_hidden_ref(case["hidden"].double(), case["weight"].double(), case["targets"], temperature)
+    old = lp if old_logprobs is None else old_logprobs.double()
+    weight = (old - case["behavior_logprobs"].double()).exp().clamp(max=rho)
+    q = (lp - old).exp()
+    diff = case["ref_logprobs"].double() - lp
+    terms = weight * q.clamp(min=1 - clip[0]) * case["advantages"].double().abs() + abs(entropy_coef) * ent
+    return (terms + kl_coef * (diff.exp() - diff - 1))[case["mask"]].mean().item()
+
+
+@pytest.mark.parametrize("norm, with_old, temperature", [("token", True, 1.0), ("sequence", True, 0.8),
+                                                         ("token", False, 1.2)])
+def test_decoupled_clip_matches_fp64(norm, with_old, temperature):
+    """clip=(ε_l, ε_h): loss, metrics (clip_frac too) and both gradients against the fp64 reference, with
+    π/π_old of e^-0.5, 1 and e^0.4 by row (below 1 − ε_l, inside, above 1 + ε_h) crossed with ratios π/μ on
+    both sides of ρ; without old_logprobs (π_old = π) the gradients are exactly the unclipped kernel's."""
+    n = 45
+    case = make_case(n, 32, 900, temperature, seed=23, with_ref=True)
+    old = None
+    if with_old:
+        lp, _ = logprobs_from_hidden_ref(case["hidden"].double(), case["weight"].double(), case["targets"], temperature)
+        shift = torch.tensor([-0.5, 0.0, 0.4], dtype=torch.float64)[(torch.arange(n) // 3) % 3]
+        old = (lp - shift).float()
+    opts = dict(rho=RHO, temperature=temperature, kl_coef=0.1, entropy_coef=0.02, clip=(0.2, 0.28),
+                old_logprobs=old, norm=norm, sequence_ids=torch.arange(n) // 9 if norm == "sequence" else None)
+    loss, metrics, gh, gw = run(fused_aipo_loss, case, chunk_size=16, **opts)
+    eager = run(aipo_loss_from_hidden_ref, case, **opts)
+    exact = run(aipo_loss_from_hidden_ref, case, dtype=torch.float64, **opts)
+    assert_within_2x_eager(loss, eager[0], exact[0], "loss", scale=clip_term_scale(case, **opts))
+    assert_within_2x_eager(gh, eager[2], exact[2], "grad hidden")
+    assert_within_2x_eager(gw, eager[3], exact[3], "grad weight")
+    keys = METRICS + ("kl_ref", "clip_frac")
+    assert set(metrics) == set(keys)
+    for key in keys:
+        assert_within_2x_eager(metrics[key], eager[1][key], exact[1][key], key, ulps=16)
+    if with_old:
+        assert 0.0 < metrics["clip_frac"].item() < 1.0
+        # the eager specification in fp64 on the [B, T] layout agrees with the kernel reference
+        h64 = case["hidden"].double()
+        lp, ent = token_logprobs(h64 @ case["weight"].double().t(), case["targets"], temperature)
+        spec, spec_metrics = aipo_loss(
+            lp.view(5, 9), case["behavior_logprobs"].double().view(5, 9), case["advantages"].double().view(5, 9),
+            case["mask"].view(5, 9), RHO, norm=norm, ref_logprobs=case["ref_logprobs"].double().view(5, 9),
+            kl_coef=0.1, entropy=ent.view(5, 9), entropy_coef=0.02, old_logprobs=old.double().view(5, 9),
+            clip=(0.2, 0.28))
+        assert spec.item() == pytest.approx(exact[0].item(), rel=1e-10, abs=1e-12)
+        for key in keys:
+            assert spec_metrics[key].item() == pytest.approx(exact[1][key].item(), rel=1e-10, abs=1e-12)
+    else:
+        assert metrics["clip_frac"].item() == 0.0
+        unclipped = run(fused_aipo_loss, case, chunk_size=16, **dict(opts, clip=None))
+        assert torch.equal(gh, unclipped[2]) and torch.equal(gw, unclipped[3])
+
+
 def test_all_masked_gives_zero_loss_zero_grads_and_zero_metrics():
     case = make_case(20, 16, 300, 1.0, seed=5)
     case["mask"] = torch.zeros(20, dtype=torch.bool)
@@ -227,20 +282,25 @@ def test_bad_input(args, match):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, norm", [(torch.bfloat16, "token"), (torch.float32, "token"),
-                                         (torch.bfloat16, "sequence")])
-def test_gpu_matches_fp64(dtype, norm):
+@pytest.mark.parametrize("dtype, norm, clip", [(torch.bfloat16, "token", False), (torch.float32, "token", False),
+                                               (torch.bfloat16, "sequence", False), (torch.bfloat16, "token", True)])
+def test_gpu_matches_fp64(dtype, norm, clip):
     case = make_case(1500, 512, 32011, 0.9, seed=3, device="cuda", with_ref=True)
     opts = dict(rho=RHO, temperature=0.9, kl_coef=0.05, entropy_coef=0.01)
     if norm == "sequence":  # 15 sequences of 100 rows
         opts.update(norm=norm, sequence_ids=torch.arange(1500, device="cuda") // 100)
+    if clip:  # π/π_old of e^-0.5, 1 and e^0.4 by row, as in test_decoupled_clip_matches_fp64
+        lp, _ = logprobs_from_hidden_ref(case["hidden"].double(), case["weight"].double(), case["targets"], 0.9)
+        shift = torch.tensor([-0.5, 0.0, 0.4], dtype=torch.float64, device="cuda")[(torch.arange(1500) // 3) % 3]
+        opts.update(clip=(0.2, 0.28), old_logprobs=(lp - shift).float())
     loss, metrics, gh, gw = run(fused_aipo_loss, case, dtype=dtype, chunk_size=512, **opts)
     eager = run(aipo_loss_from_hidden_ref, case, dtype=dtype, **opts)
     exact = run(aipo_loss_from_hidden_ref, case, dtype=torch.float64, **opts)
-    assert_within_2x_eager(loss, eager[0], exact[0], f"loss {dtype}", scale=loss_term_scale(case, **opts))
+    scale = clip_term_scale(case, **opts) if clip else loss_term_scale(case, **opts)
+    assert_within_2x_eager(loss, eager[0], exact[0], f"loss {dtype}", scale=scale)
     assert_within_2x_eager(gh, eager[2], exact[2], f"grad hidden {dtype}")
     assert_within_2x_eager(gw, eager[3], exact[3], f"grad weight {dtype}")
-    for key in METRICS + ("kl_ref",):
+    for key in METRICS + ("kl_ref",) + (("clip_frac",) if clip else ()):
         assert_within_2x_eager(metrics[key], eager[1][key], exact[1][key], f"{key} {dtype}", ulps=16, dtype=dtype)
 
 
@@ -248,21 +308,22 @@ _SM90_SCRIPT = r"""
 import llamarl_kernels.aipo_loss as A
 
 fn = A._aipo_rows_kernel
-sig = {n: "i32" for n in fn.arg_names}
-sig.update(logits_ptr="*bf16", targets_ptr="*i64", temperature="fp32", rho="fp32", kl_coef="fp32",
-           entropy_coef="fp32")
-for n in ("behavior_ptr", "adv_ptr", "scale_ptr", "ref_ptr", "logprobs_ptr", "entropy_ptr"):
-    sig[n] = "*fp32"
-consts = dict(HAS_REF=True, WRITE_GRAD=True, ENTROPY_GRAD=True, BLOCK_V=4096)
-sig.update({k: "constexpr" for k in consts})
-# V = 128256 and its row stride are multiples of 16, which Triton specializes on at launch
-ptx = build(fn, sig, consts, ["logits_ptr", "stride_row", "V", "targets_ptr", "behavior_ptr", "adv_ptr", "scale_ptr",
-                              "ref_ptr", "logprobs_ptr", "entropy_ptr"], num_warps=8)
-stats, grad = loops(ptx)
-# the online-softmax pass: one cross-warp reduction (the block max) per block of the row, 16-byte loads
-assert stats.count("bar.sync") <= 3, f"{stats.count('bar.sync')} barriers per block in the softmax pass"
-assert "ld.global.v4" in stats and "ld.global.v4" in grad, "logit loads are not 16-byte vectors"
-assert "bar.sync" not in grad, "the gradient pass synchronises"
+for clip in (False, True):  # the AIPO row and the decoupled-clip row
+    sig = {n: "i32" for n in fn.arg_names}
+    sig.update(logits_ptr="*bf16", targets_ptr="*i64", temperature="fp32", rho="fp32", kl_coef="fp32",
+               entropy_coef="fp32", clip_lo="fp32", clip_hi="fp32")
+    for n in ("behavior_ptr", "adv_ptr", "scale_ptr", "ref_ptr", "old_ptr", "logprobs_ptr", "entropy_ptr"):
+        sig[n] = "*fp32"
+    consts = dict(HAS_REF=True, CLIP=clip, HAS_OLD=clip, WRITE_GRAD=True, ENTROPY_GRAD=True, BLOCK_V=4096)
+    sig.update({k: "constexpr" for k in consts})
+    # V = 128256 and its row stride are multiples of 16, which Triton specializes on at launch
+    ptx = build(fn, sig, consts, ["logits_ptr", "stride_row", "V", "targets_ptr", "behavior_ptr", "adv_ptr",
+                                  "scale_ptr", "ref_ptr", "old_ptr", "logprobs_ptr", "entropy_ptr"], num_warps=8)
+    stats, grad = loops(ptx)
+    # the online-softmax pass: one cross-warp reduction (the block max) per block of the row, 16-byte loads
+    assert stats.count("bar.sync") <= 3, f"{stats.count('bar.sync')} barriers per block in the softmax pass"
+    assert "ld.global.v4" in stats and "ld.global.v4" in grad, "logit loads are not 16-byte vectors"
+    assert "bar.sync" not in grad, "the gradient pass synchronises"
 print("ok")
 """
 

@@ -1,9 +1,11 @@
 """Several optimizer updates per RL step (``trainer.mini_batches``, ``trainer.epochs``).
 
-A step cut into k mini-batches of whole prompt groups must be exactly k successive one-batch steps on
-those parts (same weights, bit for bit: the same operations in the same order), e passes must be the
-one-batch step repeated e times, the learning-rate schedule must count RL steps, not updates, and the
-generators must get one new version per step."""
+Without the clip (``clip_ratio=0``), a step cut into k mini-batches of whole prompt groups must be exactly
+k successive one-batch steps on those parts (same weights, bit for bit: the same operations in the same
+order), and e passes must be the one-batch step repeated e times. With it (the default), every update
+after the first follows the decoupled PPO loss against the policy the step started from, on the single
+rank, with the fused kernel and on FSDP ranks (tests/test_train_scaleout.py). The learning-rate schedule
+must count RL steps, not updates, and the generators must get one new version per step."""
 
 from __future__ import annotations
 
@@ -14,14 +16,16 @@ import pytest
 import torch
 
 from dist_harness import random_model, single_process_trainer, weights_of
+from llamarl.algorithms import aipo_loss, token_logprobs
 from llamarl.config import ConfigError, TrainConfig, TrainerConfig
+from llamarl.models import Llama
 from llamarl.rollouts import collate
 from llamarl.train import main
 from test_trainer_loss import _batch_rollouts
 from test_zero_advantage import ADV, CFG
 
 TRAINER = dataclasses.asdict(TrainerConfig(lr=1e-3, weight_decay=0.1, grad_clip=0.5, micro_batch_size=3,
-                                           loss="reference"))
+                                           loss="reference", clip_ratio=0.0))
 
 
 def _parts(k: int) -> list[dict]:
@@ -55,6 +59,56 @@ def test_mini_batches_are_successive_updates(tmp_path):
     with single_process_trainer(tmp_path / "model", CFG, TRAINER) as ex:
         ex.train_step(collate(_batch_rollouts(), ADV, 0, drop_zero_advantage=True, share_prompts=True))
         assert any(not torch.equal(w, mini[n]) for n, w in weights_of(ex).items())
+
+
+def _decoupled_ppo_reference(model_dir, parts: list[dict], cfg: dict, epochs: int) -> tuple[dict, list[float]]:
+    """The specification of a clipped step, written out: π_old from the starting weights, then one AdamW
+    step per part and epoch on llamarl.algorithms.aipo_loss(old_logprobs=π_old, clip=...) over the whole
+    part (the first part of the first epoch with π_old = π). Returns the weights and each update's clip_frac."""
+    model = Llama.from_pretrained(model_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=tuple(cfg["betas"]),
+                            weight_decay=cfg["weight_decay"])
+    with torch.no_grad():
+        olds = [token_logprobs(model(p["input_ids"])[:, :-1], p["targets"])[0] for p in parts]
+    fracs = []
+    for epoch in range(epochs):
+        for i, p in enumerate(parts):
+            lp, _ = token_logprobs(model(p["input_ids"])[:, :-1], p["targets"])
+            loss, m = aipo_loss(lp, p["behavior_logprobs"], p["advantages"], p["mask"], rho=cfg["rho"],
+                                old_logprobs=olds[i] if i or epoch else None,
+                                clip=(cfg["clip_ratio"], cfg["clip_ratio_high"]))
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+            opt.step()
+            fracs.append(m["clip_frac"].item())
+    return {n: p.detach() for n, p in model.named_parameters()}, fracs
+
+
+@pytest.mark.parametrize("mini_batches, epochs, loss", [(2, 1, "reference"), (1, 2, "reference"), (2, 1, "fused")])
+def test_clipped_updates_follow_the_decoupled_ppo_loss(tmp_path, mini_batches, epochs, loss):
+    """A big learning rate moves π far from π_old after the first update, so the clip acts; the trainer's
+    weights equal the written-out specification, and differ clearly from the unclipped step."""
+    random_model(CFG).save_pretrained(tmp_path / "model")
+    rollouts, size = _batch_rollouts(), len(ADV) // mini_batches
+    parts = [collate(rollouts[lo:lo + size], ADV[lo:lo + size], 0) for lo in range(0, len(ADV), size)]
+    cfg = dict(TRAINER, lr=0.1, mini_batches=mini_batches, epochs=epochs, micro_batch_size=5, loss=loss,
+               clip_ratio=0.2, clip_ratio_high=0.28)
+    with single_process_trainer(tmp_path / "model", CFG, cfg) as ex:
+        stats = ex.train_step(parts)
+        ours = weights_of(ex)
+    expected, fracs = _decoupled_ppo_reference(tmp_path / "model", parts, cfg, epochs)
+    assert fracs[0] == 0.0 and fracs[-1] > 0.05, fracs  # nothing to clip in the first update, some in the last
+    assert stats["updates"] == mini_batches * epochs and 0 < stats["clip_frac"] < 1
+    # fp32 rounding only (the specification runs each part as one batch, the trainer in micro-batches of 5;
+    # measured: 0 for (2, 1), 1.4e-4 of lr for (1, 2); the fused kernel 4e-4 of lr after two updates)
+    atol = (2e-4 if loss == "reference" else 5e-4) * cfg["lr"]
+    for name, w in expected.items():
+        torch.testing.assert_close(ours[name], w, rtol=0, atol=atol, msg=name)
+    with single_process_trainer(tmp_path / "model", CFG, dict(cfg, clip_ratio=0.0, clip_ratio_high=None)) as ex:
+        ex.train_step(parts)
+        unclipped = weights_of(ex)
+    assert max((unclipped[n] - w).abs().max().item() for n, w in expected.items()) > 1e-3
 
 
 def test_epochs_repeat_the_step_and_the_schedule_counts_rl_steps(tmp_path):
@@ -94,6 +148,11 @@ def test_the_learning_rate_follows_the_rl_step_it_is_given(tmp_path):
     ({"generator": {"prompts_per_step": 2, "samples_per_prompt": 3}, "trainer": {"ranks": 2, "mini_batches": 2}},
      r"trainer.mini_batches: each of the 2 mini-batches holds 3 sequences, which must split evenly over "
      r"trainer.ranks=2"),
+    ({"trainer": {"clip_ratio": 1.0}}, r"trainer.clip_ratio: must be in \[0, 1\)"),
+    ({"trainer": {"clip_ratio": -0.1}}, r"trainer.clip_ratio: must be in \[0, 1\)"),
+    ({"trainer": {"clip_ratio_high": -0.1}}, r"trainer.clip_ratio_high: must be a finite number >= 0"),
+    ({"trainer": {"clip_ratio_high": float("inf")}}, r"trainer.clip_ratio_high: must be a finite number >= 0"),
+    ({"trainer": {"clip_ratio": 0.0, "clip_ratio_high": 0.28}}, r"trainer.clip_ratio_high: .*clip_ratio > 0"),
 ])
 def test_mini_batch_settings_are_checked(sets, match):
     with pytest.raises(ConfigError, match=match):

@@ -19,6 +19,22 @@ at the sampled tokens, E_π[∇k3] = −E_π[(π_ref/π) ∇logπ] = ∇KL(π_re
 toward π_ref; the reverse KL penalises π missing π_ref's mass rather than putting mass where π_ref has little.
 ``rho`` may be ``math.inf`` (no truncation); β ≥ 0; γ is any finite number.
 
+Several updates per batch (decoupled PPO clip, ``clip=(ε_low, ε_high)``). When one batch of samples
+feeds several optimizer updates (mini-batches, epochs), π moves away from the policy π_old the step
+started from, and a step may overshoot. With ``clip`` the policy term becomes AReaL's decoupled PPO
+objective (TRL's GRPO with importance-sampling correction): the truncated weight is taken at π_old and
+PPO's clipped surrogate bounds the move from π_old,
+
+    w_t = min(exp(logπ_old,t − logμ_t), ρ)                          (detached)
+    q_t = exp(logπ_t − logπ_old,t)                                  (differentiable)
+    ℓ_t = − w_t · min(q_t A_t, clip(q_t, 1 − ε_low, 1 + ε_high) A_t)  [+ the KL and entropy terms]
+
+so ∇ℓ_t = − w_t A_t q_t ∇logπ_t, or 0 where the clip holds (A_t > 0 and q_t > 1 + ε_high, or A_t < 0
+and q_t < 1 − ε_low). ``old_logprobs`` defaults to logπ detached (the first update of a step, where
+π = π_old): then q_t = 1, nothing is clipped and the gradient is exactly AIPO's; only the loss value
+differs (−w_t A_t instead of −w_t A_t logπ_t; both are surrogates whose gradients matter). 0 ≤ ε_low < 1,
+ε_high ≥ 0 (DAPO's clip-higher sets ε_high > ε_low).
+
 Layouts: ``logprobs``, ``behavior_logprobs``, ``mask``, ``ref_logprobs``, ``entropy`` are all ``[B, T]``
 (or all ``[N]`` flat, token normalisation only); ``advantages`` is ``[B, T]`` per token or ``[B]`` per
 sequence (broadcast over T), or ``[N]`` with flat inputs. Arithmetic runs in float32 (float64 inputs
@@ -30,7 +46,8 @@ temperature (1.0 for greedy). ``token_logprobs`` computes exactly this, plus the
 distribution.
 
 Metrics (detached 0-d tensors, always token means over the masked tokens, whatever ``norm`` is):
-``ratio_mean``, ``ratio_max`` (of r_t, before truncation), ``truncated_frac`` (fraction with r_t > ρ),
+``ratio_mean``, ``ratio_max`` (of r_t, before truncation), ``truncated_frac`` (fraction whose weight
+is truncated: r_t > ρ, or π_old/μ > ρ with ``clip``), ``clip_frac`` (with ``clip``: fraction clipped),
 ``mismatch_kl`` = mean_t (r_t − 1 − log r_t), the k3 estimate of KL(μ‖π) from the tokens μ sampled
 (it is ≥ 0 and 0 exactly when π = μ on the sampled tokens), ``entropy`` (if given), ``kl_ref`` (mean
 k3, if ``ref_logprobs`` given), ``tokens`` = Σ m_t (``trained_tokens`` in a run's metrics.jsonl).
@@ -46,6 +63,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from llamarl_kernels.shapes import check_clip
 
 NORMS = ("token", "sequence")
 ENTROPY_MODES = ("grad", "detached", "none")
@@ -106,17 +125,21 @@ def aipo_loss(
     kl_coef: float = 0.0,
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    old_logprobs: torch.Tensor | None = None,
+    clip: tuple[float, float] | None = None,
     validate: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The AIPO loss (see the module docstring) and its metrics.
 
     Gradient flows through ``logprobs`` (and ``entropy`` when ``entropy_coef != 0``); the truncated
-    weight, ``behavior_logprobs``, ``advantages`` and ``ref_logprobs`` are treated as constants.
+    weight, ``behavior_logprobs``, ``advantages``, ``ref_logprobs`` and ``old_logprobs`` are treated as
+    constants. ``clip=(ε_low, ε_high)`` selects the decoupled PPO form, with ``old_logprobs`` (same
+    shape as ``logprobs``; default ``logprobs`` detached) the log-probs under the step's starting policy.
     ``validate=False`` skips the data-dependent checks that need a device sync (finite values, mask
     in {0, 1}); shape, device and option checks always run.
     """
     _check_inputs(logprobs, behavior_logprobs, advantages, mask, rho, norm, ref_logprobs, kl_coef,
-                  entropy, entropy_coef, validate)
+                  entropy, entropy_coef, old_logprobs, clip, validate)
     compute = torch.promote_types(logprobs.dtype, torch.float32)
     logp = logprobs.to(compute)
     m = mask.to(compute)
@@ -126,14 +149,27 @@ def aipo_loss(
 
     live = m > 0
     zero = torch.zeros((), dtype=compute, device=logp.device)
-    log_ratio = logp.detach() - behavior_logprobs.detach().to(compute)
+    behavior = behavior_logprobs.detach().to(compute)
+    log_ratio = logp.detach() - behavior
     ratio = log_ratio.exp()
-    # w_t = min(r_t, rho), a constant for autograd; 0 where masked, so that a masked ratio that overflows
-    # (rho = inf) cannot turn the zero gradient there into inf * 0 = NaN
-    weight = torch.where(live, ratio.clamp(max=rho), zero)
-    per_token = -weight * adv * logp
-
     metrics: dict[str, torch.Tensor] = {}
+    if clip is None:
+        weighted_ratio = ratio
+        # w_t = min(r_t, rho), a constant for autograd; 0 where masked, so that a masked ratio that
+        # overflows (rho = inf) cannot turn the zero gradient there into inf * 0 = NaN
+        weight = torch.where(live, ratio.clamp(max=rho), zero)
+        per_token = -weight * adv * logp
+    else:
+        old = logp.detach() if old_logprobs is None else old_logprobs.detach().to(compute)
+        weighted_ratio = (old - behavior).exp()
+        weight = torch.where(live, weighted_ratio.clamp(max=rho), zero)
+        # q_t = π/π_old, exp() of 0 where masked (no overflow into the graph)
+        q = torch.where(live, logp - old, zero).exp()
+        surrogate = torch.minimum(q * adv, q.clamp(1.0 - clip[0], 1.0 + clip[1]) * adv)
+        per_token = -weight * surrogate
+        clipped = ((adv > 0) & (q.detach() > 1.0 + clip[1])) | ((adv < 0) & (q.detach() < 1.0 - clip[0]))
+        metrics["clip_frac"] = _token_mean(clipped.to(compute), m)
+
     if ref_logprobs is not None:
         ref_diff = torch.where(live, ref_logprobs.detach().to(compute) - logp, zero)  # exp() stays finite where masked
         k3_ref = ref_diff.exp() - ref_diff - 1.0
@@ -151,7 +187,7 @@ def aipo_loss(
     tokens = m.sum()
     metrics["ratio_mean"] = _token_mean(ratio, m)
     metrics["ratio_max"] = torch.where(m > 0, ratio, torch.zeros_like(ratio)).amax() if m.numel() else tokens
-    metrics["truncated_frac"] = _token_mean((ratio > rho).to(compute), m)
+    metrics["truncated_frac"] = _token_mean((weighted_ratio > rho).to(compute), m)
     metrics["mismatch_kl"] = _token_mean(ratio - 1.0 - log_ratio, m)
     metrics["tokens"] = tokens
     return loss, {k: v.detach() for k, v in metrics.items()}
@@ -183,13 +219,15 @@ def _check_temperature(where: str, temperature: float) -> None:
 
 
 def _check_inputs(logprobs, behavior_logprobs, advantages, mask, rho, norm, ref_logprobs, kl_coef,
-                  entropy, entropy_coef, validate) -> None:
+                  entropy, entropy_coef, old_logprobs, clip, validate) -> None:
     named = {"logprobs": logprobs, "behavior_logprobs": behavior_logprobs, "advantages": advantages,
              "mask": mask}
     if ref_logprobs is not None:
         named["ref_logprobs"] = ref_logprobs
     if entropy is not None:
         named["entropy"] = entropy
+    if old_logprobs is not None:
+        named["old_logprobs"] = old_logprobs
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"aipo_loss: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -227,6 +265,10 @@ def _check_inputs(logprobs, behavior_logprobs, advantages, mask, rho, norm, ref_
         raise ValueError(f"aipo_loss: entropy_coef must be a finite number, got {entropy_coef!r}")
     if entropy_coef != 0.0 and entropy is None:
         raise ValueError(f"aipo_loss: entropy_coef={entropy_coef} needs entropy (see token_logprobs)")
+    check_clip("aipo_loss", clip)
+    if old_logprobs is not None and clip is None:
+        raise ValueError("aipo_loss: old_logprobs is only read with clip=(eps_low, eps_high), the decoupled PPO "
+                         "form; pass clip too, or drop old_logprobs")
 
     if not validate:
         return

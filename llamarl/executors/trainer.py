@@ -6,7 +6,13 @@ AIPO loss
 
     L = − Σ_t m_t · min(π(y_t)/μ(y_t), ρ) · A · log π(y_t) / Σ_t m_t          (token mean over the batch)
 
-in micro-batches of ``micro_batch_size`` sequences whose gradients add up to exactly the full-batch
+A step of several updates (``mini_batches`` × ``epochs`` > 1) with ``trainer.clip_ratio`` > 0 uses the
+decoupled PPO clip of ``llamarl.algorithms.aipo_loss`` instead: before the first update, one no-grad
+forward over the step's mini-batches records logπ_old (the policy the step starts from; the first
+mini-batch of a one-epoch step needs none, its π is π_old); every update then weights a token by
+min(π_old/μ, ρ) and clips π/π_old to [1 − clip_ratio, 1 + clip_ratio_high].
+
+Each update runs in micro-batches of ``micro_batch_size`` sequences whose gradients add up to exactly the full-batch
 gradient (each micro-batch loss is weighted by its share of the batch's loss denominator: its tokens
 for ``norm="token"``, its non-empty sequences for ``norm="sequence"``), then clips the global
 gradient norm and steps AdamW at the step's learning rate (``lr_at``: warm-up, then constant, cosine or
@@ -149,6 +155,7 @@ class TrainerExecutor:
         self.sender = WeightSender(plan, self.rank, generator_handles, device=self.device, timeout=float("inf"))
         self.version: int | None = None  # the last version pushed to the generators
         self._rl_step: int | None = None  # the RL step being trained (train_step's step)
+        self._clip: tuple[float, float] | None = None  # the step's decoupled clip range (None: plain AIPO)
 
     # ------------------------------------------------------------------ commands
     def train_step(self, batch: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]], push: bool = False,
@@ -167,11 +174,64 @@ class TrainerExecutor:
         parts = batch if isinstance(batch, list) else [batch]
         update = self._distributed_train_step if self.distributed else self._train_step
         self._rl_step = step
-        stats = _combine_updates([update(part) for _ in range(self.cfg["epochs"]) for part in parts])
+        epochs = self.cfg["epochs"]
+        self._clip = self._clip_range(len(parts) * epochs)
+        olds: list[torch.Tensor | None] = [None] * len(parts)
+        if self._clip is not None:  # π_old of each part, before the first update (in which π = π_old exactly)
+            olds = [self._old_logprobs(p) if i or epochs > 1 else None for i, p in enumerate(parts)]
+        updates = [p if (e == 0 and i == 0) or olds[i] is None else dict(p, old_logprobs=olds[i])
+                   for e in range(epochs) for i, p in enumerate(parts)]
+        stats = _combine_updates([update(part) for part in updates])
         if push and stats["applied"]:
             stats["sync"] = self.push_weights(self.version + 1)
         stats["version"] = self.version
         return stats
+
+    def _clip_range(self, updates: int) -> tuple[float, float] | None:
+        """(ε_low, ε_high) of the decoupled clip for a step of ``updates`` updates; None: plain AIPO."""
+        low, high = self.cfg["clip_ratio"], self.cfg["clip_ratio_high"]
+        if updates == 1 or not low:
+            return None
+        return (low, low if high is None else high)
+
+    def _my_rows(self, rows: int) -> tuple[int, int]:
+        """The rows [lo, hi) of a batch of ``rows`` sequences this rank trains on (all of them on one rank)."""
+        if not self.distributed:
+            return 0, rows
+        if rows % self.world:
+            raise ValueError(f"train_step got {rows} sequences, which do not split evenly over trainer.ranks="
+                             f"{self.world}; make generator.prompts_per_step x samples_per_prompt a multiple of it")
+        per = rows // self.world
+        return self.rank * per, (self.rank + 1) * per
+
+    @torch.no_grad()
+    def _old_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """logπ_old [rows, T] (fp32, on this device) under the current weights, for this rank's rows (the
+        others stay 0 and are never read), in the micro-batches the update uses; an FSDP trainer runs
+        the same forwards on every rank (they gather shards)."""
+        batch, _, _ = self._on_device(batch)
+        out = torch.zeros(batch["targets"].shape, dtype=torch.float32, device=self.device)
+        lo, hi = self._my_rows(out.shape[0])
+        for start in range(lo, hi, self.cfg["micro_batch_size"]):
+            stop = min(start + self.cfg["micro_batch_size"], hi)
+            out[start:stop] = self._logprobs(self.model, slice_rows(batch, start, stop))
+        if self.sharded:
+            self.model.reshard()  # the root stays unsharded after a forward without backward
+        return out
+
+    def _logprobs(self, model: Llama, part: dict[str, torch.Tensor]) -> torch.Tensor:
+        """No-grad logπ [rows, T] of ``part["targets"]`` under ``model`` (fp32; with the fused loss, from
+        the trained positions only, through ``fused_logprobs``: no [rows, T, V] logits; 0 elsewhere)."""
+        if not self.fused:
+            return token_logprobs(_logits(model, part), part["targets"], self.temperature, entropy="none")[0]
+        from llamarl_kernels import fused_logprobs
+
+        idx = (part["mask"] > 0).reshape(-1).nonzero().squeeze(1)
+        hidden = _hidden(model, part)
+        picked, _ = fused_logprobs(hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx), model.lm_head_weight,
+                                   part["targets"].reshape(-1).index_select(0, idx), self.temperature)
+        out = torch.zeros(part["targets"].numel(), dtype=torch.float32, device=hidden.device)
+        return out.index_copy_(0, idx, picked).view(part["targets"].shape)
 
     def _train_step(self, batch: dict[str, torch.Tensor]) -> dict:
         t0 = time.perf_counter()
@@ -227,14 +287,10 @@ class TrainerExecutor:
         """``train_step`` on R_t ranks: this rank's rows of the batch; see the module docstring."""
         t0 = time.perf_counter()
         batch, total, kept_tokens = self._on_device(batch)
-        rows = batch["targets"].shape[0]
-        if rows % self.world:
-            raise ValueError(f"train_step got {rows} sequences, which do not split evenly over trainer.ranks="
-                             f"{self.world}; make generator.prompts_per_step x samples_per_prompt a multiple of it")
-        per = rows // self.world
-        mine = slice_rows(batch, self.rank * per, (self.rank + 1) * per)
+        lo, hi = self._my_rows(batch["targets"].shape[0])
+        mine = slice_rows(batch, lo, hi)
         mb = self.cfg["micro_batch_size"]
-        parts = [slice_rows(mine, lo, lo + mb) for lo in range(0, per, mb)]
+        parts = [slice_rows(mine, start, start + mb) for start in range(0, hi - lo, mb)]
         metrics: list[tuple[float, dict]] = []
 
         def weighted_loss(part: dict[str, torch.Tensor]) -> torch.Tensor | None:
@@ -346,9 +402,10 @@ class TrainerExecutor:
         ref = None
         if self.ref is not None:
             with torch.no_grad():
-                ref, _ = token_logprobs(_logits(self.ref, part), part["targets"], self.temperature, entropy="none")
+                ref = self._logprobs(self.ref, part)
+        old = part.get("old_logprobs")
         if c["correction"] == "none":
-            return self._uncorrected_loss(part, adv, ref)
+            return self._uncorrected_loss(part, adv, ref, old)
         if self.fused:
             from llamarl_kernels import fused_aipo_loss
 
@@ -366,24 +423,30 @@ class TrainerExecutor:
                                    rho=c["rho"], temperature=self.temperature,
                                    ref_logprobs=None if ref is None else pick(ref), kl_coef=c["kl_coef"],
                                    entropy_coef=c["entropy_coef"], norm=c["norm"],
-                                   sequence_ids=idx // width if c["norm"] == "sequence" else None)
+                                   sequence_ids=idx // width if c["norm"] == "sequence" else None,
+                                   old_logprobs=None if old is None else pick(old), clip=self._clip)
         logprobs, entropy = token_logprobs(_logits(self.model, part), part["targets"], self.temperature,
                                            entropy=self._entropy_mode)
         return aipo_loss(logprobs, part["behavior_logprobs"], adv, part["mask"], rho=c["rho"], norm=c["norm"],
-                         ref_logprobs=ref, kl_coef=c["kl_coef"], entropy=entropy, entropy_coef=c["entropy_coef"])
+                         ref_logprobs=ref, kl_coef=c["kl_coef"], entropy=entropy, entropy_coef=c["entropy_coef"],
+                         old_logprobs=old, clip=self._clip)
 
-    def _uncorrected_loss(self, part, adv, ref):
-        """The ablation: AIPO with μ := π (ratio 1), i.e. vanilla policy gradient on stale samples; the KL
-        and entropy terms as in the corrected loss.
+    def _uncorrected_loss(self, part, adv, ref, old):
+        """The ablation: AIPO with μ := π_old (weight 1), i.e. vanilla policy gradient on stale samples
+        (π_old = π, the policy of the moment, without the clip); the clip, KL and entropy terms as in the
+        corrected loss.
 
         Mismatch metrics are still measured against the real μ, so the two runs are comparable."""
         c = self.cfg
         logprobs, entropy = token_logprobs(_logits(self.model, part), part["targets"], self.temperature,
                                            entropy=self._entropy_mode)
-        loss, _ = aipo_loss(logprobs, logprobs.detach(), adv, part["mask"], rho=c["rho"], norm=c["norm"],
-                            ref_logprobs=ref, kl_coef=c["kl_coef"], entropy=entropy, entropy_coef=c["entropy_coef"])
+        behavior = logprobs.detach() if old is None else old
+        loss, _ = aipo_loss(logprobs, behavior, adv, part["mask"], rho=c["rho"], norm=c["norm"],
+                            ref_logprobs=ref, kl_coef=c["kl_coef"], entropy=entropy, entropy_coef=c["entropy_coef"],
+                            old_logprobs=old, clip=self._clip)
         _, metrics = aipo_loss(logprobs.detach(), part["behavior_logprobs"], adv, part["mask"], rho=c["rho"],
-                               norm=c["norm"], ref_logprobs=ref, entropy=entropy.detach())
+                               norm=c["norm"], ref_logprobs=ref, entropy=entropy.detach(), old_logprobs=old,
+                               clip=self._clip)
         return loss, metrics
 
 
