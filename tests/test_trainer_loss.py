@@ -144,3 +144,22 @@ def test_trainer_steps_at_the_scheduled_learning_rate(tmp_path):
     start = dict(random_model(CFG).named_parameters())
     for name, w in full_w.items():
         torch.testing.assert_close(warm_w[name] - start[name], 0.25 * (w - start[name]), rtol=1e-3, atol=1e-7)
+
+
+def test_a_resumed_trainer_uses_this_runs_optimizer_settings(tmp_path):
+    """The checkpoint's optimizer state restores its moments and step count, but betas and weight decay
+    are the resumed run's (loading the saved param groups used to put the old ones back silently)."""
+    from dist_harness import single_process_trainer
+
+    random_model(CFG).save_pretrained(tmp_path / "model")
+    batch = collate(_batch_rollouts(), ADV, 0)
+    with single_process_trainer(tmp_path / "model", CFG, TRAINER) as ex:
+        ex.train_step(batch)
+        path = ex.save_checkpoint(str(tmp_path / "run"), 1, 1, 0)
+        saved = {k: v.clone() for k, v in ex.opt.state[next(iter(ex.model.parameters()))].items()}
+    changed = dict(TRAINER, betas=(0.8, 0.99), weight_decay=0.3)
+    with single_process_trainer(tmp_path / "model", CFG, changed, resume=path) as ex:
+        assert all(g["betas"] == (0.8, 0.99) and g["weight_decay"] == 0.3 for g in ex.opt.param_groups)
+        state = ex.opt.state[next(iter(ex.model.parameters()))]
+        assert all(torch.equal(state[k], v) for k, v in saved.items())  # the moments and step are the checkpoint's
+

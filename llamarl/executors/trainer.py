@@ -144,6 +144,10 @@ class TrainerExecutor:
                 load_full_optimizer_state(self.opt, ckpt.optimizer_state())
             else:
                 self.opt.load_state_dict(ckpt.optimizer_state())
+            # the saved param groups bring the saved betas and weight decay back: this run's settings win
+            # (a resume may change them; lr is set at every update)
+            for group in self.opt.param_groups:
+                group["betas"], group["weight_decay"] = tuple(trainer["betas"]), trainer["weight_decay"]
             if ckpt.rng_state:
                 restore_rng_state(ckpt.rng_state)
         source = TrainerLayout(world_size=self.world, replicated=self.distributed and not self.sharded)
