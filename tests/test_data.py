@@ -21,7 +21,7 @@ from llamarl.data import (
     write_jsonl,
 )
 from llamarl.models import CharTokenizer
-from llamarl.rewards import exact_reward, format_reward, load_reward
+from llamarl.rewards import exact_reward, format_reward, gsm8k_reward, load_reward
 
 GSM8K_ROWS = [
     {"question": "Natalia sold 48 clips in April and half as many in May. How many in total?",
@@ -93,8 +93,11 @@ def test_load_errors_name_the_problem(tmp_path, lines, kwargs, message):
 
 def test_numeric_answers_become_the_text_a_verifier_compares(tmp_path):
     p = _write_lines(tmp_path / "n.jsonl", [json.dumps({"question": f"q{i}", "answer": a})
-                                            for i, a in enumerate([72.0, 72, -3.0, 2.5, 1e21, 1e300, 0.1])])
-    assert [s.answer for s in load_dataset(p)] == ["72", "72", "-3", "2.5", "1e+21", "1e+300", "0.1"]
+                                            for i, a in enumerate([72.0, 72, -3.0, 2.5, 1e21, 1e300, 0.1, 1e-05,
+                                                                   1.2345678901234566e25])])
+    assert [s.answer for s in load_dataset(p)] == ["72", "72", "-3", "2.5", "1" + "0" * 21, "1" + "0" * 300, "0.1",
+                                                   "0.00001", "12345678901234566000000000"]
+    assert gsm8k_reward("#### 0.00001", "0.00001") == 1.0 and gsm8k_reward("#### 1", "0.00001") == 0.0
 
 
 def test_missing_file_and_bad_extension(tmp_path):

@@ -82,6 +82,27 @@ CASES = [
     ("#### 42\n\n#### Check\nWe used 6 boxes of 7", "42", 1.0),  # an answer marker before a heading
     ("I computed 72.\n#### seventy-two", "72", 0.0),  # a last-line marker is a declaration, not a heading
     ("#### Answer: 42 (6 * 7)", "42", 1.0),
+    # --- an answer phrase after the marker: an answer, even with text below it; a box without a marker ---
+    ("#### Answer: 72\n\nNatalia sold 72 clips over the 2 months.", "72", 1.0),
+    ("#### The answer is 72\nThat is 24 more than in May.", "72", 1.0),
+    ("#### The final answer is $72\nCheck: 24 + 48", "72", 1.0),
+    ("#### Final Answer\n12 + 30 = 42", "42", 1.0),  # the phrase alone on its line: still a heading
+    ("The answer is \\boxed{72}. (Check: 72 - 70 = 2)", "72", 1.0),  # the box beats the last number
+    ("\\boxed{72}\nVerification: 8 x 9 = 72, and 72 / 8 = 9", "72", 1.0),
+    ("\\boxed{72}, so #### 73", "73", 1.0),  # the marker beats the box
+    ("\\boxed{x}, and x = 5", "5", 1.0),  # a box without a number: the last number
+    ("\\boxed{72", "72", 1.0),  # an unclosed box is no box: the last number
+    # --- dashes as minus signs ---
+    ("#### \u201372", "-72", 1.0),  # en dash
+    ("#### \uff0d72", "-72", 1.0),  # fullwidth hyphen-minus
+    ("pages 10\u201315", "15", 1.0),  # an en dash after a digit is a range, not a sign
+    # --- a reference that is not one number rewards nothing (it used to be cut to its first number) ---
+    ("#### 1", "1e+21", 0.0),
+    ("#### 3", "3/4", 0.0),
+    ("#### 12", "12:30", 0.0),
+    ("#### 10", "10-15", 0.0),
+    ("#### 5", "5 or 6", 0.0),
+    ("#### 2", "2 1/2", 0.0),
     # --- LaTeX number spellings ---
     ("\\boxed{1{,}000}", "1000", 1.0),
     ("#### 1{,}000", "1000", 1.0),
@@ -168,6 +189,8 @@ def test_non_strings_score_zero(bad):
         ("#### 42\n#### Check\n40 + 2 = 42", 1.0),  # ... unless it is a heading, as for the reward
         ("#### Steps\n40 + 2 = 42", 0.0),  # only a heading: no declared answer
         ("#### -$5", 1.0),
+        ("#### Answer: 72\nbecause 24 + 48", 1.0),  # an answer phrase after the marker
+        ("\\boxed{72}", 0.0),  # a box is not the GSM8K format
         ("#### 1{,}000", 1.0),
         ("", 0.0),
     ],

@@ -4,13 +4,19 @@ Extraction (completion):
   1. The GSM8K marker ``####`` declares the answer. The *last* marker that is not a markdown heading
      decides: its answer is the first number after it (up to the next marker). Such a marker followed
      by no number means the declared answer is not a number (``72 ... #### seventy-two``): 0.0.
+     "Directly followed" allows spaces, one ``$`` and an answer phrase: ``#### 72``, ``#### $72``,
+     ``#### Answer: 72``, ``#### The final answer is 72``.
      A markdown heading is a ``####`` that starts a line, is not directly followed by a number, and has
      more text on the lines below (``#### Step 2: add tax\n30 + 12 = 42``); it is not an answer marker.
-  2. Otherwise (no marker, or only headings) the answer is the *last* number anywhere in the completion
-     (the usual fallback).
+  2. Otherwise (no marker, or only headings), the first number inside the last closed ``\\boxed{...}``
+     (the "put your final answer within \\boxed{}" convention; llamarl.rewards.math.last_boxed), so a
+     check written after the box (``\\boxed{72}. Check: 72 - 70 = 2``) does not replace it.
+  3. Otherwise the answer is the *last* number anywhere in the completion (the usual fallback).
 
 Reference: the text after the last ``####`` when present (a full GSM8K solution may be passed), else
-the whole string; its first number is the reference value.
+the whole string. It must hold exactly one number, which is the reference value; a reference with
+several (``10-15``, ``3/4``, ``12:30``, ``5 or 6``, ``1e+21``) is not a plain GSM8K answer and scores
+every completion 0.0 rather than being cut to its first number (which would reward wrong answers).
 
 A "number" is an optionally signed decimal: ``1,234,567.5`` (comma thousands groups; ``1,2345`` is two
 numbers), ``-3``, ``.5``, ``0.50``, ``-$5``. Currency signs, percent signs and trailing units are not part
@@ -18,7 +24,8 @@ of the match, so they are ignored (``$1,200`` -> 1200, ``18 eggs`` -> 18, ``12%`
 after a word character or a closing bracket is an operator, not a sign (``10-4`` holds 10 and 4).
 LaTeX spellings are normalised first, on both sides: ``1{,}000`` -> ``1,000``; a thin space ``\\,`` (or
 ``\\!``) between digits is a thousands separator like a comma (``1\\,000`` -> ``1,000``); an escaped dollar
-``\\$`` is a dollar sign (``-\\$5`` -> -5).
+``\\$`` is a dollar sign (``-\\$5`` -> -5). A minus sign may be written ``-``, ``−`` (U+2212), ``–`` (en dash)
+or ``－`` (fullwidth).
 Values compare exactly as ``decimal.Decimal`` (``72.00 == 72``; ``720 != 72``; ``7.2 != 72``). No
 fractions or scientific notation: GSM8K answers are plain decimals.
 
@@ -32,14 +39,20 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
+from llamarl.rewards.math import last_boxed
+
 # sign: only where it cannot be a binary minus/plus (not after a word char, digit, ')' or ']').
 _NUMBER_RE = re.compile(
-    r"(?:(?P<sign>(?<![\w)\]])[-\u2212+])\$?)?"
+    r"(?:(?P<sign>(?<![\w)\]])[-\u2212\u2013\uff0d+])\$?)?"
     r"(?<![\d.])"
     r"(?P<body>\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
 )
 MARKER = "####"
-_LEAD_RE = re.compile(r"\s*\$?\s*")  # what may stand between a marker and its number
+# what may stand between a marker and its number: spaces, an answer phrase ("Answer:", "The final answer is"), a $
+# (the phrase and what follows it stay on the marker's line: "#### Final Answer\n12 + 30 = 42" is a heading)
+_LEAD_RE = re.compile(r"\s*(?:(?:the[ \t]+)?(?:final[ \t]+)?answer(?:[ \t]+is)?[ \t]*[:=]?[ \t]*\$?[ \t]*|\$?\s*)",
+                      re.IGNORECASE)
+_MINUS = ("-", "\u2212", "\u2013", "\uff0d")
 _THIN_SPACE_RE = re.compile(r",\\!|(?<=\d)\\[,!](?=\d)")  # "1,\!000", "1\,000" -> thousands comma
 
 
@@ -57,7 +70,7 @@ def _to_decimal(match: re.Match) -> Decimal | None:
         value = Decimal(body)
     except InvalidOperation:
         return None
-    return -value if match.group("sign") in ("-", "\u2212") else value
+    return -value if match.group("sign") in _MINUS else value
 
 
 def numbers(text: str) -> list[Decimal]:
@@ -71,7 +84,7 @@ def numbers(text: str) -> list[Decimal]:
 
 
 def _number_right_after(text: str, pos: int) -> Decimal | None:
-    """The number that directly follows ``text[pos:]`` (spaces and one ``$`` allowed), else None."""
+    """The number that directly follows ``text[pos:]`` (spaces, an answer phrase and one ``$``), else None."""
     m = _NUMBER_RE.match(text, _LEAD_RE.match(text, pos).end())
     return _to_decimal(m) if m else None
 
@@ -103,10 +116,14 @@ def _deciding_marker(text: str) -> tuple[int, int, Decimal | None] | None:
 
 
 def extract_predicted_number(completion: str) -> Decimal | None:
-    """The number a completion declares as its answer (``#### N`` first, else the last number)."""
+    """The number a completion declares as its answer (``#### N``, else the last box, else the last number)."""
     text = _clean(completion)
     marker = _deciding_marker(text)
     if marker is None:
+        boxed = last_boxed(text)
+        found = numbers(boxed) if boxed is not None else []
+        if found:
+            return found[0]
         found = numbers(text)
         return found[-1] if found else None
     start, end, direct = marker
@@ -124,11 +141,12 @@ def marked_number(completion: str) -> Decimal | None:
 
 
 def extract_reference_number(answer: str) -> Decimal | None:
-    """The reference value: the first number after the last ``####`` (or of the whole string)."""
+    """The reference value: the one number after the last ``####`` (or in the whole string); None when
+    there is no number or more than one."""
     answer = _clean(answer)
     tail = answer.rsplit(MARKER, 1)[1] if MARKER in answer else answer
     found = numbers(tail)
-    return found[0] if found else None
+    return found[0] if len(found) == 1 else None
 
 
 def gsm8k_reward(completion: str, answer: str) -> float:
