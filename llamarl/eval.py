@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from llamarl.data import PromptFormat, PromptFormatter, Sample, load_dataset, select_shots
+from llamarl.data import PromptFormat, PromptFormatter, Sample, load_dataset, select_shots, shot_key
 from llamarl.data.synthetic import SYNTHETIC_PREFIX, parse_synthetic_spec
 from llamarl.rewards import RewardPool, RewardPoolError, load_reward
 from llamarl.rewards.registry import InfoParams, call_reward, info_params
@@ -381,21 +381,18 @@ def run(args: argparse.Namespace) -> EvalResult:
     if args.dataset.startswith("synthetic:") and not args.dataset.startswith(SYNTHETIC_PREFIX):
         raise ValueError(f"--dataset {args.dataset}: unknown synthetic dataset; known: {SYNTHETIC_PREFIX}[:options]")
     synthetic = args.dataset.startswith(SYNTHETIC_PREFIX)
-    same_file_shots = False
     if synthetic:
         task, count = parse_synthetic_spec(args.dataset)
         samples = task.heldout_samples(count if args.limit is None else args.limit)
         shot_pool = task.train_samples(max(args.few_shot * 10, 1)) if args.few_shot else []
     else:
         samples = load_dataset(args.dataset, args.prompt_field, args.answer_field, id_field=args.id_field)
-        if args.few_shot_file:
-            shot_pool = load_dataset(args.few_shot_file, args.prompt_field, args.answer_field, id_field=args.id_field)
-        else:
-            shot_pool, same_file_shots = samples, True
+        shot_pool = (load_dataset(args.few_shot_file, args.prompt_field, args.answer_field, id_field=args.id_field)
+                     if args.few_shot_file else samples)
     shots = select_shots(shot_pool, args.few_shot, seed=args.seed) if args.few_shot else []
-    if same_file_shots and shots:
-        used = {s.id for s in shots}
-        samples = [s for s in samples if s.id not in used]
+    if shots:  # a problem shown solved is not evaluated (shots from this file, or the same problem in another)
+        used = {shot_key(s) for s in shots}
+        samples = [s for s in samples if shot_key(s) not in used]
     if not synthetic and args.limit is not None:
         samples = samples[: args.limit]
     reward_spec = args.reward or ("exact" if synthetic else None)

@@ -167,6 +167,36 @@ def test_prompt_format_validation():
         PromptFormatter(shots=SHOTS).render(SHOTS[0])
 
 
+def test_few_shot_examples_show_the_solution_as_written(tmp_path):
+    """A GSM8K record's answer is reduced to "72" for the verifier, but as an example it shows the whole
+    solution with its "#### 72" (the form the verifier and the format reward look for), raw and chat."""
+    solution = "Natalia sold 48/2 = 24 clips in May.\nShe sold 48 + 24 = 72 clips.\n#### 72"
+    p = _write_lines(tmp_path / "g.jsonl", [json.dumps({"question": "How many clips?", "answer": solution}),
+                                            json.dumps({"question": "What is 2+2?", "answer": 4})])
+    shot, plain = load_dataset(p)
+    assert (shot.answer, shot.solution) == ("72", solution) and (plain.answer, plain.solution) == ("4", None)
+    f = PromptFormatter(PromptFormat(template="Question: {prompt}\nAnswer: "), shots=[shot])
+    text = f.render(TARGET)
+    assert text == f"Question: How many clips?\nAnswer: {solution}\nQuestion: 12+30=\nAnswer: "
+    assert format_reward(solution, "gsm8k") == 1.0  # what the example teaches is the rewarded format
+    chat = PromptFormatter(PromptFormat(chat=True), shots=[shot], tokenizer=CharTokenizer())
+    assert chat.messages(TARGET)[1] == {"role": "assistant", "content": solution}
+    write_jsonl([shot, plain], tmp_path / "back.jsonl")  # round trip: the solution is what gets written
+    assert [(s.answer, s.solution) for s in load_dataset(tmp_path / "back.jsonl")] == [("72", solution), ("4", None)]
+
+
+def test_the_leak_check_compares_prompts_not_ids():
+    """Ids of two files may coincide (``<file stem>-<index>``): a sample that shares only an id with an
+    example renders; one that repeats an example's prompt under another id is refused, and select_shots
+    never picks the problem of an excluded sample."""
+    f = PromptFormatter(shots=SHOTS)
+    assert f.render(Sample("s1", "7+7=", "14")) == "1+2=3\n4+4=8\n7+7="
+    with pytest.raises(ValueError, match="has the prompt of one of the few-shot examples"):
+        f.render(Sample("other-id", " 1+2= ", "3"))
+    pool = [Sample("a", "1+2=", "3"), Sample("b", "5+5=", "10")]
+    assert select_shots(pool, 1, exclude=[Sample("z", "1+2=", "3")]) == [pool[1]]
+
+
 def test_select_shots_is_deterministic_and_excludes():
     pool = [Sample(f"p{i}", f"{i}+1=", str(i + 1)) for i in range(20)]
     a = select_shots(pool, 3, seed=1, exclude=pool[:10])

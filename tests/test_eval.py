@@ -200,6 +200,25 @@ def test_cli_stop_strings_of_several_tokens_cut_the_transformers_greedy_text(che
     assert records[0]["completion"].endswith(stops[0]) and records[0]["finish_reason"] == "stop"
 
 
+def test_cli_few_shot_file_with_the_same_ids_drops_only_the_repeated_problem(checkpoint, tmp_path):
+    """Two files of the same stem give the same default ids (gsm8k-0, ...): examples from one do not
+    collide with the other's samples by id; the one test problem that is also an example is dropped."""
+    _, path = checkpoint
+    (tmp_path / "train").mkdir()
+    (tmp_path / "test").mkdir()
+    shots = [("1+2=", "3"), ("4+4=", "8")]
+    tests = [("4+4=", "8"), ("5+5=", "10"), ("6+1=", "7")]
+    for folder, rows in (("train", shots), ("test", tests)):
+        (tmp_path / folder / "gsm8k.jsonl").write_text(
+            "".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in rows))
+    out = tmp_path / "res.jsonl"
+    rc = main(["--model", str(path), "--dataset", str(tmp_path / "test" / "gsm8k.jsonl"), "--reward", "exact",
+               "--few-shot", "2", "--few-shot-file", str(tmp_path / "train" / "gsm8k.jsonl"), "--max-new-tokens",
+               "2", "--reward-workers", "1", "--output", str(out), "--no-progress"])
+    assert rc == 0
+    assert [json.loads(line)["sample_id"] for line in out.read_text().splitlines()] == ["gsm8k-1", "gsm8k-2"]
+
+
 def test_cli_sampling_pass_at_k_is_consistent_with_its_records(checkpoint, tmp_path):
     _, path = checkpoint
     out = tmp_path / "s.jsonl"

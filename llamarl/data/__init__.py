@@ -11,7 +11,7 @@ PromptDataset), synthetic (ArithmeticTask).
 """
 
 from llamarl.data.datasets import Sample, load_dataset, reduce_answer, write_jsonl
-from llamarl.data.prompts import Prompt, PromptDataset, PromptFormat, PromptFormatter, select_shots
+from llamarl.data.prompts import Prompt, PromptDataset, PromptFormat, PromptFormatter, select_shots, shot_key
 from llamarl.data.synthetic import SYNTHETIC_PREFIX, ArithmeticTask, parse_synthetic_spec
 
 __all__ = [
@@ -26,5 +26,6 @@ __all__ = [
     "parse_synthetic_spec",
     "reduce_answer",
     "select_shots",
+    "shot_key",
     "write_jsonl",
 ]

@@ -4,7 +4,8 @@ A ``Sample(id, prompt, answer)`` is what every stage passes around: the prompt t
 formatting (templates, few-shot prefixes and chat templates are ``prompts.py``'s concern) and the
 reference answer *in the form the verifier expects*. GSM8K files store full solutions ending in
 ``#### 72``; ``load_dataset`` reduces those to ``"72"`` (``reduce_answer=True``), so the verifier and the
-eval logs see the final answer only.
+eval logs see the final answer only, and keeps the full text in ``Sample.solution``: a few-shot example
+shows it (the reasoning and the ``#### 72`` the verifier and the format reward look for), not the bare number.
 
 File formats:
   * ``.jsonl``: one JSON object per line, blank lines skipped;
@@ -17,8 +18,9 @@ come from ``id_field`` when every record has it (must be unique), else ``"<file 
 A record's other fields are kept in ``Sample.extra``: a reward function that names one of them as a
 keyword parameter receives it (llamarl.rewards.registry).
 
-Numeric answers become text: integral numbers as integers (``72.0`` → ``"72"``), others as Python's
-shortest repr; NaN/inf and empty answers are errors (such a sample could never be scored).
+Numeric answers become text: integral numbers as integers (``72.0`` → ``"72"``), others in positional
+notation with the digits of Python's shortest repr (``1e-05`` → ``"0.00001"``); NaN/inf and empty answers
+are errors (such a sample could never be scored).
 
 Errors name the file, the line (JSONL) or row (Parquet), the missing field and the fields present.
 """
@@ -52,6 +54,9 @@ class Sample:
     messages: tuple[tuple[str, str], ...] | None = None
     # the record's other fields (for reward functions that ask for them by name); not part of equality
     extra: Mapping[str, Any] | None = field(default=None, compare=False)
+    # the answer as written, when ``answer`` was reduced from it (a GSM8K solution ending in "#### 72"):
+    # what a few-shot example shows; None when the answer is the text as written
+    solution: str | None = field(default=None, compare=False)
 
     def reward_info(self) -> dict[str, Any]:
         """What a reward function may ask for by name (llamarl.rewards.registry.call_reward): the record's
@@ -178,9 +183,8 @@ def load_dataset(
         messages = _as_messages(rec[prompt_field], prompt_field, where, p)
         prompt = ("\n".join(f"{role}: {content}" for role, content in messages) if messages is not None
                   else _as_text(rec[prompt_field], prompt_field, where, p, numbers_ok=False))
-        answer = _as_text(rec[answer_field], answer_field, where, p, numbers_ok=True)
-        if reduce_answers:
-            answer = reduce_answer(answer)
+        written = _as_text(rec[answer_field], answer_field, where, p, numbers_ok=True)
+        answer = reduce_answer(written) if reduce_answers else written
         if not answer.strip():
             raise ValueError(f"{p} {where}: field {answer_field!r} is empty" + (" after the final '####'" if
                              reduce_answers and GSM8K_MARKER in rec[answer_field] else "") +
@@ -190,7 +194,8 @@ def load_dataset(
             raise ValueError(f"{p} {where}: duplicate id {sid!r} (first seen at {seen[sid]}); ids must be unique")
         seen[sid] = where
         extra = {k: v for k, v in rec.items() if k not in (prompt_field, answer_field, id_field)}
-        samples.append(Sample(sid, prompt, answer, messages, extra or None))
+        samples.append(Sample(sid, prompt, answer, messages, extra or None,
+                              written.strip() if answer != written.strip() else None))
     return samples
 
 
@@ -202,15 +207,15 @@ def write_jsonl(
     id_field: str = "id",
 ) -> Path:
     """Write samples so that ``load_dataset(path, prompt_field, answer_field, id_field=id_field)`` reads them
-    back unchanged (``extra`` too, as the record's other fields) when their answers are already reduced (no
-    ``####``, no surrounding whitespace)."""
+    back unchanged (``extra`` too, as the record's other fields; a reduced answer is written as its
+    ``solution``, which reduces to it again)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for s in samples:
             prompt = s.prompt if s.messages is None else [{"role": r, "content": c} for r, c in s.messages]
-            record = {**(s.extra or {}), id_field: s.id, prompt_field: prompt, answer_field: s.answer}
+            record = {**(s.extra or {}), id_field: s.id, prompt_field: prompt, answer_field: s.solution or s.answer}
             f.write(json.dumps(record) + "\n")
     os.replace(tmp, p)
     return p

@@ -4,8 +4,11 @@ Three layers, each optional:
   1. template: a raw string with a ``{prompt}`` placeholder, e.g. ``"Question: {prompt}\\nAnswer:"``.
      Substitution is literal (``str.replace``), so LaTeX braces in a template need no escaping.
   2. few-shot prefix: k solved examples (``Sample``s, e.g. from the training split) shown before the
-     question. Raw mode renders each as ``template(prompt) + shot_answer_template(answer) + separator``;
-     chat mode renders them as user/assistant turns.
+     question. Raw mode renders each as ``template(prompt) + shot_answer_template(solution) + separator``;
+     chat mode renders them as user/assistant turns. An example shows its ``solution`` (the answer as the
+     file wrote it, e.g. a GSM8K solution ending in ``#### 72``) when it has one, else its ``answer``. A
+     sample whose prompt is one of the examples' cannot be rendered (its answer would leak): the check is
+     on the prompt (``shot_key``), not the id, since ids of two files may coincide.
   3. chat template: ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)`` over
      ``[system?] + [user, assistant] * k + [user]``; the template decides every special token.
 
@@ -62,12 +65,19 @@ class PromptFormat:
             raise ValueError("a system message needs chat=True (raw prompts have no roles; put it in the template)")
 
 
+def shot_key(sample: Sample) -> str:
+    """What makes two samples the same problem for the few-shot leak check: the prompt text, stripped (a
+    conversation's ``prompt`` is its plain rendering, so it covers the messages)."""
+    return sample.prompt.strip()
+
+
 def select_shots(pool: Sequence[Sample], k: int, *, seed: int = 0, exclude: Sequence[Sample] = ()) -> list[Sample]:
-    """``k`` distinct examples drawn deterministically from ``pool``, never one whose id is in ``exclude``."""
+    """``k`` distinct examples drawn deterministically from ``pool``, never the problem of one in ``exclude``
+    (compared by ``shot_key``)."""
     if k < 0:
         raise ValueError(f"number of few-shot examples must be >= 0, got {k}")
-    banned = {s.id for s in exclude}
-    candidates = [s for s in pool if s.id not in banned]
+    banned = {shot_key(s) for s in exclude}
+    candidates = [s for s in pool if shot_key(s) not in banned]
     if k > len(candidates):
         raise ValueError(f"asked for {k} few-shot examples but only {len(candidates)} candidates are available")
     return random.Random(f"few-shot:{seed}").sample(candidates, k)
@@ -83,7 +93,7 @@ class PromptFormatter:
         self.fmt = fmt
         self.shots = tuple(shots)
         self.tokenizer = tokenizer
-        self._shot_ids = {s.id for s in self.shots}
+        self._shot_keys = {shot_key(s) for s in self.shots}
 
     def _question(self, prompt: str) -> str:
         return self.fmt.template.replace(PROMPT_PLACEHOLDER, prompt)
@@ -100,7 +110,7 @@ class PromptFormatter:
         msgs = own or ([{"role": "system", "content": self.fmt.system}] if self.fmt.system is not None else [])
         for shot in self.shots:
             msgs += self._turns(shot)
-            msgs.append({"role": "assistant", "content": self._answer(shot.answer)})
+            msgs.append({"role": "assistant", "content": self._answer(shot.solution or shot.answer)})
         return msgs + self._turns(sample)
 
     def _turns(self, sample: Sample) -> list[dict[str, str]]:
@@ -113,8 +123,9 @@ class PromptFormatter:
 
     def render(self, sample: Sample) -> str:
         """The exact text the model is prompted with."""
-        if sample.id in self._shot_ids:
-            raise ValueError(f"sample {sample.id!r} is also one of the few-shot examples; its answer would leak")
+        if shot_key(sample) in self._shot_keys:
+            raise ValueError(f"sample {sample.id!r} has the prompt of one of the few-shot examples; its answer would "
+                             "leak (drop it from the samples, or pick other examples)")
         if not self.fmt.chat and (sample.messages is not None or any(s.messages is not None for s in self.shots)):
             raise ValueError(f"sample {sample.id!r} is a conversation (a list of messages), which only a chat "
                              "template can render; use chat formatting (data.chat=true, llamarl.eval --chat)")
@@ -125,7 +136,7 @@ class PromptFormatter:
                 raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected the rendered str")
             return text
         prefix = "".join(
-            self._question(s.prompt) + self._answer(s.answer) + self.fmt.shot_separator for s in self.shots
+            self._question(s.prompt) + self._answer(s.solution or s.answer) + self.fmt.shot_separator for s in self.shots
         )
         return prefix + self._question(sample.prompt)
 
