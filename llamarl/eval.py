@@ -43,6 +43,7 @@ from llamarl.data import PromptFormat, PromptFormatter, Sample, load_dataset, se
 from llamarl.data.synthetic import SYNTHETIC_PREFIX, parse_synthetic_spec
 from llamarl.rewards import RewardPool, RewardPoolError, load_reward
 from llamarl.rewards.registry import InfoParams, call_reward, info_params
+from llamarl.rewards.terms import as_reward, describe_exception
 
 
 
@@ -122,14 +123,12 @@ RewardLike = str | Callable[[str, str], float] | RewardPool
 
 def _score_in_process(fn: Callable[..., float], params: InfoParams, sample: Sample,
                       completion: str) -> tuple[float, str | None]:
-    sample_id = sample.id
+    """(reward, None), or (0.0, the error) when the function raises or returns what the worker pool would
+    refuse too (a string, NaN, inf, beyond float32: llamarl.rewards.terms.as_reward)."""
     try:
-        reward = float(call_reward(fn, completion, sample.answer, sample.reward_info(), params))
-    except Exception as e:
-        return 0.0, f"sample {sample_id!r}: {type(e).__name__}: {e}"
-    if not math.isfinite(reward):
-        return 0.0, f"sample {sample_id!r}: reward function returned {reward}"
-    return reward, None
+        return as_reward(call_reward(fn, completion, sample.answer, sample.reward_info(), params)), None
+    except Exception as e:  # noqa: BLE001 - a failing reward costs its sample, not the evaluation
+        return 0.0, f"sample {sample.id!r}: {describe_exception(e)}"
 
 
 def eos_ids(tokenizer, config, model_dir: str | Path | None = None) -> list[int]:

@@ -105,6 +105,13 @@ def test_evaluate_with_a_reward_pool_and_a_raising_function():
     assert res.num_errors == 4 and res.accuracy == pytest.approx((1 + 3) / 16)  # p2's two right answers lost
     assert all("'p2'" in r.error and "KeyError" in r.error for r in res.records if r.sample_id == "p2")
 
+    # in process, a reward the worker pool would refuse is refused too: a string, or beyond float32's range
+    for bad, message in (("1.0", "expected a number"), (1e39, "beyond float32")):
+        res = evaluate(None, tok, samples, lambda c, a, bad=bad: bad, n=4, k=(1,), engine=engine,
+                       fmt=PromptFormat(add_bos=False))
+        assert res.num_errors == 4 * len(samples) and res.accuracy == 0.0
+        assert all(message in r.error for r in res.records)
+
 
 def test_evaluate_rejects_bad_arguments():
     tok, samples, engine = _scripted_case()
