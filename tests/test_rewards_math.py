@@ -159,6 +159,10 @@ def test_same_verdicts_from_worker_threads():
         (r"\boxed{a}{b}", "a"),
         (r"\boxed {x+1}", "x+1"),
         (r"\boxed 5$", "5"),
+        (r"$\boxed5$", "5"),  # no space: TeX boxes the next token
+        (r"\boxed-3.", "-3"),
+        (r"\boxed\pi", r"\pi"),
+        (r"\boxed, as asked", None),  # punctuation is not a token
         (r"\fbox{7}", "7"),
         (r"\boxed{1} \boxed{2", None),  # last box unclosed
         (r"\boxedx{3}", None),  # a different command
