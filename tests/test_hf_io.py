@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
-from llamarl.models import Llama, LlamaConfig  # noqa: E402
-from llamarl.models.hf_io import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE  # noqa: E402
+from llamarl.models import Llama, LlamaConfig, hf_io  # noqa: E402
+from llamarl.models.hf_io import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, check_checkpoint  # noqa: E402
 
 CFG = LlamaConfig(
     vocab_size=83, hidden_size=48, intermediate_size=77, num_hidden_layers=2, num_attention_heads=6,
@@ -180,18 +180,66 @@ def test_missing_and_unexpected_tensors(tmp_path):
         Llama.from_pretrained(p)
 
 
-def test_non_float_weights_and_missing_shard(tmp_path):
+def edit_weights(path, **tensors):
+    sd = load_file(path / WEIGHTS_FILE)
+    sd.update({k.replace("__", "."): t for k, t in tensors.items()})
+    save_file(sd, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+
+
+def refused_by_both(path, match):
+    """check_checkpoint (headers) and from_pretrained (the load) refuse ``path`` with the same message."""
+    with pytest.raises(ValueError, match=match) as checked:
+        check_checkpoint(path)
+    with pytest.raises(ValueError, match=match) as loaded:
+        Llama.from_pretrained(path)
+    assert str(checked.value) == str(loaded.value)
+
+
+@pytest.mark.parametrize("dtype, name", [(torch.int32, "I32"), (torch.float8_e4m3fn, "F8_E4M3"),
+                                         (torch.float8_e5m2, "F8_E5M2")])
+def test_weights_outside_the_dtype_whitelist_are_refused_on_both_paths(tmp_path, dtype, name):
     p = saved(tmp_path)
-    sd = load_file(p / WEIGHTS_FILE)
-    sd["model.norm.weight"] = sd["model.norm.weight"].to(torch.int32)
-    save_file(sd, str(p / WEIGHTS_FILE), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="non-floating"):
-        Llama.from_pretrained(p)
+    w = load_file(p / WEIGHTS_FILE)["model.layers.0.mlp.up_proj.weight"]
+    edit_weights(p, model__layers__0__mlp__up_proj__weight=w.to(dtype))  # float8: would upcast silently
+    refused_by_both(p, f"'model.layers.0.mlp.up_proj.weight' has dtype {name}; llamarl loads only "
+                       "float64/float32/bfloat16/float16")
+
+
+def test_missing_shard(tmp_path):
     p2 = tmp_path / "sharded"
     ours().save_pretrained(p2, max_shard_bytes=40_000)
     next(p2.glob("model-00002-*.safetensors")).unlink()
     with pytest.raises(FileNotFoundError, match="shard model-00002"):
         Llama.from_pretrained(p2)
+
+
+def test_tied_config_with_a_different_lm_head_is_refused(tmp_path, monkeypatch):
+    # an untied checkpoint whose config.json claims tied: its own head must not be dropped silently
+    p = saved(tmp_path, tied=False)
+    edit_config(p, tie_word_embeddings=True)
+    refused_by_both(p, "tie_word_embeddings=true, but the checkpoint's 'lm_head.weight' .*differs from "
+                       "'model.embed_tokens.weight'.*set \"tie_word_embeddings\": false in config.json")
+    # one ulp in the last row, found by the block-wise comparison (10 rows per block here)
+    monkeypatch.setattr(hf_io, "_COMPARE_BLOCK_BYTES", 8 * CFG.hidden_size * 10)
+    emb = load_file(p / WEIGHTS_FILE)["model.embed_tokens.weight"]
+    head = emb.clone()
+    head[-1, 0] = torch.nextafter(head[-1, 0], torch.tensor(2.0))
+    edit_weights(p, lm_head__weight=head)
+    refused_by_both(p, r"differs .* first in rows \[80, 83\)")
+
+
+@pytest.mark.parametrize("head_dtype", [torch.float32, torch.float64])
+def test_tied_config_accepts_an_lm_head_equal_to_the_embedding(tmp_path, head_dtype):
+    m = ours(tied=True)
+    m.save_pretrained(tmp_path)
+    emb = load_file(tmp_path / WEIGHTS_FILE)["model.embed_tokens.weight"]
+    edit_weights(tmp_path, lm_head__weight=emb.to(head_dtype))  # some tools save both (same values)
+    assert check_checkpoint(tmp_path).tie_word_embeddings
+    loaded = Llama.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    x = torch.randint(0, CFG.vocab_size, (1, 7))
+    with torch.no_grad():
+        assert torch.equal(loaded(x), m(x))
 
 
 def test_generation_config_eos_ids_join_the_stop_tokens(tmp_path):

@@ -203,6 +203,22 @@ def test_config_hf_dict_roundtrip_and_transformers_agrees(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "special",
+    [{}, {"bos_token_id": None, "eos_token_id": None}, {"bos_token_id": 5}, {"eos_token_id": [7, 9]},
+     {"bos_token_id": 0, "eos_token_id": None}],
+)
+def test_from_hf_dict_special_ids_as_transformers_reads_them(special):
+    # absent keys take transformers' defaults (bos 1, eos 2: what HF generate stops on); null stays None
+    d = {"model_type": "llama", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 1, "num_attention_heads": 4, **special}
+    ours, hf = LlamaConfig.from_hf_dict(d), transformers.LlamaConfig(**d)
+    assert ours.bos_token_id == hf.bos_token_id
+    hf_eos = tuple(hf.eos_token_id) if isinstance(hf.eos_token_id, list) else hf.eos_token_id
+    assert ours.eos_token_id == hf_eos
+    assert ours.eos_token_ids == (() if hf_eos is None else hf_eos if isinstance(hf_eos, tuple) else (hf_eos,))
+
+
+@pytest.mark.parametrize(
     "changes, match",
     [
         (dict(num_key_value_heads=3), "multiple of"),

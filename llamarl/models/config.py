@@ -21,8 +21,10 @@ even (RoPE rotates pairs), token ids inside the vocabulary, and a supported ``ro
      "original_max_position_embeddings"}  Llama 3.1 frequency-dependent scaling (see llama.py)
 
 ``from_hf_dict`` reads both config.json dialects: transformers 4.x (``rope_theta`` + ``rope_scaling``)
-and 5.x (``rope_parameters`` holding ``rope_theta`` and the scaling keys). ``to_hf_dict`` writes the 4.x
-dialect, which both major versions of transformers load.
+and 5.x (``rope_parameters`` holding ``rope_theta`` and the scaling keys). Absent keys take
+transformers' LlamaConfig defaults, so both libraries build the same model from one file; in particular
+a config.json without ``bos_token_id`` / ``eos_token_id`` means bos 1 / eos 2 (an explicit null: none).
+``to_hf_dict`` writes the 4.x dialect, which both major versions of transformers load.
 """
 
 from __future__ import annotations
@@ -191,8 +193,9 @@ class LlamaConfig:
                 # transformers defaults it to max_position_embeddings
                 scaling["original_max_position_embeddings"] = int(d.get("max_position_embeddings", 2048))
 
+        vocab_size = _int_field(d, "vocab_size")
         return cls(
-            vocab_size=_int_field(d, "vocab_size"),
+            vocab_size=vocab_size,
             hidden_size=_int_field(d, "hidden_size"),
             intermediate_size=_int_field(d, "intermediate_size"),
             num_hidden_layers=_int_field(d, "num_hidden_layers"),
@@ -204,8 +207,8 @@ class LlamaConfig:
             rope_theta=rope_theta,
             rope_scaling=scaling,
             tie_word_embeddings=_bool_field(d, "tie_word_embeddings", False),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=d.get("eos_token_id"),
+            bos_token_id=_special_id(d, "bos_token_id", vocab_size),
+            eos_token_id=_special_id(d, "eos_token_id", vocab_size),
             pad_token_id=_usable_pad_id(d.get("pad_token_id"), d["vocab_size"]),
         )
 
@@ -403,6 +406,19 @@ def _bool_field(d: Mapping[str, Any], key: str, default: bool) -> bool:
     if not isinstance(v, bool):
         raise ValueError(f"config field {key!r} must be true or false, got {v!r}")
     return v
+
+
+HF_DEFAULT_SPECIAL_IDS = {"bos_token_id": 1, "eos_token_id": 2}  # transformers.LlamaConfig's defaults
+
+
+def _special_id(d: Mapping[str, Any], key: str, vocab_size: int) -> Any:
+    """config.json's bos/eos_token_id as transformers reads it: an absent key takes transformers'
+    LlamaConfig default (bos 1, eos 2: what its ``generate`` stops on), an explicit null stays None (no such
+    token). A default that lies outside a vocabulary of <= 2 tokens is None: no token could match it."""
+    if key in d:
+        return d[key]
+    default = HF_DEFAULT_SPECIAL_IDS[key]
+    return default if default < vocab_size else None
 
 
 def _usable_pad_id(pad: Any, vocab_size: Any) -> Any:

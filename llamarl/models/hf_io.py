@@ -9,13 +9,23 @@ Directory layout read and written (the one transformers uses):
     model-00001-of-0000N.safetensors    the shards
 
 Keys are exactly ``Llama.state_dict()`` keys, except that ``lm_head.weight`` is omitted when the
-embeddings are tied (as transformers does). Loading refuses missing keys and extra keys (except rotary
-``inv_freq`` buffers of old checkpoints, and a redundant ``lm_head.weight`` when tied) before reading
-any tensor, and checks each tensor's shape (the one config.json implies; before reading it) and floating
-dtype (after) as it goes; ``check_checkpoint`` does all of it from the headers alone. Tensors are read
-on the CPU and copied into a model built on the meta device, converted to ``dtype``. Each file is
-written under a temporary name and renamed, so no file is ever half-written; a crash during a save can
-still leave a mix of old and new files.
+embeddings are tied (as transformers does). What loading checks, and where (``check_checkpoint`` runs
+the same checks with the same messages, so a checkpoint it accepts passes them at load; only damaged
+tensor data shows up later, when the tensors are read):
+
+    keys    missing and extra keys are refused (extra: except rotary ``inv_freq`` buffers of old
+            checkpoints, and ``lm_head.weight`` when tied, see below); from the headers, before any read
+    shape   each tensor's, the one config.json implies; from the header, before reading the tensor
+    dtype   one whitelist, ``LOADABLE_DTYPES`` (F64/F32/BF16/F16): float8, integer and other quantized
+            tensors are refused, never silently upcast; from the header, before reading the tensor
+    tied    with tie_word_embeddings=true, an ``lm_head.weight`` in the checkpoint is accepted only if its
+            values equal ``model.embed_tokens.weight`` (some tools save both); a different head would be
+            silently dropped, so it is refused (transformers 5 would load it untied). The one value check:
+            it reads both tensors, in row blocks, and only when both are present.
+
+Tensors are read on the CPU and copied into a model built on the meta device, converted to ``dtype``.
+Each file is written under a temporary name and renamed, so no file is ever half-written; a crash during
+a save can still leave a mix of old and new files.
 """
 
 from __future__ import annotations
@@ -157,12 +167,68 @@ def _check_keys(d: Path, where: dict[str, Path], config: LlamaConfig) -> dict[st
     return expected
 
 
-FLOAT_DTYPES = ("F64", "F32", "BF16", "F16")
+# safetensors header dtype -> torch dtype: the only dtypes a checkpoint tensor may have (both load paths)
+LOADABLE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+EMBED_KEY, HEAD_KEY = "model.embed_tokens.weight", "lm_head.weight"
+_COMPARE_BLOCK_BYTES = 64 << 20
+
+
+def _check_header(fp: Path, key: str, sl, expected: tuple[int, ...]) -> None:
+    """Refuse a tensor whose safetensors header (``sl``: a ``safe_open`` slice) has the wrong shape or a
+    dtype outside ``LOADABLE_DTYPES``; the one check both ``check_checkpoint`` and ``load_state_dict`` run."""
+    shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+    if shape != expected:
+        raise ValueError(
+            f"{fp.name}: tensor {key!r} has shape {shape} but config.json implies {expected} "
+            "(hidden_size / intermediate_size / heads / head_dim / vocab_size disagree with the weights)"
+        )
+    if dtype not in LOADABLE_DTYPES:
+        raise ValueError(
+            f"{fp.name}: tensor {key!r} has dtype {dtype}; llamarl loads only float64/float32/bfloat16/float16 "
+            f"weights ({'/'.join(LOADABLE_DTYPES)}), it never upcasts float8, integer or other quantized tensors "
+            "silently: convert the checkpoint to bf16 (dequantizing it first) and load that"
+        )
+
+
+def _check_tied_head(d: Path, where: dict[str, Path], config: LlamaConfig) -> None:
+    """With tie_word_embeddings, accept an ``lm_head.weight`` in the checkpoint only if it equals the
+    embedding (shape, loadable dtype, and every value, compared exactly after an exact cast to fp64).
+
+    Runs only when both tensors are present and the config is tied; reads both in row blocks of
+    ~64 MiB, so it never holds more than a block of each in memory."""
+    if not config.tie_word_embeddings or HEAD_KEY not in where:
+        return
+    from safetensors import safe_open
+
+    shape = (config.vocab_size, config.hidden_size)
+    with safe_open(str(where[HEAD_KEY]), framework="pt", device="cpu") as fh, \
+            safe_open(str(where[EMBED_KEY]), framework="pt", device="cpu") as fe:
+        head, emb = fh.get_slice(HEAD_KEY), fe.get_slice(EMBED_KEY)
+        _check_header(where[HEAD_KEY], HEAD_KEY, head, shape)
+        _check_header(where[EMBED_KEY], EMBED_KEY, emb, shape)
+        rows = max(1, _COMPARE_BLOCK_BYTES // (8 * config.hidden_size))
+        for r in range(0, config.vocab_size, rows):
+            try:
+                same = torch.equal(head[r : r + rows].to(torch.float64), emb[r : r + rows].to(torch.float64))
+            except Exception as e:  # safetensors raises SafetensorError / OSError on a damaged file
+                raise ValueError(f"{d}: {HEAD_KEY!r} or {EMBED_KEY!r} could not be read ({type(e).__name__}: "
+                                 f"{e}); the file may be truncated or corrupt") from e
+            if not same:
+                raise ValueError(
+                    f"{d}: config.json says tie_word_embeddings=true, but the checkpoint's {HEAD_KEY!r} "
+                    f"({where[HEAD_KEY].name}) differs from {EMBED_KEY!r} ({where[EMBED_KEY].name}), first in "
+                    f"rows [{r}, {min(r + rows, config.vocab_size)}); a tied model would silently drop that "
+                    'output head. To use the checkpoint\'s head (as transformers 5 does), set '
+                    '"tie_word_embeddings": false in config.json; to use the embedding as the head, delete '
+                    f"{HEAD_KEY!r} from the checkpoint."
+                )
 
 
 def check_checkpoint(path: str | os.PathLike) -> LlamaConfig:
     """Everything ``load_llama`` would refuse in a Hugging Face directory, found from config.json and the
-    safetensors headers without reading a tensor: a run checks its model before it starts anything."""
+    safetensors headers (keys, shapes, dtypes) without reading a tensor, except in one case: a tied config
+    whose checkpoint also holds ``lm_head.weight``, whose values are compared with the embedding's (see the
+    module docstring). A run checks its model before it starts anything."""
     d = Path(path)
     config = load_config(d)
     where = _weight_files(d)
@@ -172,24 +238,21 @@ def check_checkpoint(path: str | os.PathLike) -> LlamaConfig:
     for fp in sorted(set(where.values())):  # _weight_files opened each: headers read, sizes covered
         with safe_open(str(fp), framework="pt", device="cpu") as f:
             for k in f.keys():
-                if k not in expected:
-                    continue
-                sl = f.get_slice(k)
-                shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
-                if shape != expected[k]:
-                    raise ValueError(f"{fp.name}: tensor {k!r} has shape {shape} but config.json implies {expected[k]}")
-                if dtype not in FLOAT_DTYPES:
-                    raise ValueError(f"{fp.name}: tensor {k!r} has dtype {dtype}; expected fp32/bf16/fp16")
+                if k in expected:
+                    _check_header(fp, k, f.get_slice(k), expected[k])
+    _check_tied_head(d, where, config)
     return config
 
 
 def load_state_dict(path: str | os.PathLike, config: LlamaConfig) -> dict[str, torch.Tensor]:
-    """Read and validate all tensors of a checkpoint (CPU, checkpoint dtype)."""
+    """Read and validate all tensors of a checkpoint (CPU, checkpoint dtype; checks in the module docstring).
+    A redundant tied ``lm_head.weight`` is checked, then left out: the model ties it to the embedding."""
     from safetensors import safe_open
 
     d = Path(path)
     where = _weight_files(d)
     expected = _check_keys(d, where, config)
+    _check_tied_head(d, where, config)
     by_file: dict[Path, list[str]] = {}
     for k in expected:
         by_file.setdefault(where[k], []).append(k)
@@ -198,20 +261,8 @@ def load_state_dict(path: str | os.PathLike, config: LlamaConfig) -> dict[str, t
         try:
             with safe_open(str(fp), framework="pt", device="cpu") as f:
                 for k in keys:
-                    sl = f.get_slice(k)
-                    shape = tuple(sl.get_shape())
-                    if shape != expected[k]:
-                        raise ValueError(
-                            f"{fp.name}: tensor {k!r} has shape {shape} but config.json implies {expected[k]} "
-                            "(hidden_size / intermediate_size / heads / head_dim / vocab_size disagree with "
-                            "the weights)"
-                        )
-                    t = f.get_tensor(k)
-                    if not t.is_floating_point():
-                        raise ValueError(
-                            f"{fp.name}: tensor {k!r} has non-floating dtype {t.dtype}; expected fp32/bf16/fp16"
-                        )
-                    out[k] = t
+                    _check_header(fp, k, f.get_slice(k), expected[k])
+                    out[k] = f.get_tensor(k)
         except ValueError:
             raise
         except Exception as e:

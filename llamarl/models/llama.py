@@ -10,7 +10,9 @@ Per decoder layer, with x the residual stream [B, T, D]:
     RoPE     rotate-half layout (HF checkpoints): x' = x * cos + rotate_half(x) * sin,
              rotate_half(x_lo, x_hi) = (-x_hi, x_lo), with
              cos/sin = cos/sin(position * inv_freq) computed in fp32 and cast to the model dtype;
-             inv_freq_i = theta^(-2i/head_dim), optionally rescaled ("linear" or Llama 3.1 "llama3").
+             inv_freq_i = theta^(-2i/head_dim), optionally rescaled ("linear" or Llama 3.1 "llama3"),
+             computed in fp32 with transformers' exact expressions (``rope_inv_freq``): the angle error of
+             a differently rounded inv_freq grows with the position.
     GQA      query head h attends with kv head h // (num_attention_heads / num_key_value_heads),
              softmax(q k^T / sqrt(head_dim) + mask) v via scaled_dot_product_attention.
 
@@ -112,9 +114,24 @@ def _fused(x: torch.Tensor):
 
 # ------------------------------------------------------------------------------------ RoPE
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in float64 on the CPU (cast by the caller)."""
+    """Inverse frequencies [head_dim // 2], float32 on the CPU, bitwise those of transformers (5.x
+    ``_compute_default_rope_parameters`` / ``_compute_linear_scaling_rope_parameters`` /
+    ``_compute_llama3_parameters``), Meta's reference code and vLLM.
+
+        inv_i = 1 / theta^(2i / head_dim)                                   (fp32 pow of an fp32 exponent)
+        linear:  inv_i / factor
+        llama3:  wavelen_i = 2 pi / inv_i; lo_wl = old_ctx / low_freq_factor; hi_wl = old_ctx / high_freq_factor
+                 inv_i / factor                    where wavelen_i > lo_wl   (long wavelengths: interpolated)
+                 inv_i                             where wavelen_i < hi_wl   (short wavelengths: kept)
+                 (1 - s) inv_i / factor + s inv_i  otherwise, s = (old_ctx / wavelen_i - low) / (high - low)
+
+    Every step runs in fp32, with the same expressions (so the same roundings) as transformers. This is
+    not a detail: the angle at position p is p * inv_i, so a 1-ulp difference in inv_i (what computing in
+    fp64 and rounding once gives, in about a third of the entries) is an angle error growing with p,
+    ~2e-3 rad at 32k, and logits that drift from the checkpoint's reference implementation.
+    """
     dim = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
     s = config.rope_scaling
     if s is None:
         return inv
