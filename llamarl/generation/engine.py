@@ -196,8 +196,10 @@ class GenerationEngine:
                 raise ValueError(f"prompt {i} has {len(toks)} tokens but the {what}: no room to generate; {fix}")
         if eos_token_id is None:
             eos = self.config.eos_token_ids
-        else:  # one id or several (token_ids refuses a str)
-            eos = token_ids("eos_token_id", eos_token_id if isinstance(eos_token_id, Iterable) else (eos_token_id,))
+        else:  # one id (an int, a 0-d tensor) or several (token_ids refuses a str)
+            one = not isinstance(eos_token_id, Iterable) or getattr(eos_token_id, "ndim", None) == 0
+            eos = token_ids("eos_token_id", (eos_token_id,) if one else eos_token_id)
+        (pad_token_id,) = token_ids("pad_token_id", (pad_token_id,))  # an int (None, a float: ValueError)
         stops = tuple(sorted(set(params.stop_token_ids) | set(eos)))
         bad = [t for t in stops if not 0 <= t < vocab]
         if bad:
