@@ -26,7 +26,10 @@ pointer update still resumes from the newest complete state.
 Temporary directories left by dead writers on this host are removed by the next save or load; old
 checkpoints beyond ``keep`` are renamed away (atomic) and then deleted. History is linear: committing step N
 first removes checkpoints with a step above N (left by a continuation abandoned when resuming from an older
-checkpoint), before the rename, so "newest complete" and the ``latest`` pointer agree even after a crash.
+checkpoint), before the rename, so "newest complete" and the ``latest`` pointer agree even after a crash; a
+run resumed from step N removes them already when it starts (``discard_newer``), where it cuts its logs.
+A manifest is trusted only in its own checkpoint: an entry of the wrong type, or a path that is absolute or
+leaves the directory (``..``), makes the checkpoint unusable, like a checksum failure.
 Once the rename is done the checkpoint is committed: a failure after it (the pointer, pruning) is
 reported as a warning, not as a failed save.
 
@@ -46,7 +49,7 @@ import shutil
 import socket
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
 import numpy as np
@@ -141,15 +144,39 @@ def training_dir_hint(path: str | os.PathLike) -> str:
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     """Complete checkpoints of ``run_dir`` as (step, path), ascending; torn ones are skipped."""
+    return [(step, path) for step, path in _step_dirs(run_dir) if _verify(path) is None]
+
+
+def _step_dirs(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Every ``checkpoints/step_*`` directory of ``run_dir`` as (step, path), ascending, complete or not."""
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
     found = []
     for entry in root.iterdir():
         m = _STEP_RE.match(entry.name)
-        if m and entry.is_dir() and _verify(entry) is None:
+        if m and entry.is_dir():
             found.append((int(m.group(1)), entry))
     return sorted(found)
+
+
+def discard_newer(run_dir: str | os.PathLike, step: int, *, point_latest: bool = True) -> list[Path]:
+    """Remove the complete checkpoints of ``run_dir`` with a step above ``step`` (each renamed away first,
+    atomically, then deleted) and, with ``point_latest``, point ``latest`` at ``step_{step}`` if that one is
+    there; returns what was removed. The run's history is linear, so these belong to a continuation
+    abandoned by resuming from ``step``: a resumed run calls this when it starts (where it also cuts its logs
+    back to ``step``), so that checkpoints and logs agree even if it fails before its first checkpoint;
+    ``CheckpointWriter.commit`` applies the same rule before its rename."""
+    root = checkpoints_dir(run_dir)
+    gone = [path for s, path in list_checkpoints(run_dir) if s > step]
+    for path in gone:
+        trash = root / f".trash-{path.name}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+        os.replace(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    name = f"step_{step:06d}"
+    if gone and point_latest and (root / name).is_dir():
+        _write_atomic(root / LATEST, name + "\n", fsync_parent=True)
+    return gone
 
 
 def latest_checkpoint_dir(run_dir: str | os.PathLike) -> Path | None:
@@ -179,13 +206,14 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 
 def load_latest(run_dir: str | os.PathLike) -> Checkpoint | None:
-    """The newest usable checkpoint of ``run_dir`` (None if there is none): a newer one that fails its
-    checksums or does not parse is skipped with a warning naming the problem. Cleans dead temp dirs."""
+    """The newest usable checkpoint of ``run_dir`` (None if there is none): a newer ``step_*`` that is not
+    usable (torn, a malformed manifest, failed checksums, a state that does not parse) is skipped with a
+    warning naming the problem. Cleans dead temp dirs."""
     run_dir = Path(run_dir)
     _clean_stale(checkpoints_dir(run_dir))
     if (run_dir / MANIFEST).is_file():  # a checkpoint directory itself: that one or nothing
         return load_checkpoint(run_dir)
-    for step, path in reversed(list_checkpoints(run_dir)):
+    for step, path in reversed(_step_dirs(run_dir)):
         try:
             return load_checkpoint(path)
         except CheckpointError as exc:
@@ -210,7 +238,14 @@ def _verify(path: Path, *, checksums: bool = False) -> str | None:
         return f"the manifest lists no {STATE}"
     for rel, entry in files.items():
         # an int entry holds the size only, no checksum (commit() writes {"bytes", "sha256"})
-        size = entry if isinstance(entry, int) else entry.get("bytes")
+        size = entry.get("bytes") if isinstance(entry, dict) else entry
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0 or (
+                isinstance(entry, dict) and not isinstance(entry.get("sha256"), (str, type(None)))):
+            return f"the manifest entry for {rel!r} is malformed ({json.dumps(entry)}; expected a size in bytes or " \
+                   '{"bytes": N, "sha256": HEX})'
+        parts = PurePosixPath(rel).parts
+        if not rel or rel.startswith("/") or "\\" in rel or ".." in parts:
+            return f"the manifest names {rel!r}, not a file inside the checkpoint"
         f = path / rel
         if not f.is_file():
             return f"missing file {rel}"
@@ -312,8 +347,8 @@ class CheckpointWriter:
                 _fsync_dir(d)
             manifest = {"format": FORMAT_VERSION, "step": self.step, "files": files}
             _write_atomic(self.path / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True), fsync_parent=True)
-            for path in [p for s, p in list_checkpoints(self.run_dir) if s > self.step]:
-                self._discard(path)  # an abandoned continuation: gone before this step becomes the newest
+            # an abandoned continuation: gone before this step becomes the newest (the pointer follows the rename)
+            discard_newer(self.run_dir, self.step, point_latest=False)
             final = self.root / self.name
             if final.exists():  # re-saving a step (e.g. after resuming from an older checkpoint)
                 trash = self._trash_name(self.name)

@@ -30,6 +30,8 @@ items it names (``trainer.ranks``/``trainer.parallel``, ``generator.tp``/``gener
 ``--resume DIR`` continues the run DIR belongs to with that run's saved ``config.yaml`` in place of the
 preset (its model, tokenizer, data, reward, ...: ``--config``, flags and ``--set`` still override it), in
 that run directory unless ``--out`` names another, new one; ``--max-steps`` must exceed the step reached.
+An empty or null ``--resume`` / ``--set run.resume=`` (``""``, ``none``, ``null``, ``~``: an unset shell
+variable) is an error, not a fresh run.
 """
 
 from __future__ import annotations
@@ -87,6 +89,11 @@ def config_from_args(args: argparse.Namespace, *, check_environment: bool = True
         if not sep or "." not in key or not all(part.strip() for part in key.split(".", 1)):
             fail("--set", "expects SECTION.KEY=VALUE, e.g. --set trainer.lr=3e-4", item)
         overrides.append((key.strip(), value))  # a string field keeps its spaces (a template's trailing one)
+    for dotted, value in overrides:
+        if dotted == "run.resume" and value.strip().lower() in _NULL_TEXT:
+            # e.g. --resume "$RUN" with RUN unset: a resume was asked for, not a fresh run in the cwd (or ./none)
+            fail("run.resume", "must name a run or checkpoint directory to continue from (the command line gives "
+                 "an empty or null value); pass that directory, or leave out --resume to start a new run", value)
     resume = next((v for d, v in reversed(overrides) if d == "run.resume"), None)
     if resume is None:
         resume = (loaded.get("run") or {}).get("resume")
@@ -172,6 +179,9 @@ def _as_text(obj: Any) -> Any:
     if isinstance(obj, list):
         return [_as_text(v) for v in obj]
     return Text(obj) if isinstance(obj, str) else obj
+
+
+_NULL_TEXT = ("", "none", "null", "~")  # what a text value of an optional field reads as None (config_values)
 
 
 def _dest(flag: str) -> str:

@@ -12,6 +12,9 @@ everything up to its last step. A resumed run (``initial_step`` = the checkpoint
 the interrupted run logged after that checkpoint (steps after it, and evaluations from it on, which the
 resumed run redoes) and any torn last line, in both files: each stays one history. The kept rows are
 loaded back (``rows``, ``evals``), so the plot and the run summary cover the whole run, not the last part.
+
+``claim_run_dir`` is how a run takes its directory: one live run per directory (an flock on ``.lock``), and
+for a resumed run the checkpoints, logs, summary and config cut back to the resumed step when it starts.
 """
 
 from __future__ import annotations
@@ -21,12 +24,19 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tqdm import tqdm
 
-from llamarl._fs import write_text_atomic
+from llamarl._fs import LockFile, LockHeld, write_text_atomic
+from llamarl.checkpoint import discard_newer
+from llamarl.config_values import ConfigError
 from llamarl.reporting import Reporter
+
+LOCK = ".lock"  # run_dir/.lock: flock-ed by the live run, holds its pid
+# what a segment writes only when it ends successfully: an earlier segment's is renamed away when a resumed
+# segment starts, so the directory never shows a summary or plot of another history than its metrics
+_END_OF_SEGMENT = {"summary.json": "summary.prev.json", "plot.png": "plot.prev.png"}
 
 
 def _item(v: Any) -> Any:
@@ -127,6 +137,54 @@ class RunLog:
         fig.savefig(path)
         plt.close(fig)
         return path
+
+
+def claim_run_dir(out: Path, config_yaml: str, *, resume_step: int | None = None,
+                  warn: Callable[[str], Any] = print) -> LockFile:
+    """Make ``out`` this run's and start a segment in it; returns the lock, to ``release()`` when the run ends.
+
+    Before anything is written it takes an exclusive lock on ``out/.lock`` (ConfigError naming the owner's pid
+    if another run holds it: two runs in one directory would replace each other's metrics.jsonl, config.yaml
+    and checkpoints). Then, for a run resumed at ``resume_step``, the directory is made to describe one
+    history ending at that step, before anything of the new segment can fail: the checkpoints above it (an
+    abandoned continuation, ``discard_newer``) are removed first, then metrics.jsonl and samples.jsonl cut
+    back as ``RunLog`` does, and summary.json / plot.png of the earlier segment renamed to summary.prev.json /
+    plot.prev.png (the new ones are written when this segment ends). Last, ``config_yaml`` is written as
+    config.yaml; a resumed run whose settings differ keeps the earlier one as config.prev.yaml (so the config
+    of a failed attempt does not silently replace the one the checkpoints were trained with)."""
+    try:
+        lock = LockFile(out / LOCK)
+    except LockHeld as e:
+        owner = f"pid {e.pid}" if e.pid is not None else "its pid not written yet"
+        raise ConfigError(f"run.out: {out} is in use by another llamarl run ({owner}); wait for it to end or pick "
+                          "another --out") from None
+    except OSError as e:
+        raise ConfigError(f"run.out: cannot write the run directory {out}: {e.strerror or e}; pick another --out") \
+            from None
+    try:
+        config = out / "config.yaml"
+        if resume_step is not None:
+            gone = discard_newer(out, resume_step)  # first: logs longer than the checkpoints get cut on resume
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                if (out / name).exists():
+                    _keep_history(out / name, resume_step)
+            for name, prev in _END_OF_SEGMENT.items():
+                if (out / name).exists():
+                    os.replace(out / name, out / prev)
+            if gone:
+                warn(f"resuming from step {resume_step}, before the newest checkpoint of {out}: discarded the newer "
+                     f"checkpoint(s) {', '.join(p.name for p in gone)} (the continuation this resume abandons); "
+                     f"metrics.jsonl and samples.jsonl end at step {resume_step} as well")
+            if config.is_file() and config.read_text(encoding="utf-8") != config_yaml:
+                os.replace(config, out / "config.prev.yaml")
+        write_text_atomic(config, config_yaml)
+    except BaseException as e:
+        lock.release()
+        if isinstance(e, OSError):
+            raise ConfigError(f"run.out: cannot write the run directory {out}: {e.strerror or e}; pick another "
+                              "--out") from None
+        raise
+    return lock
 
 
 def _append(fd: int | None, row: dict) -> None:

@@ -22,7 +22,10 @@ processes of the controller and take no rank)::
 Outputs in the run directory (``--out``, default ``runs/<timestamp>``): config.yaml, metrics.jsonl (one
 object per step, and the evaluations), samples.jsonl (decoded completions), summary.json (held-out accuracy
 before/after RL, wall time, mode, ...), plot.png (reward and accuracy against step), checkpoints/ (atomic;
-``--resume DIR`` continues from the newest).
+``--resume DIR`` continues from the newest), .lock (the live run's pid: a second run on the same directory is
+refused, exit 2). A run resumed from an older checkpoint cuts the newer checkpoints and the logs back to it when
+it starts, and keeps the earlier segment's summary.json and plot.png (and config.yaml, if its settings differ)
+as summary.prev.json, plot.prev.png and config.prev.yaml (llamarl.runlog.claim_run_dir).
 Exit status: 0 on success, 2 for a bad configuration (nothing started), 1 when an executor failed or hung,
 or the reward workers failed (e.g. could not start), or the reward function failed on every sample of
 ``reward.max_failed_steps`` steps in a row (the message names what failed and carries its error; the last
@@ -56,9 +59,9 @@ from llamarl.parallel.tensor_parallel import check_tp_size
 from llamarl.rewards import RewardPool, RewardPoolError, load_reward
 from llamarl.rewards.registry import info_params
 from llamarl.reporting import make_reporters, parse_report_to
-from llamarl.runlog import RunLog, summary_table
+from llamarl.runlog import RunLog, claim_run_dir, summary_table
 from llamarl.runtime import ExecutorError, ExecutorHung, RewardSpec, TorchrunEnv, run, serve_torchrun
-from llamarl.train_data import TrainData
+from llamarl.train_data import PromptsTooLong, TrainData
 from llamarl.warmstart import cache_key, content_fingerprint, default_cache_dir, save_atomic, train_supervised
 
 
@@ -152,9 +155,9 @@ def model_config_dict(cfg: TrainConfig) -> dict:
 def load_inputs(cfg: TrainConfig, cursor: int = 0):
     """(tokenizer, TrainData), checked against the policy before anything is written or started:
     unreadable files (the model's weights too: names, shapes, dtypes, file sizes), a tokenizer larger than
-    the model's vocabulary, a generation length that fills the context, and dataset errors raise
-    ConfigError. Prompts longer than the context minus ``generator.max_new_tokens`` are dropped from a file
-    dataset (and counted)."""
+    the model's vocabulary, a generation length that fills the context, synthetic prompts longer than the
+    context leaves (``data.few_shot``, a long ``data.template``) and dataset errors raise ConfigError. Prompts
+    longer than the context minus ``generator.max_new_tokens`` are dropped from a file dataset (and counted)."""
     model = model_config_dict(cfg)
     if cfg.policy.model not in LLAMA_CONFIGS:  # a directory: its weights must load (headers and sizes only)
         try:
@@ -192,6 +195,10 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
                           f"the model's context of {context} tokens")
     try:
         data = TrainData(cfg.data, tokenizer, seed=cfg.run.seed, cursor=cursor, max_prompt_tokens=max_prompt)
+    except PromptsTooLong as e:
+        raise ConfigError(f"{e.field}: {e}, but the model context of {context} tokens minus generator.max_new_tokens="
+                          f"{cfg.generator.max_new_tokens} leaves {max_prompt}; change {e.field} or lower "
+                          "generator.max_new_tokens") from None
     except (OSError, ValueError, ImportError) as e:
         raise ConfigError(f"data.dataset: {e}") from None
     for path, spec in cfg.reward.user_functions():  # the keyword arguments it asks for must exist for every sample
@@ -324,11 +331,19 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.policy.model in LLAMA_CONFIGS:
         _check_writable(Path(cfg.warm_start.cache_dir) if cfg.warm_start.cache_dir else default_cache_dir(),
                         "warm_start.cache_dir")
+    # the run directory is this run's from here until it ends (a second run on it is refused); a resumed
+    # run's logs and checkpoints are cut back to the resumed step right away, before anything can fail
+    lock = claim_run_dir(out, cfg.with_absolute_paths().to_yaml(), resume_step=resume.step if resume else None,
+                         warn=lambda message: log(f"warning: {message}"))
     try:
-        cfg.save(out)
-    except OSError as e:
-        raise ConfigError(f"run.out: cannot write the run directory {out}: {e.strerror or e}; pick another --out") \
-            from None
+        return _train_in(out, cfg, resume, tokenizer, data, t_start)
+    finally:
+        lock.release()
+
+
+def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t_start: float) -> dict:
+    """The run itself, in the run directory ``out`` that ``train`` holds."""
+    layout = executor_layout(cfg)
     if resume:
         policy_dir, warm = resume.policy_dir, {"cached": None, "seconds": 0.0}
         log(f"resuming from {resume.path} (step {resume.step}, policy version {resume.policy_version})")

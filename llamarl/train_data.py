@@ -21,6 +21,11 @@ The stream position is one integer, ``cursor`` (samples handed out so far), whic
 the generator's KV cache can be sized once: exact for a file, and for the synthetic task the bound
 tokens(template text + prompt) <= its UTF-8 bytes, plus the tokens the tokenizer adds to any text (each
 token of a byte-level or character tokenizer covers at least one byte).
+
+Given ``max_prompt_tokens`` (the context minus the generation length), prompts that do not fit never reach the
+generator: a file's are dropped (counted; an error if none is left); the synthetic task's prompts all share
+their shape, so if its longest ones (measured) do not fit, ``PromptsTooLong`` names the setting that makes
+them long (``data.few_shot``, ``data.template``, ``data.system`` or the task's own ``data.dataset``).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import random
 from typing import Iterator, Sequence
 
 from llamarl.config import DataConfig
-from llamarl.data import PromptFormat, PromptFormatter, Sample, load_dataset, select_shots
+from llamarl.data import PromptFormat, PromptFormatter, Sample, load_dataset, select_shots, shot_key
 from llamarl.eval import SYNTHETIC_PREFIX, parse_synthetic_spec
 
 
@@ -54,7 +59,7 @@ class TrainData:
         else:
             samples = load_dataset(cfg.dataset, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field)
             shots = _pick_shots(samples, cfg.few_shot, seed, cfg.dataset)
-        self._shot_prompts = {s.prompt.strip() for s in shots}
+        self._shot_prompts = {shot_key(s) for s in shots}  # the problems shown solved (never trained on or held out)
         self.formatter = PromptFormatter(PromptFormat(template=cfg.template, chat=cfg.chat, system=cfg.system),
                                          shots=shots, tokenizer=tokenizer)
         if self._task is not None:
@@ -65,8 +70,10 @@ class TrainData:
             # word-boundary token ("▁", SentencePiece style), plus the special tokens of the empty prompt
             self.longest_prompt = (len(text.encode("utf-8")) + self._task.max_prompt_chars + 1
                                    + len(self.formatter.encode(empty)))
+            if max_prompt_tokens is not None:
+                self._check_synthetic_length(tokenizer, max_prompt_tokens)
         else:
-            samples = [s for s in samples if s.prompt.strip() not in self._shot_prompts]
+            samples = [s for s in samples if shot_key(s) not in self._shot_prompts]
             lengths = [len(self.formatter.encode(s)) for s in samples]
             if max_prompt_tokens is not None:
                 kept = [s for s, n in zip(samples, lengths) if n <= max_prompt_tokens]
@@ -84,6 +91,29 @@ class TrainData:
         self._stream = self._new_stream()
         self.seek(cursor)
 
+    def _check_synthetic_length(self, tokenizer, limit: int) -> None:
+        """``PromptsTooLong`` if the synthetic task's prompts, formatted, take more than ``limit`` tokens,
+        naming the setting that makes them long (found by measuring without it)."""
+        def tokens(formatter: PromptFormatter) -> int:
+            return _synthetic_prompt_tokens(self._task, formatter, self.heldout, self._shot_prompts)
+
+        need = tokens(self.formatter)
+        if need <= limit:
+            return
+        cfg, fmt = self.cfg, self.formatter.fmt
+        without_shots = PromptFormatter(fmt, tokenizer=tokenizer)
+        plain = PromptFormatter(PromptFormat(template=DataConfig.template, chat=cfg.chat, system=cfg.system),
+                                tokenizer=tokenizer)
+        if cfg.few_shot and tokens(without_shots) <= limit:
+            field, what = "data.few_shot", f"data.few_shot={cfg.few_shot}"
+        elif cfg.template != DataConfig.template and tokens(plain) <= limit:
+            field, what = "data.template", f"data.template of {len(cfg.template)} characters"
+        elif cfg.system is not None:
+            field, what = "data.system", f"data.system of {len(cfg.system)} characters"
+        else:
+            field, what = "data.dataset", f"data.dataset={cfg.dataset}"
+        raise PromptsTooLong(field, f"prompts take up to {need} tokens with {what}", need)
+
     @functools.cached_property
     def info_fields(self) -> frozenset[str]:
         """What a reward function may ask for by name from every sample of the run (Sample.reward_info);
@@ -94,7 +124,7 @@ class TrainData:
     def _new_stream(self) -> Iterator[Sample]:
         if self._task is None:
             return _epochs(self._pool, self._seed)
-        return (s for s in self._task.iter_split("train") if s.prompt.strip() not in self._shot_prompts)
+        return (s for s in self._task.iter_split("train") if shot_key(s) not in self._shot_prompts)
 
     def fork(self, seed: int) -> "TrainData":
         """A stream over this one's training pool (the same held-out split and dropped prompts), in the order
@@ -121,11 +151,29 @@ class TrainData:
         return [self.formatter.encode(s) for s in samples]
 
 
+class PromptsTooLong(ValueError):
+    """The run's prompts do not fit the room the context leaves; ``field`` names the setting to change."""
+
+    def __init__(self, field: str, message: str, tokens: int):
+        super().__init__(message)
+        self.field, self.tokens = field, tokens
+
+
+def _synthetic_prompt_tokens(task, formatter: PromptFormatter, heldout: list[Sample], shot_prompts: set[str]) -> int:
+    """The most tokens a formatted prompt of ``task`` takes: measured on its longest possible problems (every
+    operand ``digits`` nines, once for each operator), the first held-out and training problems. A measure,
+    not a bound: with a subword tokenizer a rare problem may take a token more than measured."""
+    longest = [Sample(f"longest-{op}", op.join(["9" * task.digits] * task.n_terms) + "=", "")
+               for op in task.ops]
+    samples = longest + heldout[:64] + task.train_samples(64)
+    return max(len(formatter.encode(s)) for s in samples if shot_key(s) not in shot_prompts)
+
+
 def _pick_shots(pool: list[Sample], k: int, seed: int, name: str) -> list[Sample]:
     """``k`` examples of distinct prompts from ``pool``, drawn with ``seed`` (none for k = 0)."""
     if not k:
         return []
-    distinct = list({s.prompt.strip(): s for s in pool}.values())
+    distinct = list({shot_key(s): s for s in pool}.values())
     if k >= len(distinct):
         raise ValueError(f"data.few_shot={k}: data.dataset {name} has only {len(distinct)} distinct prompts, and "
                          "the examples must leave some to train on; lower data.few_shot")
@@ -150,10 +198,10 @@ def _split_heldout(samples: list[Sample], size: int, seed: int, name: str) -> tu
     for i in order:
         if len(held) == size:
             break
-        held.setdefault(samples[i].prompt.strip(), samples[i])
-    pool = [samples[i] for i in order if samples[i].prompt.strip() not in held]
+        held.setdefault(shot_key(samples[i]), samples[i])
+    pool = [samples[i] for i in order if shot_key(samples[i]) not in held]
     if len(held) < size or not pool:
-        distinct = len({s.prompt.strip() for s in samples})
+        distinct = len({shot_key(s) for s in samples})
         raise ValueError(f"data.dataset {name} has {len(samples)} usable samples with {distinct} distinct prompts, "
                          f"not more than data.eval_size={size}: nothing would be left to train on; lower "
                          "data.eval_size")

@@ -172,8 +172,13 @@ def test_torn_or_tampered_step_dirs_are_ignored(tmp_path):
     good = save(tmp_path, 3)
     with open(good / "policy" / "model.safetensors", "ab") as f:  # a file truncated/extended after the fact
         f.write(b"junk")
-    ck = load_latest(tmp_path)
+    with pytest.warns(UserWarning) as caught:  # skipped, each with what is wrong with it
+        ck = load_latest(tmp_path)
     assert ck.step == 1
+    assert [str(w.message).split("checkpoints/")[1] for w in caught] == [
+        "step_000005 is not usable: no MANIFEST.json (the write did not finish); falling back to an older checkpoint",
+        "step_000003 is not usable: file policy/model.safetensors has 92 bytes, manifest says 88; falling back to an "
+        "older checkpoint"]
     assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
     with pytest.raises(CheckpointError, match=r"step_000003 is not usable: file policy/model.safetensors has"):
         load_checkpoint(good)
@@ -299,3 +304,47 @@ def test_an_abandoned_continuation_is_gone_before_the_new_step_appears(tmp_path,
     monkeypatch.undo()
     assert load_latest(tmp_path).policy_version == 44
     assert [s for s, _ in list_checkpoints(tmp_path)] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("entry", [[70, "abc"], "70", None, {"bytes": "70"}, True])
+def test_a_malformed_manifest_entry_is_a_corrupt_checkpoint(tmp_path, entry):
+    """Valid JSON of the wrong shape (a hand edit, another writer) is not usable, like a checksum failure:
+    load_latest falls back to the older checkpoint with a warning instead of raising."""
+    save(tmp_path, 1)
+    two = save(tmp_path, 2)
+    manifest = json.loads((two / "MANIFEST.json").read_text())
+    manifest["files"]["state.json"] = entry
+    (two / "MANIFEST.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"step_000002 is not usable: the manifest entry for 'state.json' is "
+                                              r"malformed"):
+        load_checkpoint(two)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
+    with pytest.warns(UserWarning, match=r"step_000002 is not usable: .*; falling back to an older checkpoint"):
+        assert load_latest(tmp_path).step == 1
+
+
+@pytest.mark.parametrize("rel", ["../outside.txt", "/etc/hostname", "policy/../../x", ""])
+def test_a_manifest_may_name_only_files_inside_its_checkpoint(tmp_path, rel):
+    save(tmp_path, 1)
+    two = save(tmp_path, 2)
+    (tmp_path / "checkpoints" / "outside.txt").write_text("x")
+    manifest = json.loads((two / "MANIFEST.json").read_text())
+    manifest["files"][rel] = {"bytes": 1, "sha256": None}
+    (two / "MANIFEST.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError,
+                       match=r"step_000002 is not usable: the manifest names .*, not a file inside the checkpoint"):
+        load_checkpoint(two)
+    with pytest.warns(UserWarning, match="falling back"):
+        assert load_latest(tmp_path).step == 1
+
+
+def test_discarding_an_abandoned_continuation_up_front(tmp_path):
+    """What a run resumed from an older checkpoint does at its start (before it logs anything): the newer
+    checkpoints go, ``latest`` names the resumed one, and the older ones stay."""
+    for step in range(1, 5):
+        save(tmp_path, step, keep=5)
+    gone = ckpt_mod.discard_newer(tmp_path, 2)
+    assert [p.name for p in gone] == ["step_000003", "step_000004"]
+    assert entries(tmp_path) == ["latest", "step_000001", "step_000002"]
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000002\n"
+    assert ckpt_mod.discard_newer(tmp_path, 2) == [] and ckpt_mod.discard_newer(tmp_path / "none", 0) == []

@@ -246,3 +246,14 @@ def test_stop_strings_from_yaml_and_the_command_line(tmp_path):
     cfg = load_config(["--config", str(tmp_path / "c.yaml")], check_environment=False)
     assert cfg.generator.stop == ("\nQ:", "x")
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg and load_config([], check_environment=False).generator.stop == ()
+
+
+@pytest.mark.parametrize("args", [["--resume", ""], ["--resume", "none"], ["--resume", " Null "],
+                                  ["--set", "run.resume=~"], ["--set", "run.resume="]])
+def test_an_empty_or_null_resume_on_the_command_line_is_refused(tmp_path, monkeypatch, args):
+    """``--resume "$RUN"`` with RUN unset asks for a resume: it must not start a fresh run in the current
+    directory (or in ./none)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"^run.resume: must name a run or checkpoint directory"):
+        load_config(["--preset", "smoke", *args])
+    assert list(tmp_path.iterdir()) == []

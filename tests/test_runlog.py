@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 
 import pytest
 
@@ -72,3 +73,42 @@ def test_a_failed_write_leaves_no_partial_line(tmp_path, monkeypatch):
     log.step(_row(3))  # space again: the log goes on, whole lines only
     log.close()
     assert [r["step"] for r in _lines(tmp_path)] == [1, 3]
+
+
+def test_claiming_a_run_dir_locks_it_and_cuts_a_resumed_segment_back(tmp_path):
+    """One holder at a time (the lock is per open file, so a second claim from this process is refused
+    too); a resume from step 2 of a directory that reached step 4 leaves checkpoints, logs, summary and
+    config describing steps 1-2 only, and says what it discarded."""
+    from llamarl.checkpoint import list_checkpoints, save_checkpoint
+    from llamarl.config import ConfigError
+
+    out = tmp_path / "run"
+    log = RunLog(out, 4, progress=False)
+    log.eval(0, {"accuracy": 0.1})
+    for step in range(1, 5):
+        log.step(_row(step))
+        log.samples([{"step": step, "completion": "x"}])
+        save_checkpoint(out, step, policy_state=None, policy_version=step, keep=5)
+    log.eval(4, {"accuracy": 0.2})
+    log.close()
+    (out / "summary.json").write_text('{"steps": 4}')
+    (out / "config.yaml").write_text("first: segment\n")
+
+    lock = runlog_module.claim_run_dir(out, "first: segment\n")
+    with pytest.raises(ConfigError, match=rf"^run.out: {out} is in use by another llamarl run \(pid {os.getpid()}\); "
+                                          "wait for it to end or pick another --out$"):
+        runlog_module.claim_run_dir(out, "second: run\n", resume_step=2)
+    assert [s for s, _ in list_checkpoints(out)] == [1, 2, 3, 4] and len(_lines(out)) == 6  # untouched
+    lock.release()
+
+    warned = []
+    lock = runlog_module.claim_run_dir(out, "second: segment\n", resume_step=2, warn=warned.append)
+    lock.release()
+    assert [s for s, _ in list_checkpoints(out)] == [1, 2]
+    assert [(r.get("event"), r["step"]) for r in _lines(out)] == [("eval", 0), (None, 1), (None, 2)]
+    assert [r["step"] for r in _lines(out, "samples.jsonl")] == [1, 2]
+    assert not (out / "summary.json").exists() and (out / "summary.prev.json").read_text() == '{"steps": 4}'
+    assert (out / "config.yaml").read_text() == "second: segment\n"
+    assert (out / "config.prev.yaml").read_text() == "first: segment\n"
+    assert len(warned) == 1 and "step_000003, step_000004" in warned[0], warned
+    assert int((out / ".lock").read_text()) == os.getpid()

@@ -162,3 +162,23 @@ def test_a_stop_string_that_looks_like_a_list_is_warned_about():
     for fine in ("[INST]", '["</answer>", "Question:"]'):
         assert not any("looks like a list" in w for w in config_warnings(load_config(SMOKE + ["--set",
                                                                                          f"generator.stop={fine}"])))
+
+
+def test_synthetic_prompts_longer_than_the_context_are_refused_before_the_warm_start(tmp_path, capsys):
+    """The built-in model's context is 128 tokens, the smoke run's generation 4: 30 few-shot examples or a
+    200-character template make every prompt too long. Refused with the field and the numbers, before any
+    warm start or process (a file dataset's over-long prompts are dropped instead)."""
+    assert_refused_before_start([
+        (["--set", "data.few_shot=30"],
+         r"data.few_shot: prompts take up to \d{3} tokens with data.few_shot=30, but the model context of 128 "
+         r"tokens minus generator.max_new_tokens=4 leaves 124"),
+        (["--set", "data.template=" + "x" * 200 + "{prompt}"],
+         r"data.template: prompts take up to 2\d\d tokens .* leaves 124"),
+        (["--set", "data.few_shot=4", "--set", "generator.max_new_tokens=100"],
+         r"data.few_shot: prompts take up to \d+ tokens with data.few_shot=4, but .* minus "
+         r"generator.max_new_tokens=100 leaves 28"),
+    ], tmp_path, capsys)
+    assert not (tmp_path / "cache").exists()  # no warm start was trained
+    from llamarl.train import load_inputs
+
+    load_inputs(load_config(SMOKE + ["--set", "data.few_shot=4"]))  # fits: accepted

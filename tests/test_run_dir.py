@@ -1,0 +1,132 @@
+"""Who owns a run directory and what it holds while runs come and go: one live run per directory (a second
+one is refused before it writes anything), and a resume from an older checkpoint leaves logs, checkpoints,
+config and summary describing one history even when the resumed run fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from llamarl._fs import write_text_atomic
+from llamarl.train import main
+from test_train_loop import SMOKE, _start, _wait_for, read_metrics
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMARL_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _checkpoints(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+
+
+def test_a_resume_of_a_live_run_is_refused_before_it_writes_anything(tmp_path, capsys):
+    """Run 1 is alive and checkpointing; ``--resume`` of its directory exits 2 naming run 1's pid, and run 1's
+    metrics.jsonl (same file, not a replacement), config.yaml and checkpoints are left alone."""
+    out = tmp_path / "run"
+    proc = _start(SMOKE + ["--out", str(out), "--max-steps", "100000", "--set", "run.checkpoint_every=2",
+                           "--set", "run.keep_checkpoints=1000"], tmp_path)
+    try:
+        _wait_for(lambda: bool(_checkpoints(out)), 180, proc)
+        inode, config = (out / "metrics.jsonl").stat().st_ino, (out / "config.yaml").read_bytes()
+        first = _checkpoints(out)[0]
+        reached = int(first[5:])
+        # (a small --max-steps: were it not refused, this run would end by itself)
+        assert main(["--resume", str(out / "checkpoints" / first), "--max-steps", str(reached + 2)]) == 2
+        err = capsys.readouterr().err
+        assert f"run.out: {out} is in use by another llamarl run (pid {proc.pid})" in err, err
+        assert "wait for it to end or pick another --out" in err
+        assert proc.poll() is None
+        assert (out / "metrics.jsonl").stat().st_ino == inode and (out / "config.yaml").read_bytes() == config
+        _wait_for(lambda: len(_checkpoints(out)) >= 3, 180, proc)  # run 1 goes on, its checkpoints stay
+        assert first in _checkpoints(out)
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output
+    steps = [r["step"] for r in read_metrics(out)[0]]
+    assert steps == list(range(1, len(steps) + 1))  # run 1's history, whole
+
+
+_HOLDER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, str(os.getpid()).encode())
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_locked_run_directory_refuses_a_fresh_run_and_the_lock_dies_with_its_holder(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(out / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert main(SMOKE + ["--out", str(out), "--max-steps", "2"]) == 2
+        err = capsys.readouterr().err
+        assert f"run.out: {out} is in use by another llamarl run (pid {holder.pid})" in err, err
+        assert sorted(os.listdir(out)) == [".lock"]  # nothing written
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder died without unlocking (SIGKILL): no stale lock, the run starts
+    assert main(SMOKE + ["--out", str(out), "--max-steps", "2"]) == 0
+    assert [r["step"] for r in read_metrics(out)[0]] == [1, 2]
+    assert int((out / ".lock").read_text()) != holder.pid  # the run wrote its own pid
+
+
+def test_resuming_an_older_checkpoint_discards_the_newer_ones_at_start(tmp_path, capsys):
+    """Resume from step 2 of a run that reached step 4, and fail at step 3: the logs and the checkpoints
+    both end at step 2 (a later ``--resume`` continues from there, with one history), the failed segment's
+    config.yaml keeps the earlier one as config.prev.yaml, and the earlier summary and plot are renamed
+    away instead of describing a history they do not match."""
+    out = tmp_path / "run"
+    assert main(SMOKE + ["--out", str(out), "--max-steps", "4", "--set", "run.checkpoint_every=2"]) == 0
+    assert _checkpoints(out) == ["step_000002", "step_000004"]
+    summary = (out / "summary.json").read_text()
+    bad = tmp_path / "bad_reward.py"
+    bad.write_text("def f(completion, answer):\n    raise RuntimeError('broken verifier')\n")
+    capsys.readouterr()
+    assert main(["--resume", str(out / "checkpoints" / "step_000002"), "--max-steps", "8",
+                 "--reward", f"{bad}:f", "--set", "reward.max_failed_steps=1"]) == 1
+    err = capsys.readouterr().err
+    assert "step_000004" in err and "discard" in err, err
+    assert _checkpoints(out) == ["step_000002"]
+    assert (out / "checkpoints" / "latest").read_text() == "step_000002\n"
+    steps, evals = read_metrics(out)
+    assert [r["step"] for r in steps] == [1, 2]
+    assert not (out / "summary.json").exists() and not (out / "plot.png").exists()
+    assert (out / "summary.prev.json").read_text() == summary and (out / "plot.prev.png").is_file()
+    assert "bad_reward.py:f" in (out / "config.yaml").read_text()
+    assert "reward: exact" in (out / "config.prev.yaml").read_text()
+
+    assert main(["--resume", str(out), "--max-steps", "5", "--reward", "exact"]) == 0
+    assert "resuming from" in (err := capsys.readouterr().err) and "step 2," in err, err
+    steps, evals = read_metrics(out)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 5
+
+
+def test_write_text_atomic_leaves_the_old_file_and_no_temp_file_when_the_write_fails(tmp_path, monkeypatch):
+    path = tmp_path / "config.yaml"
+    write_text_atomic(path, "old\n")
+    with pytest.raises(UnicodeEncodeError):
+        write_text_atomic(path, "half \ud800 written")  # fails part-way, like a full disk
+    assert path.read_text() == "old\n" and sorted(os.listdir(tmp_path)) == ["config.yaml"]
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.path.realpath(f"/proc/self/fd/{fd}")), real(fd)))
+    write_text_atomic(path, "new\n")
+    assert path.read_text() == "new\n" and sorted(os.listdir(tmp_path)) == ["config.yaml"]
+    # the data before the rename (the temp file), the directory entry after it
+    assert len(synced) == 2 and synced[0] != str(path) and synced[1] == os.path.realpath(tmp_path), synced
