@@ -119,6 +119,7 @@ def config_from_args(args: argparse.Namespace, *, check_environment: bool = True
     config = _build(data)
     if saved is not None:
         _check_same_policy(base, config, saved)
+        _check_same_data(base, config, saved)
     if check_environment:
         config.check_environment()
     return config
@@ -140,6 +141,28 @@ def _check_same_policy(saved_cfg: TrainConfig, cfg: TrainConfig, saved: Path) ->
             fail(f"policy.{name}", f"the resumed run started with policy.{name}={old!r} ({saved}) and continues "
                  f"with it; drop the override (to train another model from this run's weights, start a new run "
                  f"with --model <checkpoint>/policy)", new)
+
+
+# what fixes a run's data stream: its held-out split, its few-shot examples and the order of its training
+# prompts (the checkpoint's data position counts into that order); max_new_tokens decides which prompts of a
+# file are dropped as too long
+_DATA_STREAM = ("run.seed", "data.dataset", "data.eval_size", "data.few_shot", "data.template", "data.chat",
+                "data.system", "data.prompt_field", "data.answer_field")
+
+
+def _check_same_data(saved_cfg: TrainConfig, cfg: TrainConfig, saved: Path) -> None:
+    """A resumed run keeps its data stream: with another seed, held-out size, dataset or prompt format the
+    checkpoint's data position would point into another order, and the held-out problems could be ones the
+    run trained on. A moved dataset file (the saved path no longer exists) is accepted, as for the model."""
+    fields = _DATA_STREAM + (() if cfg.data.dataset.startswith("synthetic:") else ("generator.max_new_tokens",))
+    for dotted in fields:
+        section, _, name = dotted.partition(".")
+        old, new = getattr(getattr(saved_cfg, section), name), getattr(getattr(cfg, section), name)
+        if old == new or (dotted == "data.dataset" and not Path(old).exists()):
+            continue
+        fail(dotted, f"the resumed run started with {dotted}={old!r} ({saved}); its held-out split and the data "
+             "position of its checkpoints depend on it, so a resume keeps it: drop the override, or start a new run "
+             "from the checkpoint's weights (--model <checkpoint>/policy)", new)
 
 
 def load_config(argv: Sequence[str] | None = None, *, check_environment: bool = True) -> TrainConfig:

@@ -115,6 +115,32 @@ def test_resume_continues_with_the_runs_own_config(tmp_path):
         str(tmp_path / "new")
 
 
+@pytest.mark.parametrize("override, dataset", [
+    ("run.seed=1", "synthetic:arithmetic"),
+    ("data.eval_size=30", "synthetic:arithmetic"),
+    ("data.few_shot=2", "synthetic:arithmetic"),
+    ("data.template=Q: {prompt}", "synthetic:arithmetic"),
+    ("generator.max_new_tokens=16", "file"),  # a file's prompts too long for the context are dropped
+])
+def test_a_resume_keeps_its_data_stream(tmp_path, override, dataset):
+    """The checkpoint's data position counts into an order fixed by the seed, the held-out split and the
+    prompt format: a resume that changes one of them is refused, naming it; settings that leave the stream
+    alone (the learning rate; max_new_tokens of a synthetic task) are accepted."""
+    run = tmp_path / "run"
+    if dataset == "file":
+        dataset = str(tmp_path / "d.jsonl")
+        (tmp_path / "d.jsonl").write_text("".join(f'{{"question": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(40)))
+    load_config(["--preset", "smoke", "--set", f"data.dataset={dataset}", "--set", "data.eval_size=8", "--max-steps",
+                 "4", "--out", str(run)], check_environment=False).save(run)
+    save_checkpoint(run, 4, policy_state=None, policy_version=4)
+    base = ["--resume", str(run), "--max-steps", "9"]
+    with pytest.raises(ConfigError, match=rf"^{override.split('=')[0]}: the resumed run started with"):
+        load_config(base + ["--set", override], check_environment=False)
+    assert load_config(base + ["--set", "trainer.lr=2e-3"], check_environment=False).trainer.lr == 2e-3
+    if dataset.startswith("synthetic"):
+        assert load_config(base + ["--set", "generator.max_new_tokens=6"], check_environment=False)
+
+
 def _messages(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "model").mkdir()
