@@ -165,7 +165,9 @@ class TrainerConfig(_Section):
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     advantage: Literal["mean", "grpo", "rloo"] = "mean"
-    norm: Literal["token", "sequence"] = "token"
+    # the loss's mean: over tokens, over sequences (of their token means), or Dr. GRPO's "constant"
+    # (sum / (sequences x generator.max_new_tokens): no length bias); llamarl.algorithms.aipo
+    norm: Literal["token", "sequence", "constant"] = "token"
     # "aipo": weight each token by min(pi/mu, rho); "none": plain policy gradient that treats stale
     # samples as on-policy (w = 1) — only for the ablation that shows why the correction matters
     correction: Literal["aipo", "none"] = "aipo"

@@ -31,8 +31,9 @@ Zero-advantage rows (``drop_zero_advantage=True``): a sample with A = 0 adds exa
 policy-gradient term  −Σ_t m_t·w_t·A·log π_t / Σ_t m_t  (every factor of its gradient is multiplied by
 A = 0), so the trainer need not run it; with the group-mean baseline that is every sample of a group
 whose rewards are all equal, often a large share of a batch. The kept rows carry the whole batch's token
-count as ``total_tokens`` and its number of non-empty completions as ``total_sequences`` (the loss's
-denominator under token and sequence normalisation), so the gradient equals the full batch's. It is
+count as ``total_tokens``, its number of non-empty completions as ``total_sequences`` and its number of
+completions as ``total_rows`` (the loss's denominator under token, sequence and constant normalisation),
+so the gradient equals the full batch's. It is
 exact for the policy-gradient loss without KL and entropy terms (those do not vanish at A = 0); the
 caller decides when it applies. When the batch size is a multiple of ``row_multiple`` (the caller's
 duty), at least ``row_multiple`` rows are kept (zero-advantage ones first in batch order) and the number
@@ -157,7 +158,8 @@ def collate(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_id: int, 
     if row_multiple < 1:
         raise ValueError(f"row_multiple must be >= 1, got {row_multiple}")
     totals = {"total_tokens": torch.tensor(float(sum(len(r.completion_ids) for r in rollouts))),
-              "total_sequences": torch.tensor(float(sum(1 for r in rollouts if r.completion_ids)))}
+              "total_sequences": torch.tensor(float(sum(1 for r in rollouts if r.completion_ids))),
+              "total_rows": torch.tensor(float(len(rollouts)))}
     if drop_zero_advantage:
         keep = [i for i in range(len(rollouts)) if advantages[i] != 0]
         zeros = [i for i in range(len(rollouts)) if advantages[i] == 0]
@@ -236,7 +238,7 @@ def _completion_rows(rollouts: Sequence[Rollout], width: int, first: list[int]) 
 
 
 PROMPT_KEYS = ("prompt_ids", "prompt_start")
-TOTAL_KEYS = ("total_tokens", "total_sequences")  # whole-batch counts, not rows
+TOTAL_KEYS = ("total_tokens", "total_sequences", "total_rows")  # whole-batch counts, not rows
 
 
 def slice_rows(batch: dict[str, torch.Tensor], lo: int, hi: int) -> dict[str, torch.Tensor]:

@@ -377,7 +377,7 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
             generator_quantization=g.quantization,
             resume=str(resume.path) if resume else None, seed=cfg.run.seed, total_steps=cfg.run.max_steps,
             threads=threads, tokenizer_path=cfg.policy.tokenizer,
-            reference_path=str(reference_dir) if reference_dir else None),
+            reference_path=str(reference_dir) if reference_dir else None, max_new_tokens=g.max_new_tokens),
             env={"LLAMARL_EXECUTOR": "trainer"})
         await trainer.acall("push_weights", start_version)
         runlog = RunLog(out, cfg.run.max_steps, initial_step=start_step, reporters=reporters)

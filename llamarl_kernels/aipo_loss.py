@@ -20,6 +20,7 @@ with the row weights s_i of the normalisation (all 0 when no row is masked in):
     norm="token":     s_i = m_i / M,              M = Σ_i m_i                      (token mean)
     norm="sequence":  s_i = m_i / (L_b · S),      b = sequence_ids[i], L_b = Σ_{i∈b} m_i,
                                                   S = #{b : L_b > 0}            (mean of sequence means)
+    norm="constant":  s_i = m_i / C,              C = norm_constant               (Dr. GRPO)
 
 Because w is detached, dloss/dlogπ_i is a per-row scalar known in the forward pass:
 
@@ -71,7 +72,7 @@ from llamarl_kernels.logprobs import (
     row_launch,
     softmax_row_stats,
 )
-from llamarl_kernels.shapes import check_clip
+from llamarl_kernels.shapes import check_clip, check_norm
 
 
 @triton.jit
@@ -155,10 +156,13 @@ def _sequence_ids(where: str, ids, n_rows: int, device: torch.device) -> torch.T
     return ids
 
 
-def _row_weights(mask: torch.Tensor, norm: str = "token", sequence_ids: torch.Tensor | None = None) -> torch.Tensor:
+def _row_weights(mask: torch.Tensor, norm: str = "token", sequence_ids: torch.Tensor | None = None,
+                 constant: float | None = None) -> torch.Tensor:
     """The weights s_i of the module docstring (fp32 [N]): loss = Σ_i s_i ℓ_i; all 0 if no row is masked in."""
     if norm == "token":
         return mask / mask.sum().clamp(min=1.0)
+    if norm == "constant":
+        return mask / constant
     names, seq = torch.unique(sequence_ids, return_inverse=True)
     lengths = torch.zeros(names.numel(), dtype=mask.dtype, device=mask.device).index_add_(0, seq, mask)
     sequences = (lengths > 0).sum().clamp(min=1).to(mask.dtype)
@@ -304,6 +308,7 @@ def fused_aipo_loss(
     entropy_coef: float = 0.0,
     norm: str = "token",
     sequence_ids: torch.Tensor | None = None,
+    norm_constant: float | None = None,
     old_logprobs: torch.Tensor | None = None,
     clip: tuple[float, float] | None = None,
     chunk_size: int | None = None,
@@ -314,6 +319,7 @@ def fused_aipo_loss(
     are per row ``[N]``. ``norm="token"`` (default) averages over the masked-in rows; ``norm="sequence"``
     averages per sequence first and needs ``sequence_ids [N]`` (any integers; rows with equal ids form one
     sequence, in any order), as ``llamarl.algorithms.aipo_loss(norm="sequence")`` does on [B, T] inputs.
+    ``norm="constant"`` divides the sum by ``norm_constant`` (Dr. GRPO).
     ``clip=(ε_low, ε_high)`` selects the decoupled PPO form, with ``old_logprobs [N]`` (default: logπ).
     Differentiable in ``hidden`` and ``weight``. Returns ``(loss, metrics)`` with a 0-d fp32 loss.
     ``chunk_size`` overrides the rows per chunk (default: ``LOGITS_CHUNK_BYTES`` of logits).
@@ -332,8 +338,7 @@ def fused_aipo_loss(
     if old_logprobs is not None and clip is None:
         raise ValueError(f"{where}: old_logprobs is only read with clip=(eps_low, eps_high); pass clip too, "
                          "or drop old_logprobs")
-    if norm not in ("token", "sequence"):
-        raise ValueError(f"{where}: norm must be 'token' or 'sequence', got {norm!r}")
+    check_norm(where, norm, norm_constant)
     n_rows, device = hidden.shape[0], hidden.device
     if norm == "sequence":
         sequence_ids = _sequence_ids(where, sequence_ids, n_rows, device)
@@ -348,7 +353,7 @@ def fused_aipo_loss(
     old = None if old_logprobs is None else _row_vector(where, "old_logprobs", old_logprobs, n_rows, device)
     clip = None if clip is None else (float(clip[0]), float(clip[1]))
     targets = targets.contiguous()
-    scale = _row_weights(mask_f, norm, sequence_ids)
+    scale = _row_weights(mask_f, norm, sequence_ids, None if norm_constant is None else float(norm_constant))
 
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         loss, packed = _FusedAIPOLoss.apply(

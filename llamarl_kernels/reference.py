@@ -57,6 +57,7 @@ def quantized_linear_ref(
 #   w = min(exp(logπ − logμ), ρ) detached; k3 = exp(ref − logπ) − (ref − logπ) − 1
 #   ℓ = −w·A·logπ + β·k3 − γ·H;  loss = Σ m·ℓ / max(Σ m, 1)                        norm="token"
 #   loss = mean over sequences b with Σ_b m > 0 of Σ_b m·ℓ / Σ_b m                 norm="sequence"
+#   loss = Σ m·ℓ / C, C = norm_constant                                             norm="constant"
 #   metrics: means over m of r, r > ρ, r − 1 − log r (k3 of KL(μ‖π)), H, k3; max of r; Σ m.
 #   with clip = (ε_l, ε_h) and old = logπ_old (default logπ detached):  w = min(exp(old − logμ), ρ),
 #   q = exp(logπ − old), −w·A·logπ becomes −w·min(q·A, clamp(q, 1 − ε_l, 1 + ε_h)·A); "r > ρ" is then
@@ -88,6 +89,7 @@ def aipo_loss_from_hidden_ref(
     entropy_coef: float = 0.0,
     norm: str = "token",
     sequence_ids: "torch.Tensor | None" = None,
+    norm_constant: "float | None" = None,
     old_logprobs: "torch.Tensor | None" = None,
     clip: "tuple[float, float] | None" = None,
 ) -> "tuple[torch.Tensor, dict[str, torch.Tensor]]":
@@ -126,6 +128,8 @@ def aipo_loss_from_hidden_ref(
         metrics["kl_ref"] = mean(k3.detach())
     if norm == "token":
         loss = (per_token * m).sum() / tokens.clamp(min=1.0)
+    elif norm == "constant":
+        loss = (per_token * m).sum() / norm_constant
     else:
         means = [(per_token[rows] * m[rows]).sum() / m[rows].sum()
                  for rows in (sequence_ids == b for b in sequence_ids.unique()) if m[rows].sum() > 0]

@@ -31,6 +31,23 @@ def rope_kv_shapes(q, k, v, cos, signed_sin, k_cache, v_cache, slots) -> tuple[i
     return B, T, H, Hkv, Dh
 
 
+NORMS = ("token", "sequence", "constant")  # the loss normalisations (llamarl.algorithms.aipo)
+
+
+def check_norm(where: str, norm: str, constant) -> None:
+    """``norm`` is one of ``NORMS``; ``constant`` (the divisor C of norm="constant") is a finite number > 0
+    given exactly with norm="constant"."""
+    if norm not in NORMS:
+        raise ValueError(f"{where}: norm must be one of {NORMS}, got {norm!r}")
+    if norm == "constant":
+        ok = isinstance(constant, (int, float)) and not isinstance(constant, bool) and math.isfinite(constant)
+        if not (ok and constant > 0):
+            raise ValueError(f"{where}: norm='constant' needs norm_constant, the divisor C > 0 (Dr. GRPO: sequences "
+                             f"x max_new_tokens), got {constant!r}")
+    elif constant is not None:
+        raise ValueError(f"{where}: norm_constant is only read with norm='constant' (norm is {norm!r}); drop it")
+
+
 def check_clip(where: str, clip) -> None:
     """``clip`` is None or (ε_low, ε_high) with 0 ≤ ε_low < 1 and finite ε_high ≥ 0."""
     if clip is None:

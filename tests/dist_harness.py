@@ -124,8 +124,9 @@ def weights_of(ex) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in ex.model.named_parameters()}
 
 
-def single_process_train_step(model_dir, cfg: LlamaConfig, batch, trainer: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+def single_process_train_step(model_dir, cfg: LlamaConfig, batch, trainer: dict,
+                              **kwargs) -> tuple[dict, dict[str, torch.Tensor]]:
     """One ``train_step`` of a one-rank TrainerExecutor in this process (the reference of the trainer
     tests): (its stats, the updated parameters)."""
-    with single_process_trainer(model_dir, cfg, trainer) as ex:
+    with single_process_trainer(model_dir, cfg, trainer, **kwargs) as ex:
         return ex.train_step(batch), weights_of(ex)

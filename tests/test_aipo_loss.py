@@ -89,6 +89,21 @@ def test_clip_without_old_logprobs_has_aipos_gradient(norm):
         assert metrics[1][key].item() == pytest.approx(metrics[0][key].item(), rel=1e-14)
 
 
+@pytest.mark.parametrize("shape", ["flat", "2d"])
+def test_constant_norm_divides_the_sum_by_the_given_constant(shape):
+    """norm="constant" (Dr. GRPO): Σ_t m_t ℓ_t / C, the same for flat and [B, T] inputs; value and gradient."""
+    lp, blp, adv, mask = _flat_inputs()
+    args = (lp, blp, adv, mask) if shape == "flat" else (lp.view(1, 5), blp.view(1, 5), adv.view(1, 5), mask.view(1, 5))
+    loss, metrics = aipo_loss(*args, rho=RHO, norm="constant", norm_constant=40.0)
+    on = [i for i in range(5) if MASK[i]]
+    w = {i: min(math.exp(LP[i] - BLP[i]), RHO) for i in on}
+    assert loss.item() == pytest.approx(sum(-w[i] * ADV[i] * LP[i] for i in on) / 40.0, rel=1e-12)
+    assert metrics["tokens"].item() == 4  # metrics stay token means
+    loss.backward()
+    grad = [-w[i] * ADV[i] / 40.0 if MASK[i] else 0.0 for i in range(5)]
+    torch.testing.assert_close(lp.grad, torch.tensor(grad, dtype=torch.float64), rtol=1e-12, atol=0)
+
+
 def test_unbounded_rho_is_plain_importance_weighting():
     lp, blp, adv, mask = _flat_inputs()
     loss, metrics = aipo_loss(lp, blp, adv, mask, rho=math.inf)
@@ -265,6 +280,9 @@ def _bad(**overrides):
         (_bad(logprobs=torch.zeros(6), behavior_logprobs=torch.zeros(6), advantages=torch.zeros(6),
               mask=torch.ones(6), norm="sequence"), "norm='sequence' needs"),
         (_bad(logprobs=torch.zeros(2, 3, dtype=torch.long)), "floating-point"),
+        (_bad(norm="constant"), r"norm='constant' needs norm_constant"),
+        (_bad(norm="constant", norm_constant=0.0), r"norm='constant' needs norm_constant"),
+        (_bad(norm_constant=10.0), r"norm_constant is only read with norm='constant'"),
         (_bad(clip=(1.0, 0.2)), r"clip must be None or \(eps_low, eps_high\)"),
         (_bad(clip=(0.2, -0.1)), "clip must be"),
         (_bad(clip=0.2), "clip must be"),

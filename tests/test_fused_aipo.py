@@ -210,6 +210,25 @@ def test_decoupled_clip_matches_fp64(norm, with_old, temperature):
         assert torch.equal(gh, unclipped[2]) and torch.equal(gw, unclipped[3])
 
 
+def test_constant_norm_matches_fp64():
+    """norm="constant" (Dr. GRPO): Σ m ℓ / C against the fp64 reference; the same step as the token mean
+    rescaled by M / C (M the masked-in rows), which the kernel must not apply twice."""
+    case = make_case(37, 48, 1000, 0.9, seed=11, with_ref=True)
+    opts = dict(rho=RHO, temperature=0.9, kl_coef=0.1, entropy_coef=0.02)
+    loss, metrics, gh, gw = run(fused_aipo_loss, case, chunk_size=16, norm="constant", norm_constant=300.0, **opts)
+    eager = run(aipo_loss_from_hidden_ref, case, norm="constant", norm_constant=300.0, **opts)
+    exact = run(aipo_loss_from_hidden_ref, case, dtype=torch.float64, norm="constant", norm_constant=300.0, **opts)
+    tokens = case["mask"].sum().item()
+    assert_within_2x_eager(loss, eager[0], exact[0], "loss", scale=loss_term_scale(case, **opts) * tokens / 300.0)
+    assert_within_2x_eager(gh, eager[2], exact[2], "grad hidden")
+    assert_within_2x_eager(gw, eager[3], exact[3], "grad weight")
+    token_loss, _, token_gh, _ = run(fused_aipo_loss, case, chunk_size=16, **opts)
+    torch.testing.assert_close(gh * 300.0 / tokens, token_gh, rtol=1e-5, atol=1e-7)
+    assert loss.item() == pytest.approx(token_loss.item() * tokens / 300.0, rel=1e-5)
+    for key in METRICS + ("kl_ref",):  # metrics are token means whatever the normalisation
+        assert_within_2x_eager(metrics[key], eager[1][key], exact[1][key], key, ulps=16)
+
+
 def test_all_masked_gives_zero_loss_zero_grads_and_zero_metrics():
     case = make_case(20, 16, 300, 1.0, seed=5)
     case["mask"] = torch.zeros(20, dtype=torch.bool)

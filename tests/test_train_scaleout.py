@@ -107,10 +107,11 @@ def _bucket_bytes_match(handles, plan, weights: dict[str, torch.Tensor], version
 @pytest.mark.parametrize("t_ranks, g_ranks, trainer_cfg, shared, empty",
                          [(2, 2, TRAINER, False, ()), (2, 2, CHECKPOINTED, True, ()), (1, 3, TRAINER, False, ()),
                           (2, 1, FUSED, True, ()), (2, 2, DDP, True, ()), (2, 1, TRAINER, False, (3,)),
-                          (2, 1, dict(TRAINER, mini_batches=2, epochs=2), True, ())],
+                          (2, 1, dict(TRAINER, mini_batches=2, epochs=2), True, ()),
+                          (2, 1, dict(TRAINER, norm="constant"), False, (3,))],
                          ids=["2+2", "2+2-shared-prompts-checkpointed", "1+3", "2+1-fused-shared-prompts",
                               "2+2-ddp-shared-prompts", "2+1-a-micro-batch-without-tokens-on-one-rank",
-                              "2+1-two-mini-batches-two-epochs"])
+                              "2+1-two-mini-batches-two-epochs", "2+1-constant-norm"])
 def test_sharded_trainer_and_tp_generator_match_one_process(tmp_path, t_ranks, g_ranks, trainer_cfg, shared, empty):
     """The shared-prompt cases check that layout's forward (llamarl.models.shared_prefix) under FSDP, which
     runs every layer twice per micro-batch (prompts, then completions); tests/test_shared_prefix.py checks
@@ -121,7 +122,7 @@ def test_sharded_trainer_and_tp_generator_match_one_process(tmp_path, t_ranks, g
     batch = _batch(shared, empty)
     if trainer_cfg["mini_batches"] > 1:  # the step's updates: one per mini-batch, per epoch
         batch = [batch] + [_batch(shared, empty, seed=8 + i) for i in range(trainer_cfg["mini_batches"] - 1)]
-    ref_stats, ref_weights = single_process_train_step(model_dir, CFG, batch, trainer_cfg)
+    ref_stats, ref_weights = single_process_train_step(model_dir, CFG, batch, trainer_cfg, max_new_tokens=8)
     prompts = [[1, 5, 9, 13], [1, 7], [1, 30, 31]]
 
     with Runtime(Layout.parse(f"trainer={t_ranks},generator={g_ranks}x1,reward=0")) as rt:
@@ -130,7 +131,7 @@ def test_sharded_trainer_and_tp_generator_match_one_process(tmp_path, t_ranks, g
         handles = gen.call("handle").result()
         trainer, = rt.spawn_role("trainer", TRAINER_EXECUTOR, init_kwargs=dict(
             model_path=str(model_dir), trainer=trainer_cfg, temperature=1.0, generator_handles=handles,
-            generator_tp=g_ranks, threads=1))
+            generator_tp=g_ranks, threads=1, max_new_tokens=8))
         trainer.call("push_weights", 0).result()
         per_rank_stats = trainer.call("train_step", batch).result()
         trainer.call("push_weights", 1).result()

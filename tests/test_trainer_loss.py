@@ -35,26 +35,31 @@ def _batch_rollouts() -> list[Rollout]:
     return rollouts
 
 
+MAX_NEW_TOKENS = 7  # the generation limit of norm="constant" (Dr. GRPO): C = sequences x 7
+
+
 def _spec_loss(model_dir, batch: dict, norm: str) -> float:
     """The specification on the whole batch at once, in fp64."""
     model = Llama.from_pretrained(model_dir).double()
+    constant = batch["mask"].shape[0] * MAX_NEW_TOKENS if norm == "constant" else None
     with torch.no_grad():
         logits = model(batch["input_ids"])[:, :-1]
         logprobs, entropy = token_logprobs(logits, batch["targets"], 1.0)
         loss, _ = aipo_loss(logprobs, batch["behavior_logprobs"].double(), batch["advantages"].double(),
-                            batch["mask"], rho=TRAINER["rho"], norm=norm, ref_logprobs=logprobs,
+                            batch["mask"], rho=TRAINER["rho"], norm=norm, norm_constant=constant, ref_logprobs=logprobs,
                             kl_coef=TRAINER["kl_coef"], entropy=entropy, entropy_coef=TRAINER["entropy_coef"])
     return float(loss)
 
 
-@pytest.mark.parametrize("norm", ["token", "sequence"])
+@pytest.mark.parametrize("norm", ["token", "sequence", "constant"])
 def test_micro_batches_give_the_whole_batch_loss_and_update(tmp_path, norm):
     random_model(CFG).save_pretrained(tmp_path / "model")
     batch = collate(_batch_rollouts(), ADV, 0)
     cfg = dict(TRAINER, norm=norm)
-    split_stats, split_w = single_process_train_step(tmp_path / "model", CFG, batch, cfg)
+    split_stats, split_w = single_process_train_step(tmp_path / "model", CFG, batch, cfg,
+                                                     max_new_tokens=MAX_NEW_TOKENS)
     whole_stats, whole_w = single_process_train_step(tmp_path / "model", CFG, batch,
-                                                     dict(cfg, micro_batch_size=len(ADV)))
+                                                     dict(cfg, micro_batch_size=len(ADV)), max_new_tokens=MAX_NEW_TOKENS)
     assert split_stats["applied"] and whole_stats["applied"]
     # at the start the policy is its own reference, so the KL term is 0 and the loss is the AIPO loss
     assert whole_stats["loss"] == pytest.approx(_spec_loss(tmp_path / "model", batch, norm), rel=1e-5, abs=1e-7)
@@ -63,18 +68,19 @@ def test_micro_batches_give_the_whole_batch_loss_and_update(tmp_path, norm):
     for name, w in whole_w.items():
         torch.testing.assert_close(split_w[name], w, rtol=0, atol=2e-6, msg=name)
     other = single_process_train_step(tmp_path / "model", CFG, batch,
-                                      dict(cfg, norm="token" if norm == "sequence" else "sequence"))[0]
-    assert abs(other["loss"] - whole_stats["loss"]) > 1e-4  # the two normalisations really differ here
+                                      dict(cfg, norm="token" if norm != "token" else "sequence"))[0]
+    assert abs(other["loss"] - whole_stats["loss"]) > 1e-4  # the normalisations really differ here
 
 
-@pytest.mark.parametrize("norm", ["token", "sequence"])
+@pytest.mark.parametrize("norm", ["token", "sequence", "constant"])
 @pytest.mark.parametrize("share_prompts", [False, True])
 def test_fused_loss_step_equals_the_reference_step(tmp_path, norm, share_prompts):
     random_model(CFG).save_pretrained(tmp_path / "model")
     batch = collate(_batch_rollouts(), ADV, 0, share_prompts=share_prompts)
     cfg = dict(TRAINER, norm=norm)
-    ref_stats, ref_w = single_process_train_step(tmp_path / "model", CFG, batch, cfg)
-    fused_stats, fused_w = single_process_train_step(tmp_path / "model", CFG, batch, dict(cfg, loss="fused"))
+    ref_stats, ref_w = single_process_train_step(tmp_path / "model", CFG, batch, cfg, max_new_tokens=MAX_NEW_TOKENS)
+    fused_stats, fused_w = single_process_train_step(tmp_path / "model", CFG, batch, dict(cfg, loss="fused"),
+                                                     max_new_tokens=MAX_NEW_TOKENS)
     # measured: 2 of 1696 embedding entries moved by 8e-6 of a 1e-3 step, all else <= 7e-7
     assert_same_step(fused_stats, fused_w, ref_stats, ref_w, atol=2e-5)
 

@@ -58,14 +58,15 @@ def test_collate_keeps_nonzero_rows_and_the_whole_token_count():
         collate(rollouts, ADV, pad_id=0, drop_zero_advantage=True, row_multiple=0)
 
 
-@pytest.mark.parametrize("norm", ["token", "sequence"])
+@pytest.mark.parametrize("norm", ["token", "sequence", "constant"])
 def test_trainer_update_is_the_same_without_zero_advantage_rows(tmp_path, norm):
     random_model(CFG).save_pretrained(tmp_path / "model")
     rollouts = _rollouts(len(ADV))
     cfg = dict(TRAINER, norm=norm)
-    full_stats, full_w = single_process_train_step(tmp_path / "model", CFG, collate(rollouts, ADV, 0), cfg)
+    full_stats, full_w = single_process_train_step(tmp_path / "model", CFG, collate(rollouts, ADV, 0), cfg,
+                                                   max_new_tokens=9)
     kept = collate(rollouts, ADV, 0, drop_zero_advantage=True)
-    kept_stats, kept_w = single_process_train_step(tmp_path / "model", CFG, kept, cfg)
+    kept_stats, kept_w = single_process_train_step(tmp_path / "model", CFG, kept, cfg, max_new_tokens=9)
     assert kept_stats["applied"] and full_stats["applied"]
     assert kept_stats["loss"] == pytest.approx(full_stats["loss"], rel=1e-5, abs=1e-7)
     assert kept_stats["grad_norm"] == pytest.approx(full_stats["grad_norm"], rel=1e-5)

@@ -11,6 +11,12 @@ an advantage A_t and a mask m_t ∈ {0, 1} (1 = a generated token that is traine
           − γ · H_t                                   (optional entropy bonus, H_t = entropy of π at t)
     loss  = Σ_t m_t ℓ_t / Σ_t m_t                                     norm="token"  (default)
           = mean over non-empty rows b of Σ_t m_bt ℓ_bt / Σ_t m_bt      norm="sequence"
+          = Σ_t m_t ℓ_t / C                                                norm="constant"
+
+norm="constant" is Dr. GRPO's normalisation (TRL's loss_type="dr_grpo", veRL's "seq-mean-token-sum-norm"):
+with C = (number of sequences) × (the generation length limit), passed as ``norm_constant``, every token
+weighs the same whatever the length of its sequence, and the loss has no length bias (the token mean
+favours long wrong answers over short ones within a batch; the sequence mean favours short ones).
 
 k3 (Schulman's estimator) is a non-negative estimate of KL(π‖π_ref), unbiased for tokens sampled from
 π. Here the tokens come from μ and the term is not importance-weighted (GRPO's convention), so ``kl_ref``
@@ -36,7 +42,7 @@ differs (−w_t A_t instead of −w_t A_t logπ_t; both are surrogates whose gra
 ε_high ≥ 0 (DAPO's clip-higher sets ε_high > ε_low).
 
 Layouts: ``logprobs``, ``behavior_logprobs``, ``mask``, ``ref_logprobs``, ``entropy`` are all ``[B, T]``
-(or all ``[N]`` flat, token normalisation only); ``advantages`` is ``[B, T]`` per token or ``[B]`` per
+(or all ``[N]`` flat: token or constant normalisation); ``advantages`` is ``[B, T]`` per token or ``[B]`` per
 sequence (broadcast over T), or ``[N]`` with flat inputs. Arithmetic runs in float32 (float64 inputs
 stay float64); the loss is a 0-d tensor of that dtype.
 
@@ -64,9 +70,7 @@ import math
 
 import torch
 
-from llamarl_kernels.shapes import check_clip
-
-NORMS = ("token", "sequence")
+from llamarl_kernels.shapes import check_clip, check_norm
 ENTROPY_MODES = ("grad", "detached", "none")
 
 
@@ -121,6 +125,7 @@ def aipo_loss(
     rho: float = 2.0,
     *,
     norm: str = "token",
+    norm_constant: float | None = None,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     entropy: torch.Tensor | None = None,
@@ -138,6 +143,7 @@ def aipo_loss(
     ``validate=False`` skips the data-dependent checks that need a device sync (finite values, mask
     in {0, 1}); shape, device and option checks always run.
     """
+    check_norm("aipo_loss", norm, norm_constant)
     _check_inputs(logprobs, behavior_logprobs, advantages, mask, rho, norm, ref_logprobs, kl_coef,
                   entropy, entropy_coef, old_logprobs, clip, validate)
     compute = torch.promote_types(logprobs.dtype, torch.float32)
@@ -182,7 +188,7 @@ def aipo_loss(
             per_token = per_token - entropy_coef * ent
         metrics["entropy"] = _token_mean(ent.detach(), m)
 
-    loss = _masked_mean(per_token, m, norm)
+    loss = _masked_mean(per_token, m, norm, norm_constant)
 
     tokens = m.sum()
     metrics["ratio_mean"] = _token_mean(ratio, m)
@@ -198,13 +204,15 @@ def _token_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.where(m > 0, x, torch.zeros_like(x)).sum() / m.sum().clamp(min=1.0)
 
 
-def _masked_mean(per_token: torch.Tensor, m: torch.Tensor, norm: str) -> torch.Tensor:
+def _masked_mean(per_token: torch.Tensor, m: torch.Tensor, norm: str, constant: float | None = None) -> torch.Tensor:
     """The loss reduction over Σ m_t x_t. Masked entries are selected out (``where``, not a product with
     m, which would give inf * 0 = NaN), so they add neither value nor gradient even when not finite; they
     stay in the graph, so an all-masked batch still backpropagates (zeros)."""
     weighted = torch.where(m > 0, per_token * m, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
     if norm == "token":
         return weighted.sum() / m.sum().clamp(min=1.0)
+    if norm == "constant":
+        return weighted.sum() / constant
     row_tokens = m.sum(dim=-1)
     row_means = weighted.sum(dim=-1) / row_tokens.clamp(min=1.0)
     rows = (row_tokens > 0).sum().clamp(min=1).to(per_token.dtype)
@@ -237,8 +245,6 @@ def _check_inputs(logprobs, behavior_logprobs, advantages, mask, rho, norm, ref_
             raise ValueError(f"aipo_loss: {name} is on {t.device} but logprobs is on {logprobs.device}; "
                              "move all inputs to one device")
 
-    if norm not in NORMS:
-        raise ValueError(f"aipo_loss: norm must be one of {NORMS}, got {norm!r}")
     if logprobs.dim() not in (1, 2):
         raise ValueError(f"aipo_loss: logprobs must be [B, T] or flat [N], got shape {tuple(logprobs.shape)}")
     if logprobs.dim() == 1 and norm == "sequence":

@@ -14,7 +14,8 @@ min(π_old/μ, ρ) and clips π/π_old to [1 − clip_ratio, 1 + clip_ratio_high
 
 Each update runs in micro-batches of ``micro_batch_size`` sequences whose gradients add up to exactly the full-batch
 gradient (each micro-batch loss is weighted by its share of the batch's loss denominator: its tokens
-for ``norm="token"``, its non-empty sequences for ``norm="sequence"``), then clips the global
+for ``norm="token"``, its non-empty sequences for ``norm="sequence"``, its sequences for
+``norm="constant"``, Dr. GRPO's Σ m ℓ / (sequences × ``max_new_tokens``)), then clips the global
 gradient norm and steps AdamW at the step's learning rate (``lr_at``: warm-up, then constant, cosine or
 linear decay over ``total_steps`` RL steps, at the step the controller names, so a resumed run continues
 the schedule). log π uses the generator's convention: log_softmax(logits / T) in fp32.
@@ -102,13 +103,17 @@ class TrainerExecutor:
                  generator_replicas: int = 1, generator_tp: int = 1, generator_quantization: str = "none",
                  resume: str | None = None, seed: int = 0, total_steps: int | None = None,
                  threads: int | None = None, tokenizer_path: str | None = None, reference_path: str | None = None,
-                 rank_info: RankInfo):
+                 max_new_tokens: int | None = None, rank_info: RankInfo):
         self.rank, self.world = rank_info.rank, rank_info.world_size
         self.distributed = self.world > 1
         if self.distributed and trainer["parallel"] not in ("fsdp", "ddp"):
             raise ValueError(f"trainer.parallel={trainer['parallel']!r}: a trainer of {self.world} ranks needs "
                              "trainer.parallel=fsdp or ddp")
         self.sharded = self.distributed and trainer["parallel"] == "fsdp"  # else whole replicas (ddp) or one rank
+        if trainer["norm"] == "constant" and not (isinstance(max_new_tokens, int) and max_new_tokens > 0):
+            raise ValueError(f"trainer.norm='constant' divides by sequences x max_new_tokens: pass max_new_tokens "
+                             f"(the generator's length limit), got {max_new_tokens!r}")
+        self.max_new_tokens = max_new_tokens
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
@@ -387,7 +392,7 @@ class TrainerExecutor:
         them, so dropped zero-advantage rows still count, llamarl.rollouts); a batch without them uses the
         ``_units`` of the rows present. Metrics are means over the tokens present."""
         batch = dict(batch)
-        key = "total_tokens" if self.cfg["norm"] == "token" else "total_sequences"
+        key = {"token": "total_tokens", "sequence": "total_sequences", "constant": "total_rows"}[self.cfg["norm"]]
         totals = {k: batch.pop(k) for k in TOTAL_KEYS if k in batch}
         batch = {k: v.to(self.device) for k, v in batch.items()}
         kept = batch["mask"].sum().clamp(min=1.0)
@@ -395,9 +400,17 @@ class TrainerExecutor:
         return batch, total.clamp(min=1.0), kept
 
     def _units(self, part: dict[str, torch.Tensor]) -> torch.Tensor:
-        """What the loss averages over: the tokens (norm="token") or the non-empty sequences of ``part``."""
-        mask = part["mask"]
-        return mask.sum() if self.cfg["norm"] == "token" else (mask.sum(dim=-1) > 0).sum().to(torch.float32)
+        """What the loss averages over: the tokens (norm="token"), the non-empty sequences (norm="sequence")
+        or the sequences (norm="constant") of ``part``."""
+        mask, norm = part["mask"], self.cfg["norm"]
+        if norm == "constant":
+            return torch.tensor(float(mask.shape[0]), device=mask.device)
+        return mask.sum() if norm == "token" else (mask.sum(dim=-1) > 0).sum().to(torch.float32)
+
+    def _norm_constant(self, part: dict[str, torch.Tensor]) -> float | None:
+        """norm="constant": C of ``part`` alone (its sequences x max_new_tokens); the micro-batch shares
+        (``_units``) then make the step's loss Σ m ℓ / (all sequences x max_new_tokens)."""
+        return part["mask"].shape[0] * self.max_new_tokens if self.cfg["norm"] == "constant" else None
 
     # ------------------------------------------------------------------ the loss
     def _loss(self, part: dict[str, torch.Tensor]):
@@ -428,11 +441,12 @@ class TrainerExecutor:
                                    ref_logprobs=None if ref is None else pick(ref), kl_coef=c["kl_coef"],
                                    entropy_coef=c["entropy_coef"], norm=c["norm"],
                                    sequence_ids=idx // width if c["norm"] == "sequence" else None,
+                                   norm_constant=self._norm_constant(part),
                                    old_logprobs=None if old is None else pick(old), clip=self._clip)
         logprobs, entropy = token_logprobs(_logits(self.model, part), part["targets"], self.temperature,
                                            entropy=self._entropy_mode)
         return aipo_loss(logprobs, part["behavior_logprobs"], adv, part["mask"], rho=c["rho"], norm=c["norm"],
-                         ref_logprobs=ref, kl_coef=c["kl_coef"], entropy=entropy, entropy_coef=c["entropy_coef"],
+                         norm_constant=self._norm_constant(part), ref_logprobs=ref, kl_coef=c["kl_coef"], entropy=entropy, entropy_coef=c["entropy_coef"],
                          old_logprobs=old, clip=self._clip)
 
     def _uncorrected_loss(self, part, adv, ref, old):
@@ -446,10 +460,10 @@ class TrainerExecutor:
                                            entropy=self._entropy_mode)
         behavior = logprobs.detach() if old is None else old
         loss, _ = aipo_loss(logprobs, behavior, adv, part["mask"], rho=c["rho"], norm=c["norm"],
-                            ref_logprobs=ref, kl_coef=c["kl_coef"], entropy=entropy, entropy_coef=c["entropy_coef"],
+                            norm_constant=self._norm_constant(part), ref_logprobs=ref, kl_coef=c["kl_coef"], entropy=entropy, entropy_coef=c["entropy_coef"],
                             old_logprobs=old, clip=self._clip)
         _, metrics = aipo_loss(logprobs.detach(), part["behavior_logprobs"], adv, part["mask"], rho=c["rho"],
-                               norm=c["norm"], ref_logprobs=ref, entropy=entropy.detach(), old_logprobs=old,
+                               norm=c["norm"], norm_constant=self._norm_constant(part), ref_logprobs=ref, entropy=entropy.detach(), old_logprobs=old,
                                clip=self._clip)
         return loss, metrics
 
