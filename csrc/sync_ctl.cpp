@@ -167,15 +167,22 @@ std::pair<int, int64_t> ctl_acquire(SyncCtl* c, int64_t version, double timeout_
       s = static_cast<int>(c->latest_slot.load());
       if (s < 0) return false;
     } else {
+      // A slot still labelled `version` holds its bytes, whatever its state: a writer draining it flips the
+      // state to WRITING and back while it waits for the readers (ctl_claim), and relabels the slot only
+      // once the claim succeeds. So "no longer held" is decided from the labels alone; a labelled slot
+      // seen mid-flip is retried (a TP peer joining its leader, whose hold keeps the slot from the writer).
+      bool labelled = false;
       for (int i = 0; i < c->nslots; ++i) {
         const int64_t st = c->slots[i].state.load();
-        if ((st == kSlotReady || st == kSlotDraining) && c->slots[i].version.load() == version) {
+        if (c->slots[i].version.load() != version) continue;
+        labelled = true;
+        if (st == kSlotReady || st == kSlotDraining) {
           s = i;
           break;
         }
       }
       if (s < 0) {
-        if (c->latest_version.load() > version && c->claim_version.load() != version)
+        if (!labelled && c->latest_version.load() > version && c->claim_version.load() != version)
           throw std::runtime_error("version " + std::to_string(version) +
                                    " is no longer held by any slot (newest is " +
                                    std::to_string(c->latest_version.load()) +
