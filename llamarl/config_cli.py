@@ -158,11 +158,16 @@ def _check_same_data(saved_cfg: TrainConfig, cfg: TrainConfig, saved: Path) -> N
     for dotted in fields:
         section, _, name = dotted.partition(".")
         old, new = getattr(getattr(saved_cfg, section), name), getattr(getattr(cfg, section), name)
-        if old == new or (dotted == "data.dataset" and not Path(old).exists()):
+        if old == new or (dotted == "data.dataset" and (not Path(old).exists() or _same_file(old, new))):
             continue
         fail(dotted, f"the resumed run started with {dotted}={old!r} ({saved}); its held-out split and the data "
              "position of its checkpoints depend on it, so a resume keeps it: drop the override, or start a new run "
              "from the checkpoint's weights (--model <checkpoint>/policy)", new)
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Do two path spellings (the saved config's absolute one, a relative one on the command line) name one file?"""
+    return Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve()
 
 
 def load_config(argv: Sequence[str] | None = None, *, check_environment: bool = True) -> TrainConfig:

@@ -4,6 +4,7 @@ shorthand, and that every validation error starts with the name of the field it 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import pytest
@@ -137,6 +138,9 @@ def test_a_resume_keeps_its_data_stream(tmp_path, override, dataset):
     with pytest.raises(ConfigError, match=rf"^{override.split('=')[0]}: the resumed run started with"):
         load_config(base + ["--set", override], check_environment=False)
     assert load_config(base + ["--set", "trainer.lr=2e-3"], check_environment=False).trainer.lr == 2e-3
+    if not dataset.startswith("synthetic"):  # the same file, spelled relative to the working directory
+        relative = os.path.relpath(dataset)
+        assert load_config(base + ["--dataset", relative], check_environment=False).data.dataset == relative
     if dataset.startswith("synthetic"):
         assert load_config(base + ["--set", "generator.max_new_tokens=6"], check_environment=False)
 
