@@ -116,7 +116,7 @@ def aipo_loss_from_hidden_ref(
         old = logprobs.detach() if old_logprobs is None else old_logprobs.to(dtype)
         old_ratio = (old - behavior_logprobs.to(dtype)).exp()
         truncated = old_ratio > rho
-        q = (logprobs - old).exp()
+        q = torch.where(on, logprobs - old, torch.zeros_like(old)).exp()  # masked rows: exp(0), never inf
         per_token = -old_ratio.clamp(max=rho) * torch.minimum(q * adv, q.clamp(1 - clip[0], 1 + clip[1]) * adv)
         clipped = ((adv > 0) & (q.detach() > 1 + clip[1])) | ((adv < 0) & (q.detach() < 1 - clip[0]))
         metrics["clip_frac"] = mean(clipped.to(dtype))

@@ -169,3 +169,20 @@ def test_a_resumed_trainer_uses_this_runs_optimizer_settings(tmp_path):
         state = ex.opt.state[next(iter(ex.model.parameters()))]
         assert all(torch.equal(state[k], v) for k, v in saved.items())  # the moments and step are the checkpoint's
 
+
+
+@pytest.mark.parametrize("norm", ["constant", "token"])
+def test_micro_batches_without_trained_tokens_are_skipped_on_every_path(tmp_path, norm):
+    """Row 5's completion is empty: in micro-batches of one row it is a micro-batch without a trained
+    token (under norm="constant" its row still counts in the denominator). The fused loss, the KL
+    reference's log-probs and the old-log-prob forward of a clipped second update must skip it, not fail
+    on zero rows; the fused step equals the reference step."""
+    random_model(CFG).save_pretrained(tmp_path / "model")
+    rollouts = _batch_rollouts()
+    parts = [collate(rollouts[6:], ADV[6:], 0), collate(rollouts[:6], ADV[:6], 0)]  # row 5 in the second update
+    cfg = dict(TRAINER, norm=norm, micro_batch_size=1, mini_batches=2)
+    ref_stats, ref_w = single_process_train_step(tmp_path / "model", CFG, parts, cfg, max_new_tokens=MAX_NEW_TOKENS)
+    fused_stats, fused_w = single_process_train_step(tmp_path / "model", CFG, parts, dict(cfg, loss="fused"),
+                                                     max_new_tokens=MAX_NEW_TOKENS)
+    assert ref_stats["updates"] == 2
+    assert_same_step(fused_stats, fused_w, ref_stats, ref_w, atol=4e-5)

@@ -236,7 +236,9 @@ class TrainerExecutor:
         from llamarl_kernels import fused_logprobs
 
         idx = (part["mask"] > 0).reshape(-1).nonzero().squeeze(1)
-        hidden = _hidden(model, part)
+        hidden = _hidden(model, part)  # also without trained positions: an FSDP forward gathers on every rank
+        if idx.numel() == 0:
+            return torch.zeros(part["targets"].shape, dtype=torch.float32, device=hidden.device)
         picked, _ = fused_logprobs(hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx), model.lm_head_weight,
                                    part["targets"].reshape(-1).index_select(0, idx), self.temperature)
         out = torch.zeros(part["targets"].numel(), dtype=torch.float32, device=hidden.device)
@@ -252,7 +254,7 @@ class TrainerExecutor:
         for lo in range(0, rows, mb):
             part = slice_rows(batch, lo, lo + mb)
             share = self._units(part) / total
-            if share == 0:
+            if not bool(part["mask"].any()):  # no trained token (norm="constant" still counts its rows)
                 continue
             loss, m = self._loss(part)
             (loss * share).backward()
@@ -304,9 +306,10 @@ class TrainerExecutor:
 
         def weighted_loss(part: dict[str, torch.Tensor]) -> torch.Tensor | None:
             share = self._units(part) / total
-            if share == 0 and not self.sharded:
+            tokens = bool(part["mask"].any())  # none: share 0, except under norm="constant" (rows count)
+            if not tokens and not self.sharded:
                 return None  # ddp: nothing to add (the all-reduce treats missing gradients as zeros)
-            if share == 0:  # no tokens: still the forwards and backward, FSDP's collectives need every rank
+            if not tokens:  # still the forwards and backward, FSDP's collectives need every rank
                 if self.ref is not None:  # the sharded KL reference's forward gathers too (as in _loss)
                     with torch.no_grad():
                         _logits(self.ref, part)
