@@ -97,6 +97,10 @@ def config_from_args(args: argparse.Namespace, *, check_environment: bool = True
     resume = next((v for d, v in reversed(overrides) if d == "run.resume"), None)
     if resume is None:
         resume = (loaded.get("run") or {}).get("resume")
+        if isinstance(resume, str) and resume.strip().lower() in _NULL_TEXT:  # YAML null (no resume) stays fine
+            fail("run.resume", f"must name a run or checkpoint directory to continue from ({args.config} gives an "
+                 "empty or null text); write the directory, or null (or leave the key out) to start a new run",
+                 resume)
     base, saved = PRESETS[args.preset], None
     if resume is not None and (resume_run_dir(resume) / "config.yaml").is_file():
         # a resumed run continues with its own settings (model, tokenizer, data, reward, ...), not the preset's
@@ -158,7 +162,9 @@ def _check_same_data(saved_cfg: TrainConfig, cfg: TrainConfig, saved: Path) -> N
     for dotted in fields:
         section, _, name = dotted.partition(".")
         old, new = getattr(getattr(saved_cfg, section), name), getattr(getattr(cfg, section), name)
-        if old == new or (dotted == "data.dataset" and (not Path(old).exists() or _same_file(old, new))):
+        moved_file = not old.startswith("synthetic:") and (not Path(old).exists() or _same_file(old, new)) \
+            if dotted == "data.dataset" else False
+        if old == new or moved_file:
             continue
         fail(dotted, f"the resumed run started with {dotted}={old!r} ({saved}); its held-out split and the data "
              "position of its checkpoints depend on it, so a resume keeps it: drop the override, or start a new run "

@@ -121,6 +121,7 @@ def test_resume_continues_with_the_runs_own_config(tmp_path):
     ("data.eval_size=30", "synthetic:arithmetic"),
     ("data.few_shot=2", "synthetic:arithmetic"),
     ("data.template=Q: {prompt}", "synthetic:arithmetic"),
+    ("data.dataset=synthetic:arithmetic:seed=5", "synthetic:arithmetic"),  # a spec is not a file that moved
     ("generator.max_new_tokens=16", "file"),  # a file's prompts too long for the context are dropped
 ])
 def test_a_resume_keeps_its_data_stream(tmp_path, override, dataset):
@@ -287,3 +288,16 @@ def test_an_empty_or_null_resume_on_the_command_line_is_refused(tmp_path, monkey
     with pytest.raises(ConfigError, match=r"^run.resume: must name a run or checkpoint directory"):
         load_config(["--preset", "smoke", *args])
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("text, refused", [('""', True), ("none", True), ("null", False), ("~", False)])
+def test_an_empty_resume_in_a_config_file_is_refused_and_yaml_null_is_no_resume(tmp_path, monkeypatch, text, refused):
+    """In a --config file, ``resume: ""`` or the text ``none`` asks for a resume of nothing (refused, as on the
+    command line); YAML's null is the absence of a resume (a saved config.yaml holds ``resume: null``)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.yaml").write_text(f"run:\n  resume: {text}\n")
+    if refused:
+        with pytest.raises(ConfigError, match=r"^run.resume: must name a run or checkpoint directory"):
+            load_config(["--preset", "smoke", "--config", str(tmp_path / "c.yaml")])
+    else:
+        assert load_config(["--preset", "smoke", "--config", str(tmp_path / "c.yaml")]).run.resume is None
