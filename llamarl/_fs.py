@@ -10,10 +10,13 @@ removes its temporary file and leaves the old file as it was.
 belongs to the open file description: it is released by ``release()`` or by the owner's death (a crash or
 SIGKILL leaves no stale lock; the file itself stays, with the last owner's pid). The descriptor is not
 inherited by child processes (O_CLOEXEC, and they are spawned, not forked), so only the owner holds it.
+On a file system without flock (some Lustre and FUSE mounts: ENOSYS, EOPNOTSUPP, ENOLCK) the file is
+still written but nothing is locked: ``locked`` is False and the caller says so.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import secrets
@@ -41,6 +44,9 @@ def write_text_atomic(path: Path, text: str) -> None:
         os.close(fd)
 
 
+_NO_FLOCK = {errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK}  # flock unsupported here
+
+
 class LockHeld(RuntimeError):
     """Another process holds the lock on ``path``; ``pid`` is the pid it wrote there (None if unreadable)."""
 
@@ -58,6 +64,7 @@ class LockFile:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self.locked = True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -67,6 +74,11 @@ class LockFile:
                 pid = None
             os.close(fd)
             raise LockHeld(self.path, pid) from None
+        except OSError as e:
+            if e.errno not in _NO_FLOCK:
+                os.close(fd)
+                raise
+            self.locked = False  # the file system cannot lock: the caller warns
         except BaseException:
             os.close(fd)
             raise

@@ -27,7 +27,9 @@ Temporary directories left by dead writers on this host are removed by the next 
 checkpoints beyond ``keep`` are renamed away (atomic) and then deleted. History is linear: committing step N
 first removes checkpoints with a step above N (left by a continuation abandoned when resuming from an older
 checkpoint), before the rename, so "newest complete" and the ``latest`` pointer agree even after a crash; a
-run resumed from step N removes them already when it starts (``discard_newer``), where it cuts its logs.
+run resumed from step N sets them aside already when it starts (``discard_newer(set_aside=True)``, where it
+cuts its logs): renamed ``abandoned-step_M``, invisible to resume, kept until that first commit deletes them
+(so a checkpoint skipped because it failed to load is not lost before anyone can look at it).
 A manifest is trusted only in its own checkpoint: an entry of the wrong type, or a path that is absolute or
 leaves the directory (``..``), makes the checkpoint unusable, like a checksum failure.
 Once the rename is done the checkpoint is committed: a failure after it (the pointer, pruning) is
@@ -160,16 +162,29 @@ def _step_dirs(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def discard_newer(run_dir: str | os.PathLike, step: int, *, point_latest: bool = True) -> list[Path]:
-    """Remove the complete checkpoints of ``run_dir`` with a step above ``step`` (each renamed away first,
-    atomically, then deleted) and, with ``point_latest``, point ``latest`` at ``step_{step}`` if that one is
-    there; returns what was removed. The run's history is linear, so these belong to a continuation
-    abandoned by resuming from ``step``: a resumed run calls this when it starts (where it also cuts its logs
-    back to ``step``), so that checkpoints and logs agree even if it fails before its first checkpoint;
-    ``CheckpointWriter.commit`` applies the same rule before its rename."""
+ABANDONED = "abandoned-"  # checkpoints/abandoned-step_N: set aside by a resume from an older step
+
+
+def discard_newer(run_dir: str | os.PathLike, step: int, *, point_latest: bool = True,
+                  set_aside: bool = False) -> list[Path]:
+    """Take the complete checkpoints of ``run_dir`` with a step above ``step`` out of the run and, with
+    ``point_latest``, point ``latest`` at ``step_{step}`` if that one is there; returns the paths they had.
+    The run's history is linear, so these belong to a continuation abandoned by resuming from ``step``.
+    ``set_aside``: each is renamed ``abandoned-step_N`` (atomic; resume never looks there), what a resumed
+    run does when it starts, where it also cuts its logs back to ``step``, so that checkpoints and logs agree
+    even if it fails before its first checkpoint. Otherwise each is renamed away and deleted, and so are the
+    set-aside ones: what ``CheckpointWriter.commit`` does before its rename."""
     root = checkpoints_dir(run_dir)
     gone = [path for s, path in list_checkpoints(run_dir) if s > step]
-    for path in gone:
+    doomed = [] if set_aside else [p for p in (root.iterdir() if root.is_dir() else ())
+                                   if p.name.startswith(ABANDONED) and p.is_dir()]
+    for path in gone + doomed:
+        if set_aside:
+            target, n = root / (ABANDONED + path.name), 1
+            while target.exists():
+                target, n = root / f"{ABANDONED}{path.name}.{n}", n + 1
+            os.replace(path, target)
+            continue
         trash = root / f".trash-{path.name}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
         os.replace(path, trash)
         shutil.rmtree(trash, ignore_errors=True)

@@ -147,7 +147,7 @@ def claim_run_dir(out: Path, config_yaml: str, *, resume_step: int | None = None
     if another run holds it: two runs in one directory would replace each other's metrics.jsonl, config.yaml
     and checkpoints). Then, for a run resumed at ``resume_step``, the directory is made to describe one
     history ending at that step, before anything of the new segment can fail: the checkpoints above it (an
-    abandoned continuation, ``discard_newer``) are removed first, then metrics.jsonl and samples.jsonl cut
+    abandoned continuation, ``discard_newer``) are set aside first, then metrics.jsonl and samples.jsonl cut
     back as ``RunLog`` does, and summary.json / plot.png of the earlier segment renamed to summary.prev.json /
     plot.prev.png (the new ones are written when this segment ends). Last, ``config_yaml`` is written as
     config.yaml; a resumed run whose settings differ keeps the earlier one as config.prev.yaml (so the config
@@ -161,10 +161,13 @@ def claim_run_dir(out: Path, config_yaml: str, *, resume_step: int | None = None
     except OSError as e:
         raise ConfigError(f"run.out: cannot write the run directory {out}: {e.strerror or e}; pick another --out") \
             from None
+    if not lock.locked:
+        warn(f"the file system of {out} cannot lock files (flock): a second run started on this directory would not "
+             "be refused; start one run per --out")
     try:
         config = out / "config.yaml"
         if resume_step is not None:
-            gone = discard_newer(out, resume_step)  # first: logs longer than the checkpoints get cut on resume
+            gone = discard_newer(out, resume_step, set_aside=True)  # first: logs longer than the checkpoints get cut
             for name in ("metrics.jsonl", "samples.jsonl"):
                 if (out / name).exists():
                     _keep_history(out / name, resume_step)
@@ -172,9 +175,10 @@ def claim_run_dir(out: Path, config_yaml: str, *, resume_step: int | None = None
                 if (out / name).exists():
                     os.replace(out / name, out / prev)
             if gone:
-                warn(f"resuming from step {resume_step}, before the newest checkpoint of {out}: discarded the newer "
-                     f"checkpoint(s) {', '.join(p.name for p in gone)} (the continuation this resume abandons); "
-                     f"metrics.jsonl and samples.jsonl end at step {resume_step} as well")
+                warn(f"resuming from step {resume_step}, before the newest checkpoint of {out}: the newer checkpoint(s) "
+                     f"{', '.join(p.name for p in gone)} (the continuation this resume abandons) are set aside as "
+                     f"checkpoints/abandoned-step_*, deleted when this run writes its first checkpoint (rename one "
+                     f"back to resume from it); metrics.jsonl and samples.jsonl end at step {resume_step} as well")
             if config.is_file() and config.read_text(encoding="utf-8") != config_yaml:
                 os.replace(config, out / "config.prev.yaml")
         write_text_atomic(config, config_yaml)

@@ -340,11 +340,17 @@ def test_a_manifest_may_name_only_files_inside_its_checkpoint(tmp_path, rel):
 
 def test_discarding_an_abandoned_continuation_up_front(tmp_path):
     """What a run resumed from an older checkpoint does at its start (before it logs anything): the newer
-    checkpoints go, ``latest`` names the resumed one, and the older ones stay."""
+    checkpoints are set aside (kept, but no resume finds them), ``latest`` names the resumed one, and the
+    older ones stay; the run's first commit deletes the set-aside ones."""
     for step in range(1, 5):
         save(tmp_path, step, keep=5)
-    gone = ckpt_mod.discard_newer(tmp_path, 2)
+    gone = ckpt_mod.discard_newer(tmp_path, 2, set_aside=True)
     assert [p.name for p in gone] == ["step_000003", "step_000004"]
-    assert entries(tmp_path) == ["latest", "step_000001", "step_000002"]
+    assert entries(tmp_path) == ["abandoned-step_000003", "abandoned-step_000004", "latest", "step_000001",
+                                 "step_000002"]
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000002\n"
-    assert ckpt_mod.discard_newer(tmp_path, 2) == [] and ckpt_mod.discard_newer(tmp_path / "none", 0) == []
+    assert load_latest(tmp_path).step == 2
+    assert ckpt_mod.discard_newer(tmp_path, 2, set_aside=True) == []
+    assert ckpt_mod.discard_newer(tmp_path / "none", 0) == []
+    save(tmp_path, 3, keep=5)  # the resumed run's first checkpoint
+    assert entries(tmp_path) == ["latest", "step_000001", "step_000002", "step_000003"]

@@ -85,9 +85,10 @@ def test_a_locked_run_directory_refuses_a_fresh_run_and_the_lock_dies_with_its_h
     assert int((out / ".lock").read_text()) != holder.pid  # the run wrote its own pid
 
 
-def test_resuming_an_older_checkpoint_discards_the_newer_ones_at_start(tmp_path, capsys):
+def test_resuming_an_older_checkpoint_sets_the_newer_ones_aside_at_start(tmp_path, capsys):
     """Resume from step 2 of a run that reached step 4, and fail at step 3: the logs and the checkpoints
-    both end at step 2 (a later ``--resume`` continues from there, with one history), the failed segment's
+    both end at step 2 (a later ``--resume`` continues from there, with one history; the newer checkpoint is
+    set aside until the run's first commit deletes it), the failed segment's
     config.yaml keeps the earlier one as config.prev.yaml, and the earlier summary and plot are renamed
     away instead of describing a history they do not match."""
     out = tmp_path / "run"
@@ -100,8 +101,9 @@ def test_resuming_an_older_checkpoint_discards_the_newer_ones_at_start(tmp_path,
     assert main(["--resume", str(out / "checkpoints" / "step_000002"), "--max-steps", "8",
                  "--reward", f"{bad}:f", "--set", "reward.max_failed_steps=1"]) == 1
     err = capsys.readouterr().err
-    assert "step_000004" in err and "discard" in err, err
+    assert "step_000004" in err and "set aside" in err, err
     assert _checkpoints(out) == ["step_000002"]
+    assert (out / "checkpoints" / "abandoned-step_000004").is_dir()
     assert (out / "checkpoints" / "latest").read_text() == "step_000002\n"
     steps, evals = read_metrics(out)
     assert [r["step"] for r in steps] == [1, 2]
@@ -115,6 +117,7 @@ def test_resuming_an_older_checkpoint_discards_the_newer_ones_at_start(tmp_path,
     steps, evals = read_metrics(out)
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
     assert json.loads((out / "summary.json").read_text())["steps"] == 5
+    assert not (out / "checkpoints" / "abandoned-step_000004").exists()  # its first commit deleted it
 
 
 def test_write_text_atomic_leaves_the_old_file_and_no_temp_file_when_the_write_fails(tmp_path, monkeypatch):

@@ -112,3 +112,29 @@ def test_claiming_a_run_dir_locks_it_and_cuts_a_resumed_segment_back(tmp_path):
     assert (out / "config.prev.yaml").read_text() == "first: segment\n"
     assert len(warned) == 1 and "step_000003, step_000004" in warned[0], warned
     assert int((out / ".lock").read_text()) == os.getpid()
+
+
+def test_a_file_system_without_flock_runs_unlocked_with_a_warning(tmp_path, monkeypatch):
+    """Some Lustre and FUSE mounts refuse flock (ENOSYS, EOPNOTSUPP, ENOLCK): the run still starts, says that
+    a second run would not be refused, and writes its pid; any other error is still a ConfigError."""
+    import errno
+    import fcntl
+
+    from llamarl.config import ConfigError
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    warned = []
+    lock = runlog_module.claim_run_dir(tmp_path / "run", "a: 1\n", warn=warned.append)
+    lock.release()
+    assert not lock.locked and len(warned) == 1 and "cannot lock files" in warned[0]
+    assert int((tmp_path / "run" / ".lock").read_text()) == os.getpid()
+
+    def broken(fd, op):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(fcntl, "flock", broken)
+    with pytest.raises(ConfigError, match="run.out: cannot write the run directory"):
+        runlog_module.claim_run_dir(tmp_path / "other", "a: 1\n")
