@@ -159,7 +159,8 @@ def test_same_verdicts_from_worker_threads():
         (r"\boxed{a}{b}", "a"),
         (r"\boxed {x+1}", "x+1"),
         (r"\boxed 5$", "5"),
-        (r"$\boxed5$", "5"),  # no space: TeX boxes the next token
+        (r"$\boxed5$", "5"),  # no space
+        (r"$\boxed12$", "12"),  # TeX would box "1"; what the writer means is 12
         (r"\boxed-3.", "-3"),
         (r"\boxed\pi", r"\pi"),
         (r"\boxed, as asked", None),  # punctuation is not a token

@@ -95,7 +95,8 @@ def last_boxed(text: str) -> str | None:
         start = _SPACES_RE.match(text, match.end()).end()
         if text.startswith("{", start):
             return _braced(text, start)
-        # "\boxed 5", "\boxed5": one bare token up to whitespace or '$' (no slicing here: the scan stays linear)
+        # "\boxed 5", "\boxed5": one bare token up to whitespace or '$' (no slicing here: the scan stays linear);
+        # TeX would box only the first character of "\boxed12", but a model writing it means 12
         if _MATH_TOKEN_RE.match(text, start) and not _BOX_RE.match(text, start):
             return _BARE_TOKEN_RE.match(text, start).group(0).rstrip(".,;:?")  # "\boxed 5, so" -> 5 (5! stays)
     return None
