@@ -148,6 +148,16 @@ def test_unknown_names_and_bad_specs_raise_clearly():
         GeneratorLayout(quant="int4")
 
 
+@pytest.mark.parametrize("make, field", [(lambda v: TrainerLayout(v), "TrainerLayout.world_size"),
+                                         (lambda v: GeneratorLayout(v), "GeneratorLayout.tp_size"),
+                                         (lambda v: GeneratorLayout(1, v), "GeneratorLayout.replicas")])
+@pytest.mark.parametrize("value", [True, 2.5, 1.0, "2", None, 0, -1])
+def test_layout_sizes_must_be_plain_positive_ints(make, field, value):
+    with pytest.raises(ValueError, match=f"{field} must be an integer >= 1, got {value!r}".replace(".", r"\.")):
+        make(value)
+    assert make(3) == make(3)  # a plain int is fine
+
+
 # 8 attention heads, 4 key/value heads of 8; vocab 67 and intermediate 84 split unevenly over 3 or 8 ranks
 GQA = dict(vocab_size=67, hidden_size=64, intermediate_size=84, num_hidden_layers=2, num_attention_heads=8,
            num_key_value_heads=4)

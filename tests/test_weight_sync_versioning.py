@@ -199,6 +199,85 @@ def test_a_sync_that_fails_on_one_replica_leaves_no_claim_behind_on_the_others()
             b.close()
 
 
+def failing_copy(monkeypatch):
+    """Make the next copies write the first half of their ops, then raise (a CUDA error surfacing at the
+    stream sync, an out-of-memory in the quantizer...): the slot then holds a partial version."""
+    real = _native.copy_indexed
+
+    def half_then_fail(dst, src, ops, **kwargs):
+        real(dst, src, ops[: len(ops) // 2], **kwargs)
+        raise RuntimeError("injected copy failure")
+
+    monkeypatch.setattr(_native, "copy_indexed", half_then_fail)
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_a_sync_that_fails_mid_copy_is_abandoned_and_the_next_sync_goes_through(slots, monkeypatch):
+    plan = plan_sync(SPECS, TrainerLayout(1), GeneratorLayout())
+    b = GeneratorBuckets.create(plan, 0, storage="shm", slots=slots)
+    sender, reader = WeightSender(plan, 0, [b.handle()], timeout=0.5), WeightReceiver(b)
+    try:
+        sender.sync(filled(plan, 0, 1), 1)
+        failing_copy(monkeypatch)
+        with pytest.raises(RuntimeError, match="injected copy failure"):
+            sender.sync(filled(plan, 0, 2), 2)
+        monkeypatch.undo()
+        assert b.control.snapshot()["claim_version"] == -1  # nothing left claimed
+        if slots == 2:  # the last complete version is still served, intact
+            with reader.reading(timeout=1) as v:
+                assert v == 1 and torn(reader.named_tensors(), 1) == []
+        else:  # its only slot was partly overwritten: nothing to read until the next version
+            with pytest.raises(SyncTimeout):
+                with reader.reading(timeout=0.05):
+                    pass
+        sender.sync(filled(plan, 0, 3), 3)
+        with reader.reading(timeout=1) as v:
+            assert v == 3 and torn(reader.named_tensors(), 3) == []
+    finally:
+        sender.close()
+        reader.close()
+        b.close()
+
+
+def test_a_trainer_rank_whose_sync_failed_abandons_it_once_the_others_finished(monkeypatch):
+    """Writer 1 fails version 2 while writer 0 (a live process as far as the block knows) is still writing
+    it, so it cannot be abandoned yet; writer 1's next sync abandons it once writer 0 finished, and
+    version 3 is published by both (both waited forever behind version 2 before)."""
+    plan = plan_sync(SPECS, TrainerLayout(2), GeneratorLayout())
+    b = GeneratorBuckets.create(plan, 0, storage="shm", slots=2)
+    senders = [WeightSender(plan, t, [b.handle()], timeout=5.0) for t in range(2)]
+    reader, other = WeightReceiver(b), subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for t in range(2):
+            senders[t].sync(filled(plan, t, 1), 1)
+        ctl = b.control
+        _native.native().ctl_register(ctl._mem, True, 0, other.pid)  # writer 0 "runs elsewhere"
+        slot = ctl.claim(2)  # writer 0 claims version 2 and is still copying
+        failing_copy(monkeypatch)
+        with pytest.raises(RuntimeError, match="injected copy failure"):
+            senders[1].sync(filled(plan, 1, 2), 2)
+        monkeypatch.undo()
+        assert ctl.snapshot()["claim_version"] == 2  # writer 0 is still on it: not abandoned yet
+        assert not ctl.finish(0, slot, 2)  # writer 0 done; version 2 can never complete
+        with reader.reading(timeout=1) as v:
+            assert v == 1 and torn(reader.named_tensors(), 1) == []
+        _native.native().ctl_register(ctl._mem, True, 0, os.getpid())
+        rank1 = threading.Thread(target=senders[1].sync, args=(filled(plan, 1, 3), 3))
+        rank1.start()
+        stats = senders[0].sync(filled(plan, 0, 3), 3)  # its claim waits until writer 1 abandoned version 2
+        rank1.join(timeout=30)
+        assert not rank1.is_alive() and stats.version == 3
+        with reader.reading(timeout=5) as v:
+            assert v == 3 and torn(reader.named_tensors(), 3) == []
+    finally:
+        other.kill()
+        other.wait()
+        for s in senders:
+            s.close()
+        reader.close()
+        b.close()
+
+
 # ---- across processes: a writer process and concurrent readers -------------------------------------------
 def _writer(handles, slots, versions, conn):
     plan = plan_sync(SPECS, TrainerLayout(2), GeneratorLayout(tp_size=2))

@@ -14,10 +14,14 @@ order. Different groups run concurrently.
 Failures: a command that raises fails its future with ``ExecutorError`` (group, rank, method, remote
 traceback); for a group call the lowest failing rank is reported and the others are listed. A rank whose
 process exits or whose connection drops is noticed by the group's monitor thread (it waits on process
-sentinels and connections, so detection is immediate, not polled); then every pending and later call
-of the group fails with ``ExecutorDied``, the group's surviving ranks are terminated (a group with a dead
-member cannot run collectives), ``group.failed`` raises, and ``on_failure`` callbacks run (on the monitor
-thread: keep them short and thread-safe; use ``loop.call_soon_threadsafe`` to reach asyncio).
+sentinels and connections, so detection is immediate, not polled); then ``group.failed`` raises
+``ExecutorDied``, ``on_failure`` callbacks run (on the monitor thread: keep them short and thread-safe;
+use ``loop.call_soon_threadsafe`` to reach asyncio), every pending and later call of the group fails with
+``ExecutorDied``, and the group's surviving ranks are terminated (a group with a dead member cannot run
+collectives). A watcher of ``failed`` (``Runtime.supervise``) learns of a death no later than the caller.
+A message one side cannot unpickle (an argument class unknown to the rank, a result the controller cannot
+rebuild) fails only that call, saying so; the group serves on. If the monitor itself fails, the group is
+failed (``MonitorFailed``) rather than left unwatched.
 
 Hangs: with ``command_timeout_s`` > 0, a rank whose current command has run longer than that (counted from
 when the rank could start it) is taken for hung: it prints its Python stacks at the limit (``server.py``),
@@ -30,66 +34,56 @@ mid-bootstrap (``server.py``).
 
 Shutdown (``shutdown()``, context exit, or the atexit hook for groups still alive at interpreter exit):
 queued commands finish, each rank gets ``__close__`` (its ``close()`` runs), processes are joined with a
-timeout, then terminated, then killed; no child process outlives the group.
+timeout, then terminated, then killed; no child process outlives the group. Calls it abandons fail with an
+``ExecutorError`` of type ``ShutDown``, which the ``acall`` futures count as retrieved (asyncio logs no
+"exception was never retrieved" for a call the stopped controller no longer awaits).
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import itertools
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import sys
 import threading
 import time
+import traceback
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
-from multiprocessing.process import BaseProcess
+from multiprocessing.connection import wait
 from typing import Any, Callable, Iterable, Sequence
 
 from llamarl._procs import sigint_blocked
 from llamarl.runtime import server
 from llamarl.runtime.futures import first_result, gather_ranks, settle
+from llamarl.runtime.links import RankLink, check_spawn_args, child_environment, disconnect, kill_all
 from llamarl.runtime.net import free_port
 from llamarl.runtime.rpc import (
     BOOTSTRAP_ID,
     CLOSE,
+    SHUT_DOWN,
+    UNREADABLE_ID,
     Bootstrap,
     Call,
     ExecutorDied,
     ExecutorError,
     ExecutorHung,
+    MonitorFailed,
     RemoteFailure,
     Reply,
-    recv,
+    describe_exit,
+    is_shut_down,
+    shut_down_error,
 )
 
 HANG_GRACE_S = 3.0  # after the command timeout, before the kill: time for the ranks' own stack dumps
 MAX_COMMAND_TIMEOUT_S = 1e6  # ~11 days; longer limits overflow the waits' millisecond counts (use 0: none)
 FailureCallback = Callable[["ExecutorGroup", ExecutorDied], None]
 _LIVE_GROUPS: "weakref.WeakSet[ExecutorGroup]" = weakref.WeakSet()
-
-
-@dataclass
-class RankLink:
-    """The controller's end of one rank: its connection and, for local ranks, its process."""
-
-    conn: Connection
-    process: BaseProcess | None = None
-    pending: dict[int, tuple[str, Future]] = field(default_factory=dict)
-    open: bool = True
-    busy_since: float | None = None  # monotonic time the rank could start its oldest pending command
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process is not None else None
 
 
 class ExecutorGroup:
@@ -139,7 +133,7 @@ class ExecutorGroup:
         (with the remote traceback) if a constructor failed; otherwise call ``wait_ready()`` later.
         ``command_timeout_s`` > 0 treats a command running longer as a hang (module docstring).
         """
-        _check_spawn_args(name, target, world_size, init_kwargs, env, backend, devices)
+        check_spawn_args(name, target, world_size, init_kwargs, env, backend, devices)
         devices = list(devices) if devices is not None else ["cpu"] * world_size
         global_ranks = list(global_ranks) if global_ranks is not None else list(range(world_size))
         if len(global_ranks) != world_size:
@@ -157,7 +151,7 @@ class ExecutorGroup:
                 # The child starts with the environment and with SIGINT blocked (it sets SIGINT to ignored
                 # and unblocks it first thing, server.child_main): a Ctrl-C while it is still importing
                 # modules is discarded there instead of printing a KeyboardInterrupt traceback.
-                with _environment(child_env), sigint_blocked():
+                with child_environment(child_env), sigint_blocked():
                     process.start()
                 child_conn.close()  # keep only the child's copy, so its death reads as EOF here
                 links.append(RankLink(parent_conn, process))
@@ -168,7 +162,7 @@ class ExecutorGroup:
                                        dist_timeout_s=dist_timeout_s, env=child_env,
                                        command_timeout_s=command_timeout_s))
         except BaseException:
-            _kill_all(links)
+            kill_all(links)
             raise
         group = cls(name, links, role=role, on_failure=on_failure, command_timeout_s=command_timeout_s)
         try:
@@ -252,13 +246,13 @@ class ExecutorGroup:
         return self._submit(method, [(tuple(a), kwargs) for a in per_rank_args], range(self.world_size))
 
     def acall(self, method: str, *args: Any, **kwargs: Any) -> asyncio.Future:
-        return asyncio.wrap_future(self.call(method, *args, **kwargs))
+        return _awaitable(self.call(method, *args, **kwargs))
 
     def acall_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> asyncio.Future:
-        return asyncio.wrap_future(self.call_rank(rank, method, *args, **kwargs))
+        return _awaitable(self.call_rank(rank, method, *args, **kwargs))
 
     def acall_each(self, method: str, per_rank_args: Sequence[Sequence[Any]], **kwargs: Any) -> asyncio.Future:
-        return asyncio.wrap_future(self.call_each(method, per_rank_args, **kwargs))
+        return _awaitable(self.call_each(method, per_rank_args, **kwargs))
 
     def add_failure_callback(self, callback: FailureCallback) -> None:
         """Call ``callback(group, ExecutorDied)`` once if a rank of this group dies (now, if it already has)."""
@@ -293,7 +287,7 @@ class ExecutorGroup:
                     if self._death is not None:
                         fut.set_exception(self._died_for(method))
                     elif self._closed or self._closing:
-                        fut.set_exception(ExecutorError(self.name, rank, method, "ShutDown",
+                        fut.set_exception(ExecutorError(self.name, rank, method, SHUT_DOWN,
                                                         "the executor group was shut down"))
                     else:
                         if not link.pending:
@@ -323,34 +317,54 @@ class ExecutorGroup:
 
     # ---------------------------------------------------------------- monitoring
     def _monitor_loop(self) -> None:
-        while True:
-            with self._lock:
-                if self._closed:
-                    return
-                links = [link for link in self._links if link.open]
-            waitables: list[Any] = [self._wake_r]
-            for link in links:
-                waitables.append(link.conn)
-                if link.process is not None:
-                    waitables.append(link.process.sentinel)
-            ready = set(wait(waitables, timeout=self._until_hang(self._oldest_busy())))
-            if self._wake_r in ready:
-                if self._closed:
-                    return
-                while self._wake_r.poll():
-                    self._wake_r.recv_bytes()  # a rank became busy: its deadline enters the next wait
-            for rank, link in enumerate(self._links):
-                if not link.open:
-                    continue
-                lost = False
-                if link.conn in ready:
-                    lost = self._drain(rank, link)
-                if link.process is not None and link.process.sentinel in ready:
-                    self._drain(rank, link)
-                    lost = True
-                if lost:
-                    self._on_lost(rank, link)
-            self._check_hung()
+        try:
+            while self._monitor_step():
+                pass
+        except BaseException as exc:  # noqa: BLE001 - a monitor that ended silently would leave the group unwatched
+            self._monitor_failed(exc)
+
+    def _monitor_step(self) -> bool:
+        """Wait for replies, deaths, a wake-up or the next hang deadline, and handle them; False once closed."""
+        with self._lock:
+            if self._closed:
+                return False
+            links = [link for link in self._links if link.open]
+        waitables: list[Any] = [self._wake_r]
+        for link in links:
+            waitables.append(link.conn)
+            if link.process is not None:
+                waitables.append(link.process.sentinel)
+        ready = set(wait(waitables, timeout=self._until_hang(self._oldest_busy())))
+        if self._wake_r in ready:
+            if self._closed:
+                return False
+            while self._wake_r.poll():
+                self._wake_r.recv_bytes()  # a rank became busy: its deadline enters the next wait
+        for rank, link in enumerate(self._links):
+            if not link.open:
+                continue
+            lost = False
+            if link.conn in ready:
+                lost = self._drain(rank, link)
+            if link.process is not None and link.process.sentinel in ready:
+                self._drain(rank, link)
+                lost = True
+            if lost:
+                self._on_lost(rank, link)
+        self._check_hung()
+        return True
+
+    def _monitor_failed(self, exc: BaseException) -> None:
+        """The monitor loop raised: fail the group like a death (``MonitorFailed``, unless it already failed)."""
+        if self._closed:
+            return  # shut down meanwhile (its connections may have been closed under the wait): nothing to watch
+        print(f"llamarl.runtime: the monitor thread of executor group '{self.name}' failed; stopping the group\n"
+              + "".join(traceback.format_exception(exc)), file=sys.stderr, flush=True)
+        with self._lock:
+            first = self._death is None
+            if first:
+                self._death = MonitorFailed(self.name, repr(exc))
+        self._fail_group(report=first)
 
     def _oldest_busy(self) -> tuple[float, int] | None:
         """(busy_since, rank) of the open rank busiest for longest (a bootstrap has its own timeout); None
@@ -376,7 +390,7 @@ class ExecutorGroup:
         since, rank = oldest
         method = next(iter(list(self._links[rank].pending.values())), ("?", None))[0]
         hung = ExecutorHung(self.name, rank, method, time.monotonic() - since, self.command_timeout_s)
-        _kill_all(self._links, grace_s=1.0)
+        kill_all(self._links, grace_s=1.0)
         with self._lock:
             if self._closing or self._closed or self._death is not None:
                 return
@@ -387,25 +401,49 @@ class ExecutorGroup:
         """Read every reply available on ``link``; returns True if the connection has closed."""
         try:
             while link.conn.poll():
-                self._resolve(rank, link, recv(link.conn))
+                blob = link.conn.recv_bytes()
+                try:
+                    reply = pickle.loads(blob)
+                except Exception as exc:  # noqa: BLE001 - e.g. a result whose class cannot be rebuilt here
+                    self._unreadable_reply(rank, link, exc)
+                    continue
+                self._resolve(rank, link, reply)
         except (EOFError, OSError):
             return True
         return False
 
-    def _resolve(self, rank: int, link: RankLink, reply: Reply) -> None:
+    def _take(self, link: RankLink, call_id: int) -> tuple[int, str, Future | None]:
+        """Remove the pending call ``call_id`` (``UNREADABLE_ID``: the oldest; replies come in call order)."""
         with self._lock:
-            method, fut = link.pending.pop(reply.call_id, ("?", None))
+            if call_id == UNREADABLE_ID:
+                call_id = next(iter(link.pending), UNREADABLE_ID)
+            method, fut = link.pending.pop(call_id, ("?", None))
             link.busy_since = time.monotonic() if link.pending else None  # the next command starts now
+        return call_id, method, fut
+
+    def _resolve(self, rank: int, link: RankLink, reply: Reply) -> None:
+        call_id, method, fut = self._take(link, reply.call_id)
         if fut is None:
             return
         if reply.ok:
             settle(fut, result=reply.payload)
         else:
-            if reply.call_id == BOOTSTRAP_ID:
+            if call_id == BOOTSTRAP_ID:
                 self._start_failed = True  # that rank now exits on purpose; wait_ready shuts the group down
             failure: RemoteFailure = reply.payload
             settle(fut, exc=ExecutorError(self.name, rank, method, failure.exc_type, failure.message,
                                           failure.traceback))
+
+    def _unreadable_reply(self, rank: int, link: RankLink, exc: Exception) -> None:
+        """Fail the call whose reply could not be unpickled here (the oldest pending); the rank serves on."""
+        call_id, method, fut = self._take(link, UNREADABLE_ID)
+        if fut is None:
+            return
+        if call_id == BOOTSTRAP_ID:
+            self._start_failed = True
+        settle(fut, exc=ExecutorError(self.name, rank, method, type(exc).__name__, (
+            f"its reply could not be unpickled by the controller: {exc} (return plain data, or objects the controller "
+            f"can import and rebuild; e.g. an exception whose __init__ takes more than its message needs __reduce__)")))
 
     def _on_lost(self, rank: int, link: RankLink) -> None:
         link.open = False
@@ -423,38 +461,45 @@ class ExecutorGroup:
                 self._death = ExecutorDied(self.name, rank, exitcode, pending_method)
         if expected:
             for method, fut in leftovers:
-                settle(fut, exc=self._died_for(method) if self._death else ExecutorDied(self.name, rank, exitcode,
-                                                                                          method))
+                if self._death is not None:  # the group failed: its calls fail with that death
+                    exc: ExecutorError = self._died_for(method)
+                elif self._closing or self._closed:  # stopped by a shutdown (e.g. after another group died)
+                    exc = shut_down_error(self.name, rank, method, f" (rank {rank}: {describe_exit(exitcode)})")
+                else:  # its constructor failed
+                    exc = ExecutorDied(self.name, rank, exitcode, method)
+                settle(fut, exc=exc)
             return
         self._fail_group()
 
-    def _fail_group(self) -> None:
-        """After ``self._death`` was set: fail every pending call, stop every rank, run the callbacks."""
+    def _fail_group(self, report: bool = True) -> None:
+        """After ``self._death`` was set: report it (``failed``, callbacks), fail every pending call, stop every
+        rank. Reported first, so a watcher of ``failed`` never hears of the death after the caller does."""
+        failure = self._death
+        settle(self.failed, exc=failure)
+        for callback in list(self._callbacks) if report else ():
+            try:
+                callback(self, failure)
+            except Exception as exc:  # noqa: BLE001 - a callback bug must not kill the monitor silently
+                print(f"llamarl.runtime: on_failure callback for '{self.name}' raised {exc!r}", file=sys.stderr)
         with self._lock:
             leftovers = [entry for lk in self._links for entry in lk.pending.values()]
             for lk in self._links:
                 lk.pending.clear()
         for method, fut in leftovers:
             settle(fut, exc=self._died_for(method))
-        failure = self._death
-        _kill_all(self._links, grace_s=1.0)  # the survivors, and the lost rank if it only dropped its connection
+        kill_all(self._links, grace_s=1.0)  # the survivors, and the lost rank if it only dropped its connection
         for lk in self._links:
             lk.open = False
             if lk.process is None:  # a remote (torchrun) rank exits when its controller connection drops
-                _disconnect(lk.conn)
-        settle(self.failed, exc=failure)
-        for callback in list(self._callbacks):
-            try:
-                callback(self, failure)
-            except Exception as exc:  # noqa: BLE001 - a callback bug must not kill the monitor silently
-                print(f"llamarl.runtime: on_failure callback for '{self.name}' raised {exc!r}", file=sys.stderr)
+                disconnect(lk.conn)
 
     def _died_for(self, method: str) -> ExecutorDied:
         d = self._death
         assert d is not None
-        if isinstance(d, ExecutorHung):  # every call of the group fails with the hang that stopped it
-            return ExecutorHung(d.group, d.rank, d.method, d.seconds, d.timeout_s)
-        return ExecutorDied(d.group, d.rank, d.exitcode, method)
+        if type(d) is ExecutorDied:
+            return ExecutorDied(d.group, d.rank, d.exitcode, method)
+        rebuild, args = d.__reduce__()  # a hang or a failed monitor: every call fails with what stopped the group
+        return rebuild(*args)
 
     # ---------------------------------------------------------------- shutdown
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -488,7 +533,7 @@ class ExecutorGroup:
         for link in self._links:
             if link.process is not None:
                 link.process.join(timeout=max(0.0, deadline - time.monotonic()))
-        _kill_all(self._links, grace_s=2.0)
+        kill_all(self._links, grace_s=2.0)
         with self._lock:
             self._closed = True
         self._wake_monitor()
@@ -499,8 +544,7 @@ class ExecutorGroup:
             for lk in self._links:
                 lk.pending.clear()
         for method, fut in leftovers:
-            settle(fut, exc=ExecutorError(self.name, -1, method, "ShutDown",
-                                           "the executor group was shut down before the call finished"))
+            settle(fut, exc=shut_down_error(self.name, -1, method))
         for link in self._links:
             link.open = False
             link.conn.close()
@@ -521,77 +565,27 @@ class ExecutorGroup:
 
 
 # -------------------------------------------------------------------- helpers
-def _check_spawn_args(name, target, world_size, init_kwargs, env, backend, devices) -> None:
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"executor group name must be a non-empty string, got {name!r}")
-    if not isinstance(target, str) or ":" not in target:
-        raise ValueError(f"executor group '{name}': target must be 'package.module:ClassName', got {target!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"executor group '{name}': world_size must be an integer >= 1, got {world_size!r}")
-    if init_kwargs is not None and not isinstance(init_kwargs, dict):
-        raise TypeError(f"executor group '{name}': init_kwargs must be a dict, got {type(init_kwargs).__name__}")
-    if env is not None and not isinstance(env, dict):
-        raise TypeError(f"executor group '{name}': env must be a dict of strings, got {type(env).__name__}")
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"executor group '{name}': backend must be 'gloo' or 'nccl', got {backend!r}")
-    if devices is not None and len(devices) != world_size:
-        raise ValueError(f"executor group '{name}': got {len(devices)} devices for {world_size} ranks")
-    try:  # fail before starting any process
-        pickle.dumps(init_kwargs, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:
-        raise TypeError(f"init_kwargs/env of executor group '{name}' cannot be pickled: {exc}") from exc
+def _awaitable(fut: Future) -> asyncio.Future:
+    """``fut`` as an asyncio future of the running loop. If a shutdown abandons the call, its error counts
+    as retrieved: the controller that would await it was typically cancelled by the failure that stopped
+    the run, and asyncio would log "Future exception was never retrieved" after that real error."""
+    afut = asyncio.wrap_future(fut)
+    loop = afut.get_loop()
+
+    def mark_abandoned(f: Future) -> None:  # runs after wrap_future's own callback: queued behind it
+        if not f.cancelled() and is_shut_down(f.exception()):
+            try:
+                loop.call_soon_threadsafe(_retrieve, afut)
+            except RuntimeError:
+                pass  # the loop has closed: the asyncio future never got the error
+
+    fut.add_done_callback(mark_abandoned)
+    return afut
 
 
-_ENVIRON_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _environment(env: dict[str, str]):
-    """Temporarily add ``env`` to ``os.environ`` (a spawned child inherits it at exec time).
-
-    Passing it this way, rather than setting it inside the child, makes it visible even to modules the
-    child imports before our code runs (multiprocessing re-imports the parent's ``__main__`` module, which
-    may import torch, and OpenMP reads ``OMP_NUM_THREADS`` when torch loads)."""
-    with _ENVIRON_LOCK:
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-
-def _disconnect(conn: Connection) -> None:
-    """Shut a remote rank's socket down, then close it: closing alone neither wakes a send blocked on it
-    (a hung peer stopped reading) nor sends the peer its end of file while that send is in flight."""
-    try:
-        sock = socket.socket(fileno=os.dup(conn.fileno()))
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        finally:
-            sock.close()
-    except OSError:
-        pass  # not a socket, or already gone
-    conn.close()
-
-
-def _kill_all(links: Sequence[RankLink], grace_s: float = 2.0) -> None:
-    """SIGTERM every live local process, wait ``grace_s``, SIGKILL what is left, reap all."""
-    procs = [lk.process for lk in links if lk.process is not None and lk.process.exitcode is None]
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5.0)
+def _retrieve(afut: asyncio.Future) -> None:
+    if afut.done() and not afut.cancelled():
+        afut.exception()
 
 
 @atexit.register
@@ -600,4 +594,4 @@ def _shutdown_live_groups() -> None:
         try:
             group.shutdown(timeout=5.0)
         except Exception:  # noqa: BLE001 - best effort at interpreter exit
-            _kill_all(group._links, grace_s=1.0)
+            kill_all(group._links, grace_s=1.0)

@@ -26,8 +26,9 @@ Two ways to get processes, one way to use them::
   exactly like a torchrun rank and exits with it (``layout_rank``).
 
 Faults: ``Runtime.supervise`` runs the controller coroutine against every group's ``failed`` future; the
-first dead executor cancels the coroutine, the other groups are shut down and ``ExecutorDied`` (naming
-the group, rank and exit status) is raised, so the entry point can exit non-zero with that message.
+first dead executor cancels the coroutine (or the coroutine fails with that death, seen through a call),
+the other groups are shut down at once and ``ExecutorDied`` (naming the group, rank and exit status) is
+raised, so the entry point can exit non-zero with that message.
 Nothing outlives the Runtime: ``shutdown`` runs on context exit, in ``run``'s ``finally`` and at exit.
 """
 
@@ -275,13 +276,13 @@ class Runtime:
             if died.done() and not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-            if died.done():
+            if died.done() or _ended_by_death(task):
                 # The controller may have failed too, typically with the same death seen through a call
-                # (both can be done by now): the death is what we report; mark the task's error as
-                # retrieved so asyncio does not print "Task exception was never retrieved" for it.
+                # (both can be done by now, in either order): the death is what we report; mark the task's
+                # error as retrieved so asyncio does not print "Task exception was never retrieved" for it.
                 _retrieve(task)
                 self.shutdown(timeout=2.0)  # in-flight commands of the others are abandoned, not awaited
-                raise died.exception()
+                raise died.exception() if died.done() else task.exception()
             return task.result()
         finally:
             if not task.done():
@@ -387,6 +388,11 @@ class Runtime:
         except BaseException:
             self.shutdown()
             raise
+
+
+def _ended_by_death(task: asyncio.Future) -> bool:
+    """True if the controller task failed with an executor death (seen through a call before ``failed``)."""
+    return task.done() and not task.cancelled() and isinstance(task.exception(), ExecutorDied)
 
 
 def _retrieve(fut: asyncio.Future) -> None:

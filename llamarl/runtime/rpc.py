@@ -17,6 +17,9 @@ Messages (NamedTuples, i.e. plain tuples on the wire)::
 answers ``Reply(0, True, pid)`` once its process group is up and the executor object is constructed (or
 ``Reply(0, False, failure)`` if that failed). Method names starting with ``__`` are reserved for the
 runtime (``CLOSE``). Invariant: a rank answers every call exactly once, in the order the calls arrived.
+A call whose message the rank cannot unpickle (an argument's class is unknown there) has no readable id:
+the rank answers it with ``Reply(UNREADABLE_ID, False, failure)``, which by that invariant is the oldest
+call still pending on that rank. Likewise a reply the controller cannot unpickle fails the oldest call.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from typing import Any, NamedTuple
 
 CLOSE = "__close__"
 BOOTSTRAP_ID = 0
+UNREADABLE_ID = -1  # the reply to a call the rank could not unpickle: the oldest call pending on it
+SHUT_DOWN = "ShutDown"  # ExecutorError.exc_type of a call abandoned because its group was shut down
 
 
 class Call(NamedTuple):
@@ -169,6 +174,34 @@ class ExecutorHung(ExecutorDied):
 
     def __reduce__(self):
         return (type(self), (self.group, self.rank, self.method, self.seconds, self.timeout_s))
+
+
+class MonitorFailed(ExecutorDied):
+    """The controller thread that watches a group failed unexpectedly (a bug in llamarl.runtime). Without it
+    no death or hang of the group's ranks could be noticed, so the group was stopped like after a death.
+    ``error`` is the monitor's exception (repr); its traceback was printed to the controller's stderr."""
+
+    def __init__(self, group: str, error: str):
+        self.error = error
+        ExecutorError.__init__(self, group, -1, "<monitor>", "MonitorFailed", error)
+        self.exitcode = None
+        self.args = (f"executor group '{group}': its monitor thread failed ({error}), so deaths and hangs of its "
+                     f"ranks could no longer be noticed and the group was stopped; this is a bug in "
+                     f"llamarl.runtime, please report it with the traceback printed above",)
+
+    def __reduce__(self):
+        return (type(self), (self.group, self.error))
+
+
+def shut_down_error(group: str, rank: int, method: str, detail: str = "") -> ExecutorError:
+    """The error of a call abandoned by its group's shutdown (``exc_type`` ``SHUT_DOWN``)."""
+    return ExecutorError(group, rank, method, SHUT_DOWN,
+                         "the executor group was shut down before the call finished" + detail)
+
+
+def is_shut_down(exc: BaseException | None) -> bool:
+    """True for the error of a call that a shutdown abandoned (not a failure of the call itself)."""
+    return type(exc) is ExecutorError and exc.exc_type == SHUT_DOWN
 
 
 def describe_exit(exitcode: int | None) -> str:

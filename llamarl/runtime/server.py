@@ -18,7 +18,10 @@ differs):
 
 A reader thread receives messages while the main thread executes commands, so the controller never
 blocks sending to a busy rank, and a lost controller is noticed even mid-command: on EOF without a
-prior close the process exits at once with code 1 (its work has no receiver any more). A locally
+prior close the process exits at once with code 1 (its work has no receiver any more). A call this rank
+cannot unpickle (an argument whose class it cannot import) is answered in its turn with a failure that
+says so (``UNREADABLE_ID``, ``rpc.py``), and the rank serves on; a bootstrap it cannot unpickle is
+answered with that error before the rank exits. A locally
 spawned rank also watches its parent process as soon as its own code runs (``exit_when_parent_dies``),
 so a controller killed while the rank is still bootstrapping (importing torch, in the process-group
 rendezvous, in the executor's constructor) or inside ``close()`` does not leave it behind either.
@@ -37,6 +40,7 @@ import datetime
 import faulthandler
 import importlib
 import os
+import pickle
 import queue
 import sys
 import threading
@@ -48,12 +52,12 @@ from llamarl._procs import exit_when_parent_dies, ignore_sigint
 from llamarl.runtime.rpc import (
     BOOTSTRAP_ID,
     CLOSE,
+    UNREADABLE_ID,
     Bootstrap,
     Call,
     RankInfo,
     RemoteFailure,
     Reply,
-    recv,
     send,
 )
 
@@ -101,12 +105,25 @@ def failure_of(exc: BaseException) -> RemoteFailure:
     return RemoteFailure(name, str(exc), "".join(traceback.format_exception(exc)))
 
 
+def unpickling_failure(exc: BaseException, what: str) -> RemoteFailure:
+    """The failure to answer for a message this rank could not unpickle; ``what`` names the message."""
+    failure = failure_of(exc)
+    return failure._replace(message=f"{what} could not be unpickled in the executor process: {failure.message} "
+                                    "(pass plain data, tensors, or objects whose classes this process can import: "
+                                    "not ones defined in __main__ or only on the controller's sys.path)")
+
+
 def serve(conn: Connection) -> int:
     """Bootstrap an executor from the first message on ``conn`` and serve commands; returns an exit code."""
     try:
-        first = recv(conn)
+        blob = conn.recv_bytes()
     except (EOFError, OSError):
         print("llamarl executor: the controller went away before assigning this rank a role", file=sys.stderr)
+        return 1
+    try:
+        first = pickle.loads(blob)
+    except Exception as exc:  # noqa: BLE001 - e.g. an init_kwargs value whose class this process cannot import
+        _send_or_exit(conn, Reply(BOOTSTRAP_ID, False, unpickling_failure(exc, "the bootstrap")))
         return 1
     if isinstance(first, Call) and first.method == CLOSE:
         return 0  # the controller finished without needing this rank
@@ -164,12 +181,17 @@ def _serve_commands(conn: Connection, executor: Any, command_timeout_s: float = 
     def read_loop() -> None:
         while True:
             try:
-                message = recv(conn)
+                blob = conn.recv_bytes()
             except (EOFError, OSError):
                 if not closing.is_set():
                     hard_exit(1)  # the controller is gone: nobody will read our results
                 inbox.put(_EOF)
                 return
+            try:
+                message = pickle.loads(blob)
+            except Exception as exc:  # noqa: BLE001 - answered in its turn as that call's failure
+                inbox.put(unpickling_failure(exc, "the arguments"))
+                continue
             if isinstance(message, Call) and message.method == CLOSE:
                 closing.set()
             inbox.put(message)
@@ -181,6 +203,9 @@ def _serve_commands(conn: Connection, executor: Any, command_timeout_s: float = 
         message = inbox.get()
         if message is _EOF:
             return 0
+        if isinstance(message, RemoteFailure):  # a call whose message could not be unpickled (read_loop)
+            _send_or_exit(conn, Reply(UNREADABLE_ID, False, message))
+            continue
         if message.method == CLOSE:
             _send_or_exit(conn, _close(executor, message.call_id))
             return 0

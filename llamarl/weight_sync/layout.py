@@ -240,6 +240,12 @@ def balanced_bounds(n: int, world: int, rank: int) -> tuple[int, int]:
     return start, start + q + (1 if rank < r else 0)
 
 
+def _check_size(field: str, value) -> None:
+    """A rank count must be a plain int >= 1 (not a bool, a float or a string that merely compares like one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{field} must be an integer >= 1, got {value!r} ({type(value).__name__})")
+
+
 @dataclass(frozen=True)
 class TrainerLayout:
     """FSDP-style dim-0 shards over ``world_size`` trainer ranks, or the full tensor on every rank."""
@@ -248,8 +254,7 @@ class TrainerLayout:
     replicated: bool = False
 
     def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"TrainerLayout.world_size must be >= 1, got {self.world_size}")
+        _check_size("TrainerLayout.world_size", self.world_size)
 
     def rows(self, spec: ParamSpec, rank: int) -> tuple[int, int]:
         """The rows of ``spec`` this trainer rank copies (and, when sharded, holds)."""
@@ -284,9 +289,8 @@ class GeneratorLayout:
     quantize_lm_head: bool = False
 
     def __post_init__(self) -> None:
-        if self.tp_size < 1 or self.replicas < 1:
-            raise ValueError(f"GeneratorLayout needs tp_size >= 1 and replicas >= 1, got {self.tp_size}, "
-                             f"{self.replicas}")
+        _check_size("GeneratorLayout.tp_size", self.tp_size)
+        _check_size("GeneratorLayout.replicas", self.replicas)
         if self.quant not in (None, *QUANT_DTYPES):
             raise ValueError(f"GeneratorLayout.quant must be None, 'int8' or 'fp8', got {self.quant!r}")
 

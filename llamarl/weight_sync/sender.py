@@ -18,6 +18,11 @@ One sync of trainer rank t (``WeightSender.sync``):
     3. one indexed copy over every op of ``plan.ops(t, g)`` for every generator rank g: source buffer
        table = the shards, destination table = every bucket of every rank, shifted to its replica's slot
     4. (cuda) wait for the copy streams; then finish(v) per replica - the last writer publishes.
+A sync that fails once it holds slots (a copy error, a CUDA error surfacing at the stream sync) gives its
+unfinished writes up (``abandon``: the slot becomes FREE, never READY), so readers keep the last complete
+version (with 1 slot: wait for the next) and the next sync is not stuck behind a version nobody will
+finish. With several trainer ranks ``abandon`` must wait until every other live writer has finished that
+version; until then the failed rank retries it at the start of its next sync (``RECOVER_TIMEOUT_S``).
 No gather: each byte goes from the trainer rank that holds it straight into each replica's bucket. Only
 quantize-on-sync stages q/scale in trainer buffers, and not on its direct kernel path (quantize_on_sync.py).
 """
@@ -37,7 +42,12 @@ from llamarl import _native
 from llamarl.weight_sync.buckets import AttachedBuckets, BucketHandle, describe_mismatch
 from llamarl.weight_sync.planner import SyncPlan
 from llamarl.weight_sync.quantize_on_sync import TrainerSources
-from llamarl.weight_sync.versioning import VersionControl
+from llamarl.weight_sync.versioning import PeerDied, SyncTimeout, VersionControl
+
+# How long a trainer rank whose previous sync failed waits, at its next sync, for the other trainer ranks
+# to finish that version so it can be abandoned. Finite even with timeout=inf: the others only copy, and
+# if one of them failed the same version it never finishes (see _recover).
+RECOVER_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -166,6 +176,7 @@ class WeightSender:
         self._param_names = [sp.name for sp in plan.specs]
         self._cacheable = not staged  # staged quantization makes fresh source tensors every sync
         self._cache: tuple | None = None
+        self._unfinished: dict[int, int] = {}  # replica -> version this rank failed to write, not yet abandoned
         self._closed = False
 
     def _source_table(self, shards: Mapping[str, torch.Tensor]) -> _native.BufferTable:
@@ -195,17 +206,30 @@ class WeightSender:
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise TypeError(f"version must be a non-negative int (the policy version), got {version!r}")
         t0 = time.perf_counter()
+        if self._unfinished:
+            self._recover()
+        tr = time.perf_counter()
         src = self._source_table(shards)
         t1 = time.perf_counter()
         slots: dict[int, int] = {}
+        finished: set[int] = set()
         try:
             for r, ctl in enumerate(self.controls):
                 slots[r] = (ctl.claim(version, self.timeout) if self.rank == 0
                             else ctl.wait_claim(self.rank, version, self.timeout))
+            t2 = time.perf_counter()
+            published = self._write(shards, src, slots, version, finished)
         except BaseException:
-            self._abandon(slots)
+            self._abandon({r: version for r in slots if r not in finished})
             raise
-        t2 = time.perf_counter()
+        t4 = time.perf_counter()
+        return SyncStats(version=version, bytes=self.bytes_per_sync, seconds=t4 - t0,
+                         wait_seconds=(tr - t0) + (t2 - t1), copy_seconds=(t1 - tr) + (t4 - t2), slots=slots,
+                         published=all(published))
+
+    def _write(self, shards: Mapping[str, torch.Tensor], src: _native.BufferTable, slots: dict[int, int],
+               version: int, finished: set[int]) -> list[bool]:
+        """Copy this rank's bytes into the claimed ``slots`` and finish each replica (added to ``finished``)."""
         slot_of = np.asarray([slots[r] for r in range(len(self.controls))], dtype=np.int64)
         dst_ptrs = self._base + (slot_of[self._replica_of] * self._slot_nbytes).astype(np.uint64)
         dst = _native.BufferTable(dst_ptrs, self._slot_nbytes)
@@ -221,23 +245,54 @@ class WeightSender:
                              num_streams=self.num_streams, engine=self.cuda_engine)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        t3 = time.perf_counter()
-        published = [ctl.finish(self.rank, slots[r], version) for r, ctl in enumerate(self.controls)]
-        t4 = time.perf_counter()
-        return SyncStats(version=version, bytes=self.bytes_per_sync, seconds=t4 - t0, wait_seconds=t2 - t1,
-                         copy_seconds=(t1 - t0) + (t3 - t2), slots=slots, published=all(published))
+        published = []
+        for r, ctl in enumerate(self.controls):
+            published.append(ctl.finish(self.rank, slots[r], version))
+            finished.add(r)
+        return published
 
-    def _abandon(self, claimed: dict[int, int]) -> None:
-        """After a claim failed part-way (e.g. one replica's reader never released its slot): writer 0 drops
-        the claims it already holds, so a later sync is not stuck behind a version nobody will finish. Only
-        a lone writer can (``abandon`` refuses while other live writers are still on the version)."""
-        if self.rank != 0 or self.plan.trainer.world_size != 1:
-            return
-        for r in claimed:
+    def _abandon(self, unfinished: dict[int, int]) -> None:
+        """After a sync failed holding slots (replica -> version): give the unfinished writes up, so a later
+        sync is not stuck behind a version nobody will finish; the slot becomes FREE, never READY. A replica
+        whose other writers are still on the version cannot be abandoned yet: ``_recover`` retries it."""
+        for r, version in unfinished.items():
             try:
-                self.controls[r].abandon()
+                if not self._try_abandon(r, version):
+                    self._unfinished[r] = version
             except Exception:  # noqa: BLE001 - best effort; the original error is what the caller needs
-                pass
+                self._unfinished[r] = version
+
+    def _try_abandon(self, r: int, version: int) -> bool:
+        """Abandon replica ``r``'s claim of ``version`` if it is still there; False while another live writer
+        has not finished it (``VersionControl.abandon`` refuses)."""
+        ctl = self.controls[r]
+        if ctl.snapshot()["claim_version"] != version:
+            return True  # abandoned by another failed writer already (it can never be published without us)
+        try:
+            ctl.abandon()
+        except RuntimeError as exc:
+            if isinstance(exc, PeerDied):
+                raise
+            return False  # "cannot abandon version v: writer rank k (pid p) is alive and still writing it"
+        return True
+
+    def _recover(self) -> None:
+        """Before a sync: abandon what this rank's failed sync left claimed, once the other writers finished it."""
+        deadline = time.monotonic() + min(self.timeout, RECOVER_TIMEOUT_S)
+        nap = 1e-4
+        while self._unfinished:
+            self._unfinished = {r: v for r, v in self._unfinished.items() if not self._try_abandon(r, v)}
+            if not self._unfinished:
+                return
+            if time.monotonic() >= deadline:
+                detail = "; ".join(f"replica {r}: {self.controls[r].snapshot()}" for r in self._unfinished)
+                raise SyncTimeout(
+                    f"trainer rank {self.rank}: an earlier sync of this rank failed, and the version it left "
+                    f"unfinished cannot be abandoned because other trainer ranks (alive) have not finished writing "
+                    f"it within {min(self.timeout, RECOVER_TIMEOUT_S):g} s ({detail}). If several ranks failed that "
+                    f"sync, stop the trainer; a restarted one calls abandon() and syncs again")
+            time.sleep(nap)
+            nap = min(nap * 2, 0.05)
 
     def close(self) -> None:
         """Deregister as a writer and unmap the buckets (the generator keeps the published versions)."""
