@@ -103,7 +103,10 @@ class RolloutBatch:
         return sum(len(r.completion_ids) for r in self.generated)
 
     def rewards(self) -> torch.Tensor:
-        return torch.tensor([r.reward for r in self.rollouts], dtype=torch.float32)
+        """The rewards as the verifiers gave them (float64: rounding them to float32 would make a group that
+        ``is_flat`` counts as informative, e.g. 0.1 + 0.2 against 0.3, have all-zero advantages; collate
+        rounds the advantages for the trainer)."""
+        return torch.tensor([r.reward for r in self.rollouts], dtype=torch.float64)
 
     def stats(self, term_names: Sequence[str] = ()) -> dict[str, float]:
         """What a step's rollouts look like, as veRL and TRL log it. Rewards count only the samples whose

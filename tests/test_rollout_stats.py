@@ -52,3 +52,17 @@ def test_lengths_and_tokens_count_every_sample_generated():
     stats = batch.stats()
     assert batch.num_tokens == 20 and stats["completion_len_max"] == 8 and stats["length_capped_frac"] == 0.5
     assert stats["reward_mean"] == 0.5 and stats["zero_std_frac"] == 0.0  # rewards: what the step trains on
+
+
+def test_a_group_that_is_not_flat_has_nonzero_advantages():
+    """Rewards reach the advantages unrounded: 0.1 + 0.2 and 0.3 differ (is_flat says the group teaches
+    something), and so must their advantages (in float32 both are 0.3 and the advantages were all 0)."""
+    from llamarl.algorithms import group_advantages
+    from llamarl.rollouts import is_flat
+
+    group = [_rollout(0, 2, 0.1 + 0.2), _rollout(0, 2, 0.3), _rollout(0, 2, 0.3), _rollout(0, 2, 0.1 + 0.2)]
+    batch = RolloutBatch(group, n=4)
+    assert not is_flat(group)
+    for method in ("mean", "grpo", "rloo"):
+        advantages = group_advantages(batch.rewards(), 4, method=method)
+        assert bool((advantages != 0).any()), (method, advantages)  # as is_flat says: not all 0
