@@ -81,6 +81,28 @@ def _batch(share_prompts: bool = False, empty: tuple[int, ...] = (), seed: int =
     return collate(rollouts, torch.randn(ROWS, generator=g), pad_id=0, share_prompts=share_prompts)
 
 
+def test_a_batch_without_trained_tokens_is_no_update_on_any_layout(tmp_path):
+    """Every completion empty: one rank skips the update (no gradient); FSDP ranks (zero-weighted forwards
+    for the collectives) and DDP ranks (zero-filled gradients) must too, not take an AdamW step on zeros
+    (weight decay and the moments would still move the weights)."""
+    model_dir = tmp_path / "model"
+    random_model(CFG).save_pretrained(model_dir)
+    batch = _batch(empty=tuple(range(ROWS)))
+    ref_stats, ref_weights = single_process_train_step(model_dir, CFG, batch, TRAINER)
+    assert not ref_stats["applied"]
+    for cfg in (TRAINER, DDP):
+        with Runtime(Layout.parse("trainer=2,generator=1x1,reward=0")) as rt:
+            gen, = rt.spawn_role("generator", GENERATOR, init_kwargs=dict(
+                model_config=CFG.to_hf_dict(), dtype="float32", trainer_ranks=2, max_batch_size=8, threads=1))
+            handles = gen.call("handle").result()
+            trainer, = rt.spawn_role("trainer", TRAINER_EXECUTOR, init_kwargs=dict(
+                model_path=str(model_dir), trainer=cfg, temperature=1.0, generator_handles=handles, threads=1))
+            trainer.call("push_weights", 0).result()
+            per_rank = trainer.call("train_step", batch, True).result()
+            assert [s["applied"] for s in per_rank] == [False, False], cfg["parallel"]
+            assert all(s["version"] == 0 for s in per_rank)  # nothing new pushed
+
+
 def _bucket_bytes_match(handles, plan, weights: dict[str, torch.Tensor], version: int) -> list[str]:
     """Names of tensors whose bytes in the slot holding ``version`` differ from their TP slice (per rank)."""
     bad = []

@@ -333,11 +333,13 @@ class TrainerExecutor:
             allreduce_gradients(self.model)
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg["grad_clip"])  # global norm (FSDP: collective)
         local = {"loss": math.fsum(losses), "grads": any(p.grad is not None for p in self.model.parameters()),
-                 "metrics": _combine(metrics)}
+                 "trained": bool(metrics), "metrics": _combine(metrics)}
         per_rank: list = [None] * self.world
         dist.all_gather_object(per_rank, local)
         loss_sum = math.fsum(r["loss"] for r in per_rank)
-        applied = math.isfinite(loss_sum) and bool(torch.isfinite(grad_norm)) and all(r["grads"] for r in per_rank)
+        # no rank trained a token: the (zero-filled or zero-weighted) gradients are no update, as on one rank
+        applied = (math.isfinite(loss_sum) and bool(torch.isfinite(grad_norm)) and all(r["grads"] for r in per_rank)
+                   and any(r["trained"] for r in per_rank))
         return self._apply_update(applied, loss_sum, grad_norm, t0, _merge_ranks([r["metrics"] for r in per_rank]))
 
     def _distributed_save_checkpoint(self, run_dir: str, step: int, policy_version: int, data_cursor: int,
