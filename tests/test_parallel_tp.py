@@ -131,6 +131,14 @@ def test_meta_model_gets_local_uninitialised_tensors():
         assert p.device.type == "cpu" and tuple(p.shape) == layout.local_shape(spec, 2), spec.name
 
 
+def test_a_built_model_moves_every_local_tensor_to_device():
+    """device= on a materialised model: the sharded weights and the replicated norms all end up there
+    ("meta" stands in for another device on this CPU machine; the norms used to stay behind)."""
+    m = parallelize_llama(random_model(CFG), TPGroup(None, 0, 3), device="meta")
+    assert {n: p.device.type for n, p in m.named_parameters() if p.device.type != "meta"} == {}
+    assert m.model.norm.weight.requires_grad
+
+
 # ------------------------------------------------------------------------------------ multi process
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max())

@@ -375,11 +375,11 @@ def parallelize_llama(model: Llama, group: Any = None, *, gather_logits: bool = 
     head = VocabParallelLMHead.from_linear(model.lm_head, tp, gather_logits, device) if not tied else \
         VocabParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp, model.model.embed_tokens.weight, gather_logits)
     model.lm_head = head
-    for name, p in list(model.named_parameters()):  # replicated norms of a meta-built model
-        if p.is_meta:
+    for name, p in list(model.named_parameters()):  # the replicated norms: allocated (meta-built) or moved
+        if p.is_meta or (device is not None and p.device != torch.device(device)):
             mod_name, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(mod_name), attr, nn.Parameter(torch.empty(p.shape, dtype=p.dtype,
-                                                                                  device=device or "cpu")))
+            data = torch.empty(p.shape, dtype=p.dtype, device=device or "cpu") if p.is_meta else p.detach().to(device)
+            setattr(model.get_submodule(mod_name), attr, nn.Parameter(data, requires_grad=p.requires_grad))
     model.tp = tp
     model.tp_config = tp_local_config(cfg, tp.size)
     return model
