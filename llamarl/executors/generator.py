@@ -124,12 +124,19 @@ class GeneratorExecutor:
         """This rank's buckets; with TP, rank 0 creates the replica's control block and shares it."""
         if self.tp_size == 1:
             return GeneratorBuckets.create(plan, rank, storage=storage, device=self.device, slots=slots)
-        leader = [None]
-        buckets = None
+        leader: list = [None]
+        buckets, error = None, None
         if self.tp_rank == 0:
-            buckets = GeneratorBuckets.create(plan, rank, storage=storage, device=self.device, slots=slots)
-            leader = [buckets.control_handle]
-        dist.broadcast_object_list(leader, src=0)
+            try:
+                buckets = GeneratorBuckets.create(plan, rank, storage=storage, device=self.device, slots=slots)
+                leader = [buckets.control_handle]
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the peers heard of it
+                error, leader = exc, [f"{type(exc).__name__}: {exc}"]
+        dist.broadcast_object_list(leader, src=0)  # the control block's handle, or rank 0's error
+        if error is not None:
+            raise error
+        if isinstance(leader[0], str):
+            raise RuntimeError(f"TP rank 0 of this generator replica could not create its weight buckets: {leader[0]}")
         if self.tp_rank != 0:
             buckets = GeneratorBuckets.create(plan, rank, storage=storage, device=self.device, slots=slots,
                                               control=leader[0])
@@ -183,12 +190,11 @@ class GeneratorExecutor:
         msg = torch.zeros(2, dtype=torch.long, device=self.device)
         error: Exception | None = None
         if self.tp_rank == 0:
-            seed = params.seed if params.seed is not None else secrets.randbits(62)
-            try:
+            try:  # everything that can fail happens here, so the peers always hear of it (broadcast below)
+                msg[1] = params.seed if params.seed is not None else secrets.randbits(62)  # before holding anything
                 msg[0] = self.receiver.acquire()
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the peers heard of it
                 error, msg[0] = exc, -1
-            msg[1] = seed
         dist.broadcast(msg, src=0)
         version, seed = int(msg[0]), int(msg[1])
         if self.tp_rank != 0 and version >= 0:
