@@ -148,8 +148,8 @@ def _check_same_policy(saved_cfg: TrainConfig, cfg: TrainConfig, saved: Path) ->
 
 
 # what fixes a run's data stream: its held-out split, its few-shot examples and the order of its training
-# prompts (the checkpoint's data position counts into that order); max_new_tokens decides which prompts of a
-# file are dropped as too long
+# prompts (the checkpoint's data position counts into that order); llamarl.train also compares the stream
+# itself with the checkpoint's (TrainData.stream_id: an edited file, prompts dropped by another max_new_tokens)
 _DATA_STREAM = ("run.seed", "data.dataset", "data.eval_size", "data.few_shot", "data.template", "data.chat",
                 "data.system", "data.prompt_field", "data.answer_field")
 
@@ -158,8 +158,7 @@ def _check_same_data(saved_cfg: TrainConfig, cfg: TrainConfig, saved: Path) -> N
     """A resumed run keeps its data stream: with another seed, held-out size, dataset or prompt format the
     checkpoint's data position would point into another order, and the held-out problems could be ones the
     run trained on. A moved dataset file (the saved path no longer exists) is accepted, as for the model."""
-    fields = _DATA_STREAM + (() if cfg.data.dataset.startswith("synthetic:") else ("generator.max_new_tokens",))
-    for dotted in fields:
+    for dotted in _DATA_STREAM:
         section, _, name = dotted.partition(".")
         old, new = getattr(getattr(saved_cfg, section), name), getattr(getattr(cfg, section), name)
         moved_file = not old.startswith("synthetic:") and (not Path(old).exists() or _same_file(old, new)) \

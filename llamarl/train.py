@@ -213,6 +213,14 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
     return tokenizer, data
 
 
+def _data_position(cursor) -> tuple[int, str | None]:
+    """A checkpoint's data cursor as (position, stream id): ``{"position", "stream"}`` (what runs write), or a
+    bare position (checkpoints written before stream ids; nothing to compare)."""
+    if isinstance(cursor, dict):
+        return int(cursor["position"]), cursor.get("stream")
+    return int(cursor or 0), None
+
+
 def _check_resumed_model(model: dict, policy_dir: Path) -> None:
     """ConfigError unless ``policy.model`` (whose tokenizer and stop tokens a resumed run uses) has the
     shapes of the checkpoint's policy, whose weights it trains."""
@@ -325,7 +333,14 @@ def train(cfg: TrainConfig) -> dict:
         log(f"warning: {warning}")
     out = Path(cfg.run.out) if cfg.run.out else default_out()
     resume = load_latest(cfg.run.resume) if cfg.run.resume else None
-    tokenizer, data = load_inputs(cfg, cursor=resume.data_cursor if resume else 0)
+    position, stream = _data_position(resume.data_cursor if resume else 0)
+    tokenizer, data = load_inputs(cfg, cursor=position)
+    if stream is not None and stream != data.stream_id:
+        raise ConfigError(f"data.dataset: the data stream of {cfg.data.dataset} is not the one the checkpoint's position "
+                          "counts into (the file was edited, or a setting changed which prompts are held out, kept "
+                          "or how they read, e.g. generator.max_new_tokens dropping other prompts as too long); "
+                          "resume with the run's own data and settings, or start a new run from the checkpoint's "
+                          "weights (--model <checkpoint>/policy)")
     if resume and resume.policy_dir is not None and cfg.policy.model not in LLAMA_CONFIGS:
         _check_resumed_model(model_config_dict(cfg), Path(resume.policy_dir))
     if cfg.policy.model in LLAMA_CONFIGS:
@@ -383,7 +398,8 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
         runlog = RunLog(out, cfg.run.max_steps, initial_step=start_step, reporters=reporters)
 
         async def checkpoint(step: int, version: int, cursor: int) -> None:
-            await trainer.acall("save_checkpoint", str(out), step, version, cursor, cfg.run.keep_checkpoints)
+            await trainer.acall("save_checkpoint", str(out), step, version, {"position": cursor, "stream": data.stream_id},
+                                cfg.run.keep_checkpoints)
 
         with RewardPool(cfg.reward.specs, num_workers=max(1, cfg.reward.workers), timeout_s=cfg.reward.timeout_s,
                         weights=cfg.reward.weights) as pool:

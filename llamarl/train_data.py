@@ -15,7 +15,11 @@ prompts that are then removed from it (never held out, never trained on); for th
 its first 10·k training problems, and the training stream skips any later problem with the same prompt.
 
 The stream position is one integer, ``cursor`` (samples handed out so far), which checkpoints record:
-``TrainData(..., cursor=c)`` continues exactly where a run with that cursor stopped.
+``TrainData(..., cursor=c)`` continues exactly where a run with that cursor stopped, provided the stream is
+the same one. Checkpoints therefore record ``stream_id`` too, a hash of everything the order and content
+depend on (the held-out split, the training pool and its seed or the task's first problems, and the prompt
+format with its few-shot examples): a resume whose stream differs (an edited dataset file, a setting that
+drops other prompts as too long) is refused instead of continuing at a position in another order.
 
 ``longest_prompt`` bounds the token length of every prompt the run can see (held-out ones included), so
 the generator's KV cache can be sized once: exact for a file, and for the synthetic task the bound
@@ -31,6 +35,8 @@ them long (``data.few_shot``, ``data.template``, ``data.system`` or the task's o
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import functools
 import itertools
 import random
@@ -120,6 +126,26 @@ class TrainData:
         computed when asked (a user reward function's check), not for every run."""
         return frozenset.intersection(*(frozenset(s.reward_info()) for s in (
             self.heldout + (self._pool or []) or [Sample("", "", "")])))
+
+    @functools.cached_property
+    def stream_id(self) -> str:
+        """A hash of the stream this position counts into (see the module docstring); 16 hex digits."""
+        h = hashlib.sha256()
+
+        def add(*parts: object) -> None:
+            h.update(json.dumps(parts, ensure_ascii=False).encode("utf-8") + b"\n")
+
+        add("format", self.formatter.render(Sample(id="", prompt="", answer="")))
+        for s in self.heldout:
+            add("heldout", s.id, s.prompt, s.answer)
+        if self._task is None:
+            add("seed", self._seed)
+            for s in self._pool:
+                add("pool", s.id, s.prompt, s.answer)
+        else:  # the task's stream is its spec's: its first problems name it
+            for s in itertools.islice(self._new_stream(), 64):
+                add("train", s.prompt, s.answer)
+        return h.hexdigest()[:16]
 
     def _new_stream(self) -> Iterator[Sample]:
         if self._task is None:

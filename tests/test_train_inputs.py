@@ -93,6 +93,27 @@ def test_a_resumed_run_finds_its_relative_inputs_from_anywhere_and_keeps_its_mod
     assert main(["--resume", str(work / "run"), "--max-steps", "3", "--model", str(tmp_path / "moved")]) == 0
 
 
+def test_a_resume_continues_only_the_data_stream_its_checkpoint_counts_into(tmp_path, capsys):
+    """The checkpoint records its data position with the stream's id: a resume after the dataset file was
+    edited is refused before anything starts; one whose settings leave the stream alone (another
+    max_new_tokens that drops no prompt) continues."""
+    data = tmp_path / "data.jsonl"
+    rows = [{"question": f"{i}+1=", "answer": str(i + 1)} for i in range(40)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    assert main(SMOKE + ["--dataset", str(data), "--max-steps", "2", "--out", str(run)]) == 0
+    state = json.loads(next((run / "checkpoints").glob("step_*/state.json")).read_text())
+    assert set(state["data_cursor"]) == {"position", "stream"} and state["data_cursor"]["position"] > 0
+    rows[30]["answer"] = "wrong"  # an edit in place: the same path, another stream
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    assert main(["--resume", str(run), "--max-steps", "3"]) == 2
+    assert "data.dataset: the data stream of" in capsys.readouterr().err
+    rows[30]["answer"] = "31"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["--resume", str(run), "--max-steps", "3", "--set", "generator.max_new_tokens=5"]) == 0
+
+
 def test_completions_cut_by_the_token_budget_are_warned_about_once(tmp_path, capsys):
     assert main(SMOKE + ["--set", "generator.max_new_tokens=1", "--max-steps", "3", "--out", str(tmp_path / "r")]) == 0
     err = capsys.readouterr().err

@@ -275,7 +275,7 @@ class TrainerExecutor:
         return {"seconds": stats.seconds, "bytes": stats.bytes, "copy_seconds": stats.copy_seconds,
                 "wait_seconds": stats.wait_seconds}
 
-    def save_checkpoint(self, run_dir: str, step: int, policy_version: int, data_cursor: int,
+    def save_checkpoint(self, run_dir: str, step: int, policy_version: int, data_cursor,
                         keep: int = 3) -> str:
         if self.distributed:
             return self._distributed_save_checkpoint(run_dir, step, policy_version, data_cursor, keep)
@@ -342,7 +342,7 @@ class TrainerExecutor:
                    and any(r["trained"] for r in per_rank))
         return self._apply_update(applied, loss_sum, grad_norm, t0, _merge_ranks([r["metrics"] for r in per_rank]))
 
-    def _distributed_save_checkpoint(self, run_dir: str, step: int, policy_version: int, data_cursor: int,
+    def _distributed_save_checkpoint(self, run_dir: str, step: int, policy_version: int, data_cursor,
                                      keep: int) -> str:
         """FSDP: gather weights and optimizer state on every rank (DDP: every rank has them); rank 0 writes;
         every rank returns its path."""
