@@ -157,6 +157,7 @@ class TrainData:
         of ``seed`` (a file's epochs; the synthetic task's train stream has one order), from its start. This
         stream's position is left alone."""
         other = copy.copy(self)
+        other.__dict__.pop("stream_id", None)  # a cached id names this stream, not the fork's
         other._seed, other.cursor = seed, 0
         other._stream = other._new_stream()
         return other
