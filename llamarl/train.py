@@ -210,6 +210,14 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
     if data.dropped:
         log(f"data: dropped {data.dropped} prompts longer than {max_prompt} tokens (the context {context} minus "
             f"generator.max_new_tokens)")
+    if cfg.reward.reward == "gsm8k":  # a reference that is not one number rewards no completion
+        from llamarl.rewards.gsm8k import extract_reference_number
+
+        bad = [s for s in data.samples if extract_reference_number(s.answer) is None]
+        if bad:
+            log(f"warning: data: {len(bad)} of {len(data.samples)} answers are not one number (e.g. "
+                f"{bad[0].answer!r:.60}), so the gsm8k verifier scores every completion of them 0; use a reward "
+                "that reads them (math, exact, module:function) or fix the answers")
     return tokenizer, data
 
 

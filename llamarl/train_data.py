@@ -127,6 +127,12 @@ class TrainData:
         return frozenset.intersection(*(frozenset(s.reward_info()) for s in (
             self.heldout + (self._pool or []) or [Sample("", "", "")])))
 
+    @property
+    def samples(self) -> list[Sample]:
+        """Every sample of a file dataset the run can see (held out, then training); the held-out ones of
+        the synthetic task, whose training stream is endless."""
+        return self.heldout + (self._pool or [])
+
     @functools.cached_property
     def stream_id(self) -> str:
         """A hash of the stream this position counts into (see the module docstring); 16 hex digits."""

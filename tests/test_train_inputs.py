@@ -12,7 +12,7 @@ import pytest
 
 from llamarl.config_cli import load_config
 from llamarl.models import LLAMA_CONFIGS, CharTokenizer, Llama
-from llamarl.train import main
+from llamarl.train import load_inputs, main
 
 SMOKE = ["--preset", "smoke", "--set", "warm_start.steps=3"]
 
@@ -112,6 +112,17 @@ def test_a_resume_continues_only_the_data_stream_its_checkpoint_counts_into(tmp_
     rows[30]["answer"] = "31"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["--resume", str(run), "--max-steps", "3", "--set", "generator.max_new_tokens=5"]) == 0
+
+
+def test_gsm8k_answers_that_are_not_one_number_are_warned_about(tmp_path, capsys):
+    data = tmp_path / "data.jsonl"
+    rows = [{"question": f"{i}+1=", "answer": str(i + 1)} for i in range(20)] + [{"question": "area?", "answer": "5 m^2"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(SMOKE + ["--dataset", str(data), "--reward", "gsm8k"])
+    load_inputs(cfg)
+    assert "1 of 21 answers are not one number (e.g. '5 m^2')" in capsys.readouterr().err
+    load_inputs(load_config(SMOKE + ["--dataset", str(data), "--reward", "math"]))
+    assert "not one number" not in capsys.readouterr().err
 
 
 def test_completions_cut_by_the_token_budget_are_warned_about_once(tmp_path, capsys):
