@@ -203,7 +203,8 @@ class TrainerConfig(_Section):
             fail("trainer.clip_ratio", "must be in [0, 1) (0: no clip; veRL and TRL use 0.2)", self.clip_ratio)
         high = self.clip_ratio_high
         if high is not None and not (high >= 0 and math.isfinite(high) and self.clip_ratio > 0):
-            fail("trainer.clip_ratio_high", "must be a finite number >= 0 (DAPO: 0.28), with trainer.clip_ratio > 0", high)
+            fail("trainer.clip_ratio_high", "must be a finite number >= 0 (DAPO: 0.28), with trainer.clip_ratio > 0",
+                 high)
         if not (self.rho >= 1 and math.isfinite(self.rho)):
             fail("trainer.rho", "must be >= 1 (AIPO truncates pi/mu at rho; typical 2-10)", self.rho)
 

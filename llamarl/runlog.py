@@ -175,10 +175,10 @@ def claim_run_dir(out: Path, config_yaml: str, *, resume_step: int | None = None
                 if (out / name).exists():
                     os.replace(out / name, out / prev)
             if gone:
-                warn(f"resuming from step {resume_step}, before the newest checkpoint of {out}: the newer checkpoint(s) "
-                     f"{', '.join(p.name for p in gone)} (the continuation this resume abandons) are set aside as "
-                     f"checkpoints/abandoned-step_*, deleted when this run writes its first checkpoint (rename one "
-                     f"back to resume from it); metrics.jsonl and samples.jsonl end at step {resume_step} as well")
+                warn(f"resuming from step {resume_step}, before the newest checkpoint of {out}: the newer "
+                     f"checkpoint(s) {', '.join(p.name for p in gone)} (the continuation this resume abandons) are set "
+                     "aside as checkpoints/abandoned-step_*, deleted when this run writes its first checkpoint (rename "
+                     f"one back to resume from it); metrics.jsonl and samples.jsonl end at step {resume_step} as well")
             if config.is_file() and config.read_text(encoding="utf-8") != config_yaml:
                 os.replace(config, out / "config.prev.yaml")
         write_text_atomic(config, config_yaml)

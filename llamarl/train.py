@@ -344,9 +344,9 @@ def train(cfg: TrainConfig) -> dict:
     position, stream = _data_position(resume.data_cursor if resume else 0)
     tokenizer, data = load_inputs(cfg, cursor=position)
     if stream is not None and stream != data.stream_id:
-        raise ConfigError(f"data.dataset: the data stream of {cfg.data.dataset} is not the one the checkpoint's position "
-                          "counts into (the file was edited, or a setting changed which prompts are held out, kept "
-                          "or how they read, e.g. generator.max_new_tokens dropping other prompts as too long); "
+        raise ConfigError(f"data.dataset: the data stream of {cfg.data.dataset} is not the one the checkpoint's "
+                          "position counts into (the file was edited, or a setting changed which prompts are held out, "
+                          "kept or how they read, e.g. generator.max_new_tokens dropping other prompts as too long); "
                           "resume with the run's own data and settings, or start a new run from the checkpoint's "
                           "weights (--model <checkpoint>/policy)")
     if resume and resume.policy_dir is not None and cfg.policy.model not in LLAMA_CONFIGS:
@@ -406,8 +406,8 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
         runlog = RunLog(out, cfg.run.max_steps, initial_step=start_step, reporters=reporters)
 
         async def checkpoint(step: int, version: int, cursor: int) -> None:
-            await trainer.acall("save_checkpoint", str(out), step, version, {"position": cursor, "stream": data.stream_id},
-                                cfg.run.keep_checkpoints)
+            position = {"position": cursor, "stream": data.stream_id}
+            await trainer.acall("save_checkpoint", str(out), step, version, position, cfg.run.keep_checkpoints)
 
         with RewardPool(cfg.reward.specs, num_workers=max(1, cfg.reward.workers), timeout_s=cfg.reward.timeout_s,
                         weights=cfg.reward.weights) as pool:

@@ -51,8 +51,8 @@ fp32 right after ``tl.load``; the gradient tile is rounded once to the input dty
 backward GEMMs (eager autograd does the same). Row offsets are int64.
 
 Metrics (detached 0-d fp32 tensors, means over masked rows; all 0 if M = 0): ratio_mean, ratio_max,
-truncated_frac (weight truncated), clip_frac (with clip), mismatch_kl = mean(r − 1 − log r), the k3 estimate of KL(μ‖π), entropy,
-kl_ref (with ``ref_logprobs``), tokens. An all-zero mask gives loss 0 and zero gradients.
+truncated_frac (weight truncated), clip_frac (with clip), mismatch_kl = mean(r − 1 − log r), the k3 estimate
+of KL(μ‖π), entropy, kl_ref (with ``ref_logprobs``), tokens. An all-zero mask gives loss 0 and zero gradients.
 
 Rows with m_i = 0 cost full compute: pass only the rows you train on (e.g. completion tokens).
 """

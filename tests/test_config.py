@@ -131,7 +131,8 @@ def test_a_resume_keeps_its_data_stream(tmp_path, override, dataset):
     run = tmp_path / "run"
     if dataset == "file":
         dataset = str(tmp_path / "d.jsonl")
-        (tmp_path / "d.jsonl").write_text("".join(f'{{"question": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(40)))
+        rows = "".join(f'{{"question": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(40))
+        (tmp_path / "d.jsonl").write_text(rows)
     load_config(["--preset", "smoke", "--set", f"data.dataset={dataset}", "--set", "data.eval_size=8", "--max-steps",
                  "4", "--out", str(run)], check_environment=False).save(run)
     save_checkpoint(run, 4, policy_state=None, policy_version=4)

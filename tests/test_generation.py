@@ -305,7 +305,8 @@ def test_bad_prompts_raise(models):
     with pytest.raises(ValueError, match="pad_token_id must be an int, got None"):
         generate(model, [[3]], p, pad_token_id=None)
     greedy = SamplingParams(max_new_tokens=4, temperature=0.0)  # a 0-d tensor is one eos id, like an int
-    assert generate(model, [[3]], greedy, eos_token_id=torch.tensor(2)) == generate(model, [[3]], greedy, eos_token_id=2)
+    one = generate(model, [[3]], greedy, eos_token_id=2)
+    assert generate(model, [[3]], greedy, eos_token_id=torch.tensor(2)) == one
     engine = GenerationEngine(model, max_batch_size=2, max_seq_len=16)
     with pytest.raises(ValueError, match="n=3 samples per prompt exceed the engine's max_batch_size=2"):
         engine.generate([[3]], SamplingParams(n=3))

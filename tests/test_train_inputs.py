@@ -116,7 +116,8 @@ def test_a_resume_continues_only_the_data_stream_its_checkpoint_counts_into(tmp_
 
 def test_gsm8k_answers_that_are_not_one_number_are_warned_about(tmp_path, capsys):
     data = tmp_path / "data.jsonl"
-    rows = [{"question": f"{i}+1=", "answer": str(i + 1)} for i in range(20)] + [{"question": "area?", "answer": "5 m^2"}]
+    rows = [{"question": f"{i}+1=", "answer": str(i + 1)} for i in range(20)]
+    rows.append({"question": "area?", "answer": "5 m^2"})
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = load_config(SMOKE + ["--dataset", str(data), "--reward", "gsm8k"])
     load_inputs(cfg)

@@ -59,7 +59,8 @@ def test_micro_batches_give_the_whole_batch_loss_and_update(tmp_path, norm):
     split_stats, split_w = single_process_train_step(tmp_path / "model", CFG, batch, cfg,
                                                      max_new_tokens=MAX_NEW_TOKENS)
     whole_stats, whole_w = single_process_train_step(tmp_path / "model", CFG, batch,
-                                                     dict(cfg, micro_batch_size=len(ADV)), max_new_tokens=MAX_NEW_TOKENS)
+                                                     dict(cfg, micro_batch_size=len(ADV)),
+                                                     max_new_tokens=MAX_NEW_TOKENS)
     assert split_stats["applied"] and whole_stats["applied"]
     # at the start the policy is its own reference, so the KL term is 0 and the loss is the AIPO loss
     assert whole_stats["loss"] == pytest.approx(_spec_loss(tmp_path / "model", batch, norm), rel=1e-5, abs=1e-7)

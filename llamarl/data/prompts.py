@@ -135,9 +135,8 @@ class PromptFormatter:
             if not isinstance(text, str):
                 raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected the rendered str")
             return text
-        prefix = "".join(
-            self._question(s.prompt) + self._answer(s.solution or s.answer) + self.fmt.shot_separator for s in self.shots
-        )
+        prefix = "".join(self._question(s.prompt) + self._answer(s.solution or s.answer) + self.fmt.shot_separator
+                         for s in self.shots)
         return prefix + self._question(sample.prompt)
 
     def add_bos(self) -> bool:

@@ -418,15 +418,20 @@ class TrainerExecutor:
         return part["mask"].shape[0] * self.max_new_tokens if self.cfg["norm"] == "constant" else None
 
     # ------------------------------------------------------------------ the loss
-    def _loss(self, part: dict[str, torch.Tensor]):
+    def _loss_options(self, part: dict[str, torch.Tensor]) -> dict:
+        """The loss options for ``part``, the same for the eager loss and the fused kernel."""
         c = self.cfg
+        return dict(rho=c["rho"], norm=c["norm"], norm_constant=self._norm_constant(part), kl_coef=c["kl_coef"],
+                    entropy_coef=c["entropy_coef"], clip=self._clip)
+
+    def _loss(self, part: dict[str, torch.Tensor]):
         adv = part["advantages"][:, None].expand_as(part["mask"])
         ref = None
         if self.ref is not None:
             with torch.no_grad():
                 ref = self._logprobs(self.ref, part)
         old = part.get("old_logprobs")
-        if c["correction"] == "none":
+        if self.cfg["correction"] == "none":
             return self._uncorrected_loss(part, adv, ref, old)
         if self.fused:
             from llamarl_kernels import fused_aipo_loss
@@ -436,23 +441,19 @@ class TrainerExecutor:
             width = part["mask"].shape[1]
             idx = (part["mask"] > 0).reshape(-1).nonzero().squeeze(1)
 
-            def pick(t: torch.Tensor) -> torch.Tensor:
-                return t.reshape(-1, *t.shape[2:]).index_select(0, idx)
+            def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+                return None if t is None else t.reshape(-1, *t.shape[2:]).index_select(0, idx)
 
             hidden = _hidden(self.model, part)
             return fused_aipo_loss(pick(hidden), self.model.lm_head_weight, pick(part["targets"]),
                                    pick(part["behavior_logprobs"]), pick(adv), pick(part["mask"]),
-                                   rho=c["rho"], temperature=self.temperature,
-                                   ref_logprobs=None if ref is None else pick(ref), kl_coef=c["kl_coef"],
-                                   entropy_coef=c["entropy_coef"], norm=c["norm"],
-                                   sequence_ids=idx // width if c["norm"] == "sequence" else None,
-                                   norm_constant=self._norm_constant(part),
-                                   old_logprobs=None if old is None else pick(old), clip=self._clip)
+                                   temperature=self.temperature, ref_logprobs=pick(ref), old_logprobs=pick(old),
+                                   sequence_ids=idx // width if self.cfg["norm"] == "sequence" else None,
+                                   **self._loss_options(part))
         logprobs, entropy = token_logprobs(_logits(self.model, part), part["targets"], self.temperature,
                                            entropy=self._entropy_mode)
-        return aipo_loss(logprobs, part["behavior_logprobs"], adv, part["mask"], rho=c["rho"], norm=c["norm"],
-                         norm_constant=self._norm_constant(part), ref_logprobs=ref, kl_coef=c["kl_coef"], entropy=entropy, entropy_coef=c["entropy_coef"],
-                         old_logprobs=old, clip=self._clip)
+        return aipo_loss(logprobs, part["behavior_logprobs"], adv, part["mask"], ref_logprobs=ref, entropy=entropy,
+                         old_logprobs=old, **self._loss_options(part))
 
     def _uncorrected_loss(self, part, adv, ref, old):
         """The ablation: AIPO with μ := π_old (weight 1), i.e. vanilla policy gradient on stale samples
@@ -460,16 +461,14 @@ class TrainerExecutor:
         corrected loss.
 
         Mismatch metrics are still measured against the real μ, so the two runs are comparable."""
-        c = self.cfg
         logprobs, entropy = token_logprobs(_logits(self.model, part), part["targets"], self.temperature,
                                            entropy=self._entropy_mode)
         behavior = logprobs.detach() if old is None else old
-        loss, _ = aipo_loss(logprobs, behavior, adv, part["mask"], rho=c["rho"], norm=c["norm"],
-                            norm_constant=self._norm_constant(part), ref_logprobs=ref, kl_coef=c["kl_coef"], entropy=entropy, entropy_coef=c["entropy_coef"],
-                            old_logprobs=old, clip=self._clip)
-        _, metrics = aipo_loss(logprobs.detach(), part["behavior_logprobs"], adv, part["mask"], rho=c["rho"],
-                               norm=c["norm"], norm_constant=self._norm_constant(part), ref_logprobs=ref, entropy=entropy.detach(), old_logprobs=old,
-                               clip=self._clip)
+        loss, _ = aipo_loss(logprobs, behavior, adv, part["mask"], ref_logprobs=ref, entropy=entropy,
+                            old_logprobs=old, **self._loss_options(part))
+        metric_options = dict(self._loss_options(part), kl_coef=0.0, entropy_coef=0.0)  # values, no gradient
+        _, metrics = aipo_loss(logprobs.detach(), part["behavior_logprobs"], adv, part["mask"], ref_logprobs=ref,
+                               entropy=entropy.detach(), old_logprobs=old, **metric_options)
         return loss, metrics
 
 
