@@ -139,9 +139,13 @@ class TrainData:
         h = hashlib.sha256()
 
         def add(*parts: object) -> None:
-            h.update(json.dumps(parts, ensure_ascii=False).encode("utf-8") + b"\n")
+            h.update(json.dumps(parts).encode("ascii") + b"\n")  # ASCII escapes: lone surrogates hash too
 
-        add("format", self.formatter.render(Sample(id="", prompt="", answer="")))
+        # the format's settings and examples, not a rendered prompt: a chat template may print today's date
+        fmt = self.formatter.fmt
+        add("format", fmt.template, fmt.chat, fmt.system, fmt.shot_answer_template, fmt.shot_separator)
+        for s in self.formatter.shots:
+            add("shot", s.id, s.prompt, s.solution or s.answer)
         for s in self.heldout:
             add("heldout", s.id, s.prompt, s.answer)
         if self._task is None:

@@ -147,6 +147,24 @@ def test_a_death_is_reported_to_the_group_watchers_before_its_pending_calls_fail
         g.shutdown(timeout=5)
 
 
+def test_a_shutdown_right_after_a_death_asks_no_dying_rank_to_close():
+    """A caller that hears of the death through its call and shuts the group down at once (a ``with``
+    block's exit) must not send ``__close__`` to ranks the failure is killing: none would answer, and the
+    shutdown waited its whole timeout (10 s by default) for them."""
+    from llamarl.runtime.rpc import CLOSE
+
+    g = ExecutorGroup.spawn("dies", TOY, world_size=2, start_timeout_s=120, env={"OMP_NUM_THREADS": "1"})
+    sent = []
+    real_send = g._send
+    g._send = lambda link, message: (sent.append(message.method), real_send(link, message))[1]
+    g.call_rank(1, "sleep", 30)
+    with pytest.raises(ExecutorDied, match="exit code 5"):
+        g.call_rank(0, "exit_hard", 5).result(timeout=30)
+    g.shutdown(timeout=30)
+    assert CLOSE not in sent, sent
+    assert all(lk.process is None or not lk.process.is_alive() for lk in g._links)
+
+
 def test_supervise_stops_the_other_groups_when_the_controller_fails_with_the_death_first():
     stopped = []
 

@@ -87,3 +87,36 @@ def test_a_conversational_dataset_trains_with_chat_formatting(tmp_path, capsys):
         question = r["prompt"].split("Q: ")[1].split("\n")[0]
         assert r["prompt"] == tok.apply_chat_template([{"role": "system", "content": "Add."},
                                                        {"role": "user", "content": question}])
+
+
+def test_the_stream_id_names_the_stream_not_a_rendering(tmp_path):
+    """Checkpoints record ``stream_id``; a resume compares it. A chat template may print the date (Llama
+    3.2/3.3 Instruct's "Today Date"), so the id hashes the format's settings and examples, not a rendered
+    prompt: the same data on another day has the same id. What the stream depends on changes it: the
+    seed, the examples, a record of the file; an example with an empty prompt does not break it."""
+    class DatedTokenizer(CharTokenizer):
+        day = 1
+
+        def apply_chat_template(self, messages, add_generation_prompt=True):
+            return f"day {DatedTokenizer.day}\n" + super().apply_chat_template(messages, add_generation_prompt)
+
+    rows = [{"question": f"{i}+{i}=", "answer": str(2 * i)} for i in range(30)] + [{"question": "", "answer": "0"}]
+    path = _write(tmp_path / "d.jsonl", rows)
+    cfg = DataConfig(dataset=str(path), eval_size=5, few_shot=2, chat=True)
+    first = TrainData(cfg, DatedTokenizer(), seed=3)
+    day1_prompt, day1_id = first.formatter.render(first.heldout[0]), first.stream_id
+    DatedTokenizer.day = 2
+    second = TrainData(cfg, DatedTokenizer(), seed=3)
+    assert second.formatter.render(first.heldout[0]) != day1_prompt  # the prompts really differ by day ...
+    assert second.stream_id == day1_id  # ... the stream does not
+    assert TrainData(cfg, DatedTokenizer(), seed=4).stream_id != first.stream_id
+    assert TrainData(DataConfig(dataset=str(path), eval_size=5, few_shot=3, chat=True), DatedTokenizer(),
+                     seed=3).stream_id != first.stream_id
+    rows[7]["answer"] = "15"
+    _write(path, rows)
+    assert TrainData(cfg, DatedTokenizer(), seed=3).stream_id != first.stream_id
+    # a seed whose examples include the empty prompt: the id is still computed
+    empty_shot = next(s for s in range(200) if any(not x.prompt for x in TrainData(
+        DataConfig(dataset=str(path), eval_size=5, few_shot=4), CharTokenizer(), seed=s).formatter.shots))
+    assert TrainData(DataConfig(dataset=str(path), eval_size=5, few_shot=4), CharTokenizer(),
+                     seed=empty_shot).stream_id

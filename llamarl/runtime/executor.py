@@ -517,7 +517,7 @@ class ExecutorGroup:
                 self._closing = True
                 closes, sends = [], []
                 for link in self._links:
-                    if link.open:
+                    if link.open and self._death is None:  # a failed group's ranks are being killed: none answers
                         fut: Future = Future()
                         call_id = next(self._ids)
                         link.pending[call_id] = (CLOSE, fut)
