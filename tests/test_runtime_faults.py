@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -125,7 +126,11 @@ def test_an_unexpected_error_in_the_monitor_fails_the_group_instead_of_ending_su
             g.failed.result(timeout=5)
         with pytest.raises(ExecutorDied):
             g.call("echo").result(timeout=5)
-        g._links[0].process.join(timeout=10)
+        # the monitor thread kills and reaps the rank; a join from here races its waitpid (the loser reads
+        # ECHILD as "no exit code yet"), so wait for the exit code the reaping thread records
+        deadline = time.monotonic() + 20
+        while g._links[0].process.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert g._links[0].process.exitcode is not None, f"rank pid {pid} still runs"
     finally:
         g.shutdown(timeout=5)
