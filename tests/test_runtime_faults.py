@@ -211,3 +211,20 @@ def test_calls_abandoned_by_a_shutdown_fail_as_shut_down_and_are_not_logged():
     gc.collect()
     assert messages == []
     assert children_of("survivor") == []
+
+
+def test_a_group_call_reports_a_ranks_own_error_before_a_shut_down():
+    """Rank 1 raised; rank 0 was then stopped by the shutdown that failure caused: the call's error is rank
+    1's, with its traceback, not rank 0's ShutDown (which callers count as retrieved and never log)."""
+    from concurrent.futures import Future
+
+    from llamarl.runtime.futures import gather_ranks
+    from llamarl.runtime.rpc import SHUT_DOWN
+
+    shut, real = Future(), Future()
+    call = gather_ranks([shut, real], "g", "step")
+    real.set_exception(ExecutorError("g", 1, "step", "ValueError", "bad batch", "Traceback: ..."))
+    shut.set_exception(ExecutorError("g", 0, "step", SHUT_DOWN, "the group was shut down"))
+    err = call.exception(timeout=1)
+    assert err.rank == 1 and err.exc_type == "ValueError" and "ranks [0]" in str(err)
+
