@@ -43,7 +43,7 @@ from typing import Any, Sequence
 import yaml
 
 from llamarl.config import REWARD_NAMES, TrainConfig, _build, _layout_fields, _merge, resume_run_dir
-from llamarl.config_values import Text, did_you_mean, fail
+from llamarl.config_values import Text, did_you_mean, fail, is_null_text
 from llamarl.presets import PRESETS
 
 # Named flags: flag -> (dotted field, help).
@@ -90,14 +90,14 @@ def config_from_args(args: argparse.Namespace, *, check_environment: bool = True
             fail("--set", "expects SECTION.KEY=VALUE, e.g. --set trainer.lr=3e-4", item)
         overrides.append((key.strip(), value))  # a string field keeps its spaces (a template's trailing one)
     for dotted, value in overrides:
-        if dotted == "run.resume" and value.strip().lower() in _NULL_TEXT:
+        if dotted == "run.resume" and is_null_text(value):
             # e.g. --resume "$RUN" with RUN unset: a resume was asked for, not a fresh run in the cwd (or ./none)
             fail("run.resume", "must name a run or checkpoint directory to continue from (the command line gives "
                  "an empty or null value); pass that directory, or leave out --resume to start a new run", value)
     resume = next((v for d, v in reversed(overrides) if d == "run.resume"), None)
     if resume is None:
         resume = (loaded.get("run") or {}).get("resume")
-        if isinstance(resume, str) and resume.strip().lower() in _NULL_TEXT:  # YAML null (no resume) stays fine
+        if isinstance(resume, str) and is_null_text(resume):  # YAML null (no resume) stays fine
             fail("run.resume", f"must name a run or checkpoint directory to continue from ({args.config} gives an "
                  "empty or null text); write the directory, or null (or leave the key out) to start a new run",
                  resume)
@@ -212,9 +212,6 @@ def _as_text(obj: Any) -> Any:
     if isinstance(obj, list):
         return [_as_text(v) for v in obj]
     return Text(obj) if isinstance(obj, str) else obj
-
-
-_NULL_TEXT = ("", "none", "null", "~")  # what a text value of an optional field reads as None (config_values)
 
 
 def _dest(flag: str) -> str:

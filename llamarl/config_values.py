@@ -68,6 +68,11 @@ def plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
+def is_null_text(text: str) -> bool:
+    """Does this text spell "no value" for an optional field ("", none, null, ~; any case, spaces around)?"""
+    return text.strip().lower() in ("", "none", "null", "~")
+
+
 def coerce(path: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against annotation ``tp``; parse it first if it is ``Text`` for a non-text type
     (surrounding whitespace ignored there; a string field keeps its text exactly, spaces included)."""
@@ -77,7 +82,7 @@ def coerce(path: str, value: Any, tp: Any) -> Any:
             value = _string_list(path, value)
         return coerce(path, value, args[0])
     if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, Text) and value.strip().lower() in ("none", "null", "~", "")):
+        if value is None or (isinstance(value, Text) and is_null_text(value)):
             if type(None) in args:
                 return None
         inner = [a for a in args if a is not type(None)]
