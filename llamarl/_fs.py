@@ -24,10 +24,12 @@ import threading
 from pathlib import Path
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path`` atomically and durably (see the module docstring)."""
+def write_text_atomic(path: Path, text: str, *, tmp_name: str | None = None) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically and durably (see the module docstring); ``tmp_name``
+    names the temporary file instead (unique per writer: e.g. one a cleaner of dead writers' files knows)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}.tmp")
+    tmp = path.with_name(tmp_name or f".{path.name}.{os.getpid()}-{threading.get_ident()}-"
+                                     f"{secrets.token_hex(4)}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)

@@ -57,6 +57,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from llamarl._fs import write_text_atomic
+
 FORMAT_VERSION = 1
 MANIFEST = "MANIFEST.json"
 STATE = "state.json"
@@ -185,12 +187,10 @@ def discard_newer(run_dir: str | os.PathLike, step: int, *, point_latest: bool =
                 target, n = root / f"{ABANDONED}{path.name}.{n}", n + 1
             os.replace(path, target)
             continue
-        trash = root / f".trash-{path.name}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
-        os.replace(path, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        _discard(path)
     name = f"step_{step:06d}"
     if gone and point_latest and (root / name).is_dir():
-        _write_atomic(root / LATEST, name + "\n", fsync_parent=True)
+        _write_atomic(root / LATEST, name + "\n")
     return gone
 
 
@@ -309,7 +309,7 @@ class CheckpointWriter:
         self.root.mkdir(parents=True, exist_ok=True)
         _clean_stale(self.root)
         self.name = f"step_{step:06d}"
-        self.path = self.root / f".tmp-{self.name}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.path = self.root / _scratch_name("tmp", self.name)
         self.path.mkdir()
         self._state_written = False
         self._done = False
@@ -361,12 +361,12 @@ class CheckpointWriter:
             for d in sorted((p for p in self.path.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
                 _fsync_dir(d)
             manifest = {"format": FORMAT_VERSION, "step": self.step, "files": files}
-            _write_atomic(self.path / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True), fsync_parent=True)
+            _write_atomic(self.path / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
             # an abandoned continuation: gone before this step becomes the newest (the pointer follows the rename)
             discard_newer(self.run_dir, self.step, point_latest=False)
             final = self.root / self.name
             if final.exists():  # re-saving a step (e.g. after resuming from an older checkpoint)
-                trash = self._trash_name(self.name)
+                trash = self.root / _scratch_name("trash", self.name)
                 os.replace(final, trash)
                 os.replace(self.path, final)
                 shutil.rmtree(trash, ignore_errors=True)
@@ -378,7 +378,7 @@ class CheckpointWriter:
         self._done = True
         try:  # committed: what follows only tidies up
             _fsync_dir(self.root)
-            _write_atomic(self.root / LATEST, self.name + "\n", fsync_parent=True)
+            _write_atomic(self.root / LATEST, self.name + "\n")
             self._prune(final)
         except OSError as exc:
             warnings.warn(f"checkpoint {final} is committed, but updating '{LATEST}' or pruning old checkpoints "
@@ -400,16 +400,7 @@ class CheckpointWriter:
         kept = [p for s, p in found if s <= self.step]
         for path in superseded + kept[:-self.keep]:
             if path != just_written:
-                self._discard(path)
-
-    def _trash_name(self, name: str) -> Path:
-        return self.root / f".trash-{name}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
-
-    def _discard(self, path: Path) -> None:
-        """Remove a committed checkpoint: renamed away first (atomic), then deleted."""
-        trash = self._trash_name(path.name)
-        os.replace(path, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+                _discard(path)
 
     def __enter__(self) -> CheckpointWriter:
         return self
@@ -452,6 +443,19 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, policy_state: Call
 # -------------------------------------------------------------------- filesystem helpers
 def _host() -> str:
     return re.sub(r"[^A-Za-z0-9]", "", socket.gethostname()) or "host"
+
+
+def _scratch_name(kind: str, name: str) -> str:
+    """The name of this process's temporary ("tmp") or doomed ("trash") copy of ``name``, unique, in the
+    form ``_TMP_RE`` matches, so ``_clean_stale`` removes what a dead writer left."""
+    return f".{kind}-{name}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _discard(path: Path) -> None:
+    """Remove a committed checkpoint: renamed away first (atomic), then deleted."""
+    trash = path.parent / _scratch_name("trash", path.name)
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -497,12 +501,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, text: str, *, fsync_parent: bool) -> None:
-    tmp = path.with_name(f".tmp-{path.name}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if fsync_parent:
-        _fsync_dir(path.parent)
+def _write_atomic(path: Path, text: str) -> None:
+    """``write_text_atomic`` (file and directory fsynced) through a scratch file ``_clean_stale`` knows."""
+    write_text_atomic(path, text, tmp_name=_scratch_name("tmp", path.name))

@@ -151,10 +151,10 @@ def test_crash_between_rename_and_pointer_update_resumes_from_newest(tmp_path, m
     save(tmp_path, 1)
     real = ckpt_mod._write_atomic
 
-    def crash_on_pointer(path, text, *, fsync_parent):
+    def crash_on_pointer(path, text):
         if path.name == "latest":
             raise KeyboardInterrupt("power cut")
-        real(path, text, fsync_parent=fsync_parent)
+        real(path, text)
 
     monkeypatch.setattr(ckpt_mod, "_write_atomic", crash_on_pointer)
     with pytest.raises(KeyboardInterrupt):
@@ -275,10 +275,10 @@ def test_a_failed_commit_leaves_no_temp_dir_and_a_late_failure_is_only_a_warning
     real = ckpt_mod._write_atomic
 
     def full_disk_on(name):
-        def write(path, text, *, fsync_parent):
+        def write(path, text):
             if path.name == name:
                 raise OSError(28, "No space left on device")
-            real(path, text, fsync_parent=fsync_parent)
+            real(path, text)
         return write
 
     monkeypatch.setattr(ckpt_mod, "_write_atomic", full_disk_on("MANIFEST.json"))
