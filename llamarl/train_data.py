@@ -145,7 +145,7 @@ class TrainData:
         fmt = self.formatter.fmt
         add("format", fmt.template, fmt.chat, fmt.system, fmt.shot_answer_template, fmt.shot_separator)
         for s in self.formatter.shots:
-            add("shot", s.id, s.prompt, s.solution or s.answer)
+            add("shot", s.id, s.prompt, s.written_answer)
         for s in self.heldout:
             add("heldout", s.id, s.prompt, s.answer)
         if self._task is None:

@@ -58,6 +58,11 @@ class Sample:
     # what a few-shot example shows; None when the answer is the text as written
     solution: str | None = field(default=None, compare=False)
 
+    @property
+    def written_answer(self) -> str:
+        """The answer as the file wrote it: ``solution`` when ``answer`` was reduced from it, else ``answer``."""
+        return self.solution or self.answer
+
     def reward_info(self) -> dict[str, Any]:
         """What a reward function may ask for by name (llamarl.rewards.registry.call_reward): the record's
         other fields, then ``prompt`` (the text before formatting) and ``sample_id``, which take precedence."""
@@ -215,7 +220,7 @@ def write_jsonl(
     with open(tmp, "w", encoding="utf-8") as f:
         for s in samples:
             prompt = s.prompt if s.messages is None else [{"role": r, "content": c} for r, c in s.messages]
-            record = {**(s.extra or {}), id_field: s.id, prompt_field: prompt, answer_field: s.solution or s.answer}
+            record = {**(s.extra or {}), id_field: s.id, prompt_field: prompt, answer_field: s.written_answer}
             f.write(json.dumps(record) + "\n")
     os.replace(tmp, p)
     return p

@@ -110,7 +110,7 @@ class PromptFormatter:
         msgs = own or ([{"role": "system", "content": self.fmt.system}] if self.fmt.system is not None else [])
         for shot in self.shots:
             msgs += self._turns(shot)
-            msgs.append({"role": "assistant", "content": self._answer(shot.solution or shot.answer)})
+            msgs.append({"role": "assistant", "content": self._answer(shot.written_answer)})
         return msgs + self._turns(sample)
 
     def _turns(self, sample: Sample) -> list[dict[str, str]]:
@@ -135,7 +135,7 @@ class PromptFormatter:
             if not isinstance(text, str):
                 raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected the rendered str")
             return text
-        prefix = "".join(self._question(s.prompt) + self._answer(s.solution or s.answer) + self.fmt.shot_separator
+        prefix = "".join(self._question(s.prompt) + self._answer(s.written_answer) + self.fmt.shot_separator
                          for s in self.shots)
         return prefix + self._question(sample.prompt)
 
