@@ -124,8 +124,7 @@ class TrainData:
     def info_fields(self) -> frozenset[str]:
         """What a reward function may ask for by name from every sample of the run (Sample.reward_info);
         computed when asked (a user reward function's check), not for every run."""
-        return frozenset.intersection(*(frozenset(s.reward_info()) for s in (
-            self.heldout + (self._pool or []) or [Sample("", "", "")])))
+        return frozenset.intersection(*(frozenset(s.reward_info()) for s in (self.samples or [Sample("", "", "")])))
 
     @property
     def samples(self) -> list[Sample]:
@@ -197,11 +196,10 @@ class PromptsTooLong(ValueError):
 
 
 def _synthetic_prompt_tokens(task, formatter: PromptFormatter, heldout: list[Sample], shot_prompts: set[str]) -> int:
-    """The most tokens a formatted prompt of ``task`` takes: measured on its longest possible problems (every
-    operand ``digits`` nines, once for each operator), the first held-out and training problems. A measure,
-    not a bound: with a subword tokenizer a rare problem may take a token more than measured."""
-    longest = [Sample(f"longest-{op}", op.join(["9" * task.digits] * task.n_terms) + "=", "")
-               for op in task.ops]
+    """The most tokens a formatted prompt of ``task`` takes: measured on its longest possible problems
+    (``task.longest_prompts``), the first held-out and training problems. A measure, not a bound: with a
+    subword tokenizer a rare problem may take a token more than measured."""
+    longest = [Sample(f"longest-{i}", prompt, "") for i, prompt in enumerate(task.longest_prompts())]
     samples = longest + heldout[:64] + task.train_samples(64)
     return max(len(formatter.encode(s)) for s in samples if shot_key(s) not in shot_prompts)
 

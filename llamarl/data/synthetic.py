@@ -71,6 +71,11 @@ class ArithmeticTask:
         """Longest possible prompt: n_terms numbers of ``digits`` chars, the operators and '='."""
         return self.n_terms * (self.digits + 1)
 
+    def longest_prompts(self) -> list[str]:
+        """Prompts of ``max_prompt_chars`` characters, one per operator (every operand ``digits`` nines):
+        what a tokenizer's longest encoding of this task's problems is measured on."""
+        return [op.join(["9" * self.digits] * self.n_terms) + "=" for op in self.ops]
+
     # ---------------------------------------------------------------- problems
     def problem(self, rng: random.Random) -> tuple[str, str]:
         """One random (prompt, answer) pair drawn with ``rng``."""
