@@ -2,8 +2,9 @@
 
 ``gather_ranks`` makes one future of a group call's per-rank futures: the list of results by rank, or the
 lowest rank's error (naming the other failed ranks), a rank's own error before a ``ShutDown`` (a rank
-stopped by the shutdown another rank's failure caused is not the cause); ``first_result`` unwraps a one-rank call; ``settle``
-completes a future that may already be done (cancelled by its caller, or failed by a death first).
+stopped by the shutdown another rank's failure caused is not the cause); ``first_result`` unwraps a one-rank
+call; ``settle`` completes a future that may already be done (cancelled by its caller, or failed by a death
+first).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import threading
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, Sequence
 
-from llamarl.runtime.rpc import SHUT_DOWN, ExecutorDied, ExecutorError
+from llamarl.runtime.rpc import ExecutorDied, ExecutorError, is_shut_down
 
 
 def settle(fut: Future, *, result: Any = None, exc: BaseException | None = None) -> None:
@@ -41,7 +42,7 @@ def gather_ranks(futures: Sequence[Future], group: str = "", method: str = "") -
         if not errors:
             settle(out, result=[f.result() for f in futures])
             return
-        errors.sort(key=lambda e: isinstance(e[1], ExecutorError) and e[1].exc_type == SHUT_DOWN)  # stable
+        errors.sort(key=lambda e: is_shut_down(e[1]))  # stable: by rank among each kind
         first = errors[0][1]
         if len(errors) > 1 and isinstance(first, ExecutorError) and not isinstance(first, ExecutorDied):
             others = [i for i, _ in errors[1:]]
