@@ -235,12 +235,11 @@ class TrainerExecutor:
             return token_logprobs(_logits(model, part), part["targets"], self.temperature, entropy="none")[0]
         from llamarl_kernels import fused_logprobs
 
-        idx = (part["mask"] > 0).reshape(-1).nonzero().squeeze(1)
+        idx, pick = _trained_positions(part)
         hidden = _hidden(model, part)  # also without trained positions: an FSDP forward gathers on every rank
         if idx.numel() == 0:
             return torch.zeros(part["targets"].shape, dtype=torch.float32, device=hidden.device)
-        picked, _ = fused_logprobs(hidden.reshape(-1, hidden.shape[-1]).index_select(0, idx), model.lm_head_weight,
-                                   part["targets"].reshape(-1).index_select(0, idx), self.temperature)
+        picked, _ = fused_logprobs(pick(hidden), model.lm_head_weight, pick(part["targets"]), self.temperature)
         out = torch.zeros(part["targets"].numel(), dtype=torch.float32, device=hidden.device)
         return out.index_copy_(0, idx, picked).view(part["targets"].shape)
 
@@ -436,14 +435,8 @@ class TrainerExecutor:
         if self.fused:
             from llamarl_kernels import fused_aipo_loss
 
-            # the trained positions, found once (one host sync) before the forward is queued; every [rows,
-            # positions] tensor is then gathered with them, without a sync of its own
             width = part["mask"].shape[1]
-            idx = (part["mask"] > 0).reshape(-1).nonzero().squeeze(1)
-
-            def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-                return None if t is None else t.reshape(-1, *t.shape[2:]).index_select(0, idx)
-
+            idx, pick = _trained_positions(part)  # before the forward is queued
             hidden = _hidden(self.model, part)
             return fused_aipo_loss(pick(hidden), self.model.lm_head_weight, pick(part["targets"]),
                                    pick(part["behavior_logprobs"]), pick(adv), pick(part["mask"]),
@@ -500,6 +493,17 @@ def _hidden(model: Llama, part: dict[str, torch.Tensor]) -> torch.Tensor:
         return shared_prefix_hidden_states(model, part["prompt_ids"], part["prompt_start"], part["group"],
                                            part["targets"])
     return model.hidden_states(part["input_ids"])[:, :-1]
+
+
+def _trained_positions(part: dict[str, torch.Tensor]):
+    """The trained positions of ``part`` as flat indices (found once: one host sync), and ``pick``, which
+    gathers a [rows, positions, ...] tensor (None stays None) at them without a sync of its own."""
+    idx = (part["mask"] > 0).reshape(-1).nonzero().squeeze(1)
+
+    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.reshape(-1, *t.shape[2:]).index_select(0, idx)
+
+    return idx, pick
 
 
 def _logits(model: Llama, part: dict[str, torch.Tensor]) -> torch.Tensor:
