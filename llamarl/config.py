@@ -13,9 +13,9 @@ Validation happens before any process starts, and every message starts with the 
 * construction (``__post_init__``): types, ranges, choices, and cross-field rules (below); building from a
   dict rejects unknown sections and keys with a did-you-mean; pure, no filesystem access, so presets and
   tests can build configs freely;
-* ``TrainConfig.check_environment()`` (called by ``llamarl.config_cli.load_config``): files and
-  directories exist, CUDA is there when asked for, a ``module:function`` reward imports, ``--out`` is not
-  an earlier run.
+* ``TrainConfig.check_environment()`` (``llamarl.config_env``; called by ``llamarl.config_cli.load_config``):
+  files and directories exist, CUDA is there when asked for, a ``module:function`` reward imports, ``--out``
+  is not an earlier run.
 
 Mode and staleness: ``mode="sync"`` if and only if ``max_staleness == 0`` (sync is async with no run-ahead,
 the baseline of every speed-up); a config that breaks this is an error (``llamarl.config_cli`` fills in
@@ -39,7 +39,7 @@ from typing import Annotated, Any, Literal
 import yaml
 
 from llamarl._fs import write_text_atomic
-from llamarl.reporting import check_available, parse_report_to
+from llamarl.reporting import parse_report_to
 from llamarl.config_values import VERBATIM, ConfigError, coerce, did_you_mean, fail, plain
 from llamarl.runtime.placement import GeneratorSpec, Layout, LayoutError, RewardSpec, TrainerSpec
 
@@ -469,81 +469,10 @@ class TrainConfig:
 
     # ---------------------------------------------------------------- environment
     def check_environment(self) -> None:
-        """Check what depends on this machine: paths, CUDA, importable reward. Raises ConfigError."""
-        p = self.policy
-        if p.model not in BUILTIN_MODELS:
-            path = Path(p.model)
-            if path.is_dir():
-                if not (path / "config.json").is_file():
-                    from llamarl.checkpoint import training_dir_hint
+        """Check what depends on this machine (llamarl.config_env.check_environment). Raises ConfigError."""
+        from llamarl.config_env import check_environment
 
-                    fail("policy.model", training_dir_hint(path) or "directory has no config.json; is it a Hugging "
-                         "Face model directory?", p.model)
-            else:
-                from llamarl.models.config import LLAMA_CONFIGS
-
-                if p.model not in LLAMA_CONFIGS:
-                    fail("policy.model", f"is neither a built-in model ({', '.join(LLAMA_CONFIGS)}) nor an "
-                         f"existing directory; pass a Hugging Face Llama directory (config.json + "
-                         f"*.safetensors)", p.model)
-        if p.tokenizer is not None and not Path(p.tokenizer).exists():
-            fail("policy.tokenizer", "no such file or directory", p.tokenizer)
-        d = self.data.dataset
-        if not d.startswith("synthetic:"):
-            path = Path(d)
-            if not path.is_file():
-                fail("data.dataset", "no such file (expected synthetic:NAME or a .jsonl/.parquet file)", d)
-            if path.suffix.lower() not in DATASET_SUFFIXES:
-                fail("data.dataset", f"unsupported file type {path.suffix!r}; use {', '.join(DATASET_SUFFIXES)}", d)
-        for path, spec in self.reward.user_functions():
-            from llamarl.rewards.registry import RewardSpecError, load_reward
-
-            try:
-                load_reward(spec)
-            except RewardSpecError as exc:
-                fail(path, str(exc))
-        missing = check_available(parse_report_to(self.run.report_to))
-        if missing:
-            fail("run.report_to", missing, self.run.report_to)
-        if self.run.device == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
-                fail("run.device", "cuda requested but torch sees no CUDA device; use --set run.device=cpu")
-        resumed_run = None
-        if self.run.resume is not None:
-            from llamarl.checkpoint import CheckpointError, load_latest
-
-            if not Path(self.run.resume).is_dir():
-                fail("run.resume", "no such directory", self.run.resume)
-            try:
-                latest = load_latest(self.run.resume)  # checksums verified; a corrupt newest one is skipped
-            except CheckpointError as exc:
-                fail("run.resume", str(exc))
-            if latest is None:
-                fail("run.resume", "holds no complete checkpoint (expected DIR/checkpoints/step_*/ or a "
-                     "checkpoint directory); pass the --out directory of an earlier run", self.run.resume)
-            step = latest.step
-            if self.run.max_steps <= step:
-                fail("run.max_steps", f"the run at {self.run.resume} is already at step {step}; pass --max-steps "
-                     f"above it to continue (nothing was changed)", self.run.max_steps)
-            resumed_run = resume_run_dir(self.run.resume).resolve()
-        if self.run.out is not None:
-            out = Path(self.run.out)
-            if out.exists() and not out.is_dir():
-                fail("run.out", "exists and is not a directory", self.run.out)
-            earlier = (out / "checkpoints").is_dir() or (out / "metrics.jsonl").is_file()
-            if earlier and self.run.resume is None:
-                from llamarl.checkpoint import latest_checkpoint_dir
-
-                if latest_checkpoint_dir(out) is None:
-                    fail("run.out", "holds a run that wrote no checkpoint (it stopped before its first one), so "
-                         "there is nothing to resume; delete that directory or choose a new --out", self.run.out)
-                fail("run.out", "already holds a run; pass --resume with it to continue, or choose a new --out",
-                     self.run.out)
-            if earlier and resumed_run is not None and out.resolve() != resumed_run:
-                fail("run.out", f"already holds another run than the one resumed ({resumed_run}); a resumed run "
-                     "continues in its own directory or in a new one", self.run.out)
+        check_environment(self)
 
 
 def resume_run_dir(resume: Any) -> Path:
