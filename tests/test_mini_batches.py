@@ -85,6 +85,13 @@ def _decoupled_ppo_reference(model_dir, parts: list[dict], cfg: dict, epochs: in
     return {n: p.detach() for n, p in model.named_parameters()}, fracs
 
 
+def _relative_distance(weights: dict, expected: dict, initial: dict) -> float:
+    """||weights - expected|| / ||expected - initial|| over all parameters: how far off the update is."""
+    off = sum(float(((weights[n].double() - w.double()) ** 2).sum()) for n, w in expected.items())
+    update = sum(float(((w.double() - initial[n].detach().double()) ** 2).sum()) for n, w in expected.items())
+    return (off / update) ** 0.5
+
+
 @pytest.mark.parametrize("mini_batches, epochs, loss", [(2, 1, "reference"), (1, 2, "reference"), (2, 1, "fused")])
 def test_clipped_updates_follow_the_decoupled_ppo_loss(tmp_path, mini_batches, epochs, loss):
     """A big learning rate moves π far from π_old after the first update, so the clip acts; the trainer's
@@ -100,15 +107,19 @@ def test_clipped_updates_follow_the_decoupled_ppo_loss(tmp_path, mini_batches, e
     expected, fracs = _decoupled_ppo_reference(tmp_path / "model", parts, cfg, epochs)
     assert fracs[0] == 0.0 and fracs[-1] > 0.05, fracs  # nothing to clip in the first update, some in the last
     assert stats["updates"] == mini_batches * epochs and 0 < stats["clip_frac"] < 1
-    # fp32 rounding only (the specification runs each part as one batch, the trainer in micro-batches of 5;
-    # measured: 0 for (2, 1), 1.4e-4 of lr for (1, 2); the fused kernel 4e-4 of lr after two updates)
-    atol = (2e-4 if loss == "reference" else 5e-4) * cfg["lr"]
-    for name, w in expected.items():
-        torch.testing.assert_close(ours[name], w, rtol=0, atol=atol, msg=name)
+    # fp32 rounding only (the specification runs each part as one batch, the trainer in micro-batches of 5),
+    # compared over the whole update: at lr=0.1 AdamW's first step divides each gradient by its own magnitude,
+    # so the few entries whose gradient cancels to near eps turn rounding noise (which differs between CPUs'
+    # kernels) into a single-entry difference of up to a few 1e-3 lr (measured 3.7e-3 lr on an AMD EPYC, one
+    # entry of 18,912). Measured distance / update norm: 0 for (2, 1), 1.6e-6 for (1, 2), 1.9e-5 fused; no clip
+    # is 0.47-0.50 off, rho=1.5 for 2.0 0.56-0.57. (Only the lower bound acts on this batch: the upper one is
+    # tested with the loss, tests/test_aipo_loss.py and tests/test_fused_aipo.py.)
+    initial = dict(random_model(CFG).named_parameters())
+    assert _relative_distance(ours, expected, initial) < 1e-3
     with single_process_trainer(tmp_path / "model", CFG, dict(cfg, clip_ratio=0.0, clip_ratio_high=None)) as ex:
         ex.train_step(parts)
         unclipped = weights_of(ex)
-    assert max((unclipped[n] - w).abs().max().item() for n, w in expected.items()) > 1e-3
+    assert _relative_distance(unclipped, expected, initial) > 0.1
 
 
 def test_epochs_repeat_the_step_and_the_schedule_counts_rl_steps(tmp_path):
