@@ -112,8 +112,9 @@ def test_clipped_updates_follow_the_decoupled_ppo_loss(tmp_path, mini_batches, e
     # so the few entries whose gradient cancels to near eps turn rounding noise (which differs between CPUs'
     # kernels) into a single-entry difference of up to a few 1e-3 lr (measured 3.7e-3 lr on an AMD EPYC, one
     # entry of 18,912). Measured distance / update norm: 0 for (2, 1), 1.6e-6 for (1, 2), 1.9e-5 fused; no clip
-    # is 0.47-0.50 off, rho=1.5 for 2.0 0.56-0.57. (Only the lower bound acts on this batch: the upper one is
-    # tested with the loss, tests/test_aipo_loss.py and tests/test_fused_aipo.py.)
+    # is 0.47-0.50 off, rho=1.5 for 2.0 0.56-0.57, no upper bound (clip_ratio_high=10) 0.54. (The ratios the
+    # upper bound clips here are all above 1.3, so 0.2, 0.28 and 0.3 give the same step; the bound's exact
+    # value is tested with the loss, tests/test_aipo_loss.py and tests/test_fused_aipo.py.)
     initial = dict(random_model(CFG).named_parameters())
     assert _relative_distance(ours, expected, initial) < 1e-3
     with single_process_trainer(tmp_path / "model", CFG, dict(cfg, clip_ratio=0.0, clip_ratio_high=None)) as ex:
