@@ -72,9 +72,8 @@ from llamarl.algorithms import aipo_loss, token_logprobs
 from llamarl.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
 from llamarl.models import Llama
 from llamarl.models.shared_prefix import shared_prefix_hidden_states
-from llamarl.parallel import (FSDPConfig, accumulate_gradients, allreduce_gradients, apply_fsdp, clip_grad_norm_,
-                              full_optimizer_state, full_state_dict, load_full_optimizer_state, replicas_agree,
-                              sync_sources)
+from llamarl import parallel  # FSDP/DDP helpers, imported on first use (a single rank never needs them)
+from llamarl.parallel.grads import clip_grad_norm_
 from llamarl.executors.generator import generator_layout
 from llamarl.rollouts import TOTAL_KEYS, slice_rows
 from llamarl.runtime import RankInfo
@@ -127,7 +126,7 @@ class TrainerExecutor:
         self.model = Llama.from_pretrained(model_path, dtype=dtype, device=self.device)
         self.model.activation_checkpointing = trainer["activation_checkpointing"]
         if self.sharded:  # over this group's process group (the default group of an executor process)
-            apply_fsdp(self.model, None, FSDPConfig(grad_reduce="sum"))
+            parallel.apply_fsdp(self.model, None, parallel.FSDPConfig(grad_reduce="sum"))
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=trainer["lr"], betas=tuple(trainer["betas"]),
                                      weight_decay=trainer["weight_decay"])
@@ -138,7 +137,7 @@ class TrainerExecutor:
             self.ref = Llama.from_pretrained(reference_path or model_path, dtype=dtype, device=self.device)
             self.ref.eval().requires_grad_(False)
             if self.sharded:
-                apply_fsdp(self.ref, None, FSDPConfig())
+                parallel.apply_fsdp(self.ref, None, parallel.FSDPConfig())
         loss = trainer["loss"]
         self.fused = loss == "fused" or (loss == "auto" and self.device.type == "cuda")
         # the reference loss's entropy: a term of the loss, or only the logged metric (no autograd tensors)
@@ -146,7 +145,7 @@ class TrainerExecutor:
         if resume:
             ckpt = load_checkpoint(resume)
             if self.sharded:
-                load_full_optimizer_state(self.opt, ckpt.optimizer_state())
+                parallel.load_full_optimizer_state(self.opt, ckpt.optimizer_state())
             else:
                 self.opt.load_state_dict(ckpt.optimizer_state())
             # the saved param groups bring the saved betas and weight decay back: this run's settings win
@@ -266,7 +265,7 @@ class TrainerExecutor:
 
     def push_weights(self, version: int) -> dict:
         if self.sharded:
-            shards = sync_sources(self.model)  # this rank's dim-0 shards, views of FSDP's storage
+            shards = parallel.sync_sources(self.model)  # this rank's dim-0 shards, views of FSDP's storage
         else:
             shards = {name: p.detach() for name, p in self.model.named_parameters()}
         stats = self.sender.sync(shards, version)
@@ -319,7 +318,7 @@ class TrainerExecutor:
 
         self.opt.zero_grad(set_to_none=True)
         if self.sharded:
-            losses = accumulate_gradients(self.model, parts, weighted_loss, average=False)
+            losses = parallel.accumulate_gradients(self.model, parts, weighted_loss, average=False)
             if self.ref is not None:
                 self.ref.reshard()  # its root stays unsharded after a forward without backward
         else:  # ddp: local backward passes, then one sum over ranks; every rank then clips the same gradient
@@ -329,7 +328,7 @@ class TrainerExecutor:
                 if loss is not None:
                     loss.backward()
                     losses.append(float(loss.detach()))
-            allreduce_gradients(self.model)
+            parallel.allreduce_gradients(self.model)
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg["grad_clip"])  # global norm (FSDP: collective)
         local = {"loss": math.fsum(losses), "grads": any(p.grad is not None for p in self.model.parameters()),
                  "trained": bool(metrics), "metrics": _combine(metrics)}
@@ -346,10 +345,10 @@ class TrainerExecutor:
         """FSDP: gather weights and optimizer state on every rank (DDP: every rank has them); rank 0 writes;
         every rank returns its path."""
         if self.sharded:
-            full = full_state_dict(self.model)  # collectives, in the same order on every rank
-            optimizer_state = full_optimizer_state(self.opt)
+            full = parallel.full_state_dict(self.model)  # collectives, in the same order on every rank
+            optimizer_state = parallel.full_optimizer_state(self.opt)
         else:
-            if not replicas_agree(self.model):  # collective; the replicas must still be bitwise equal
+            if not parallel.replicas_agree(self.model):  # collective; the replicas must still be bitwise equal
                 raise RuntimeError("trainer.parallel=ddp: the trainer ranks' weights have diverged (they must take "
                                    "identical steps); not writing a checkpoint of one of them")
             full = {n: p.detach() for n, p in self.model.named_parameters()}

@@ -17,36 +17,38 @@ Both layouts are the weight sync's (``TrainerLayout`` dim-0 chunks, ``GeneratorL
 column/row splits), so the DDMA planner connects them directly.
 """
 
-from llamarl.parallel.ddp import allreduce_gradients, replicas_agree
-from llamarl.parallel.fsdp import (
-    FSDPConfig,
-    LocalShard,
-    accumulate_gradients,
-    apply_fsdp,
-    clip_grad_norm_,
-    full_optimizer_state,
-    full_state_dict,
-    load_full_optimizer_state,
-    local_shards,
-    sync_sources,
-)
-from llamarl.parallel.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    TPGroup,
-    VocabParallelEmbedding,
-    VocabParallelLMHead,
-    check_tp_size,
-    parallelize_llama,
-    tp_local_config,
-    tp_shard,
-    vocab_parallel_logprobs,
-)
+from __future__ import annotations
 
-__all__ = [
-    "ColumnParallelLinear", "FSDPConfig", "LocalShard", "RowParallelLinear", "TPGroup", "VocabParallelEmbedding",
-    "VocabParallelLMHead", "accumulate_gradients", "allreduce_gradients", "apply_fsdp", "check_tp_size", "clip_grad_norm_",
-    "full_optimizer_state", "full_state_dict", "load_full_optimizer_state", "local_shards", "parallelize_llama",
-    "replicas_agree",
-    "sync_sources", "tp_local_config", "tp_shard", "vocab_parallel_logprobs",
-]
+import importlib
+from typing import Any
+
+# name -> submodule, imported on first use (PEP 562): the FSDP module imports torch.distributed.fsdp and
+# torch.distributed.tensor (about 1.5 s on a 2-core CPU), which a generator or a single-rank trainer never uses.
+_EXPORTS = {
+    "llamarl.parallel.ddp": ("allreduce_gradients", "replicas_agree"),
+    "llamarl.parallel.fsdp": ("FSDPConfig", "LocalShard", "accumulate_gradients", "apply_fsdp",
+                              "full_optimizer_state", "full_state_dict", "load_full_optimizer_state", "local_shards",
+                              "sync_sources"),
+    "llamarl.parallel.grads": ("clip_grad_norm_",),
+    "llamarl.parallel.tensor_parallel": ("ColumnParallelLinear", "RowParallelLinear", "TPGroup",
+                                         "VocabParallelEmbedding", "VocabParallelLMHead", "check_tp_size",
+                                         "parallelize_llama", "tp_local_config", "tp_shard",
+                                         "vocab_parallel_logprobs"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'llamarl.parallel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_MODULE_OF))
+
+
+__all__ = sorted(_MODULE_OF)

@@ -48,6 +48,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from llamarl.models import Llama
+from llamarl.parallel.grads import clip_grad_norm_  # noqa: F401 - part of this module's API
 from llamarl.weight_sync.layout import chunk_bounds
 
 GRAD_REDUCE = ("mean", "sum")
@@ -177,26 +178,6 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
             for n, p in model.named_parameters()}
-
-
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for plain or FSDP (DTensor) gradients; returns the global L2 norm.
-
-    The norm is that of the whole, unsharded gradient: each rank takes the norm of its shards and the
-    squares are summed over the mesh (a collective: call it on every rank), so every rank gets the same
-    norm and scales its shards by the same factor min(1, max_norm / (norm + 1e-6)). ``max_norm`` 0 or
-    inf only measures. A non-finite norm is returned as is (the caller decides to skip the step).
-    """
-    params = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in params]
-    if not grads:
-        return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm(grads, 2.0)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    if 0 < max_norm < float("inf") and bool(torch.isfinite(norm)):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
