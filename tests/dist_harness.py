@@ -54,7 +54,8 @@ def finish_quietly(proc, timeout: float = 300.0) -> dict[str, str]:
 
 def launch(fn, world: int, workdir, timeout: float = 150.0) -> list[dict]:
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "llamarl.models", "llamarl.parallel"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "llamarl.models", "llamarl.parallel.fsdp",
+                                "llamarl.parallel.tensor_parallel"])
     procs = [ctx.Process(target=_entry, args=(fn, r, world, str(workdir)), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
