@@ -45,7 +45,6 @@ import asyncio
 import atexit
 import itertools
 import multiprocessing as mp
-import os
 import pickle
 import sys
 import threading
@@ -59,7 +58,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from llamarl._procs import sigint_blocked
 from llamarl.runtime import server
-from llamarl.runtime.futures import first_result, gather_ranks, settle
+from llamarl.runtime.futures import first_result, gather_ranks, retrieve, settle
 from llamarl.runtime.links import RankLink, check_spawn_args, child_environment, disconnect, kill_all
 from llamarl.runtime.net import free_port
 from llamarl.runtime.rpc import (
@@ -575,17 +574,12 @@ def _awaitable(fut: Future) -> asyncio.Future:
     def mark_abandoned(f: Future) -> None:  # runs after wrap_future's own callback: queued behind it
         if not f.cancelled() and is_shut_down(f.exception()):
             try:
-                loop.call_soon_threadsafe(_retrieve, afut)
+                loop.call_soon_threadsafe(retrieve, afut)
             except RuntimeError:
                 pass  # the loop has closed: the asyncio future never got the error
 
     fut.add_done_callback(mark_abandoned)
     return afut
-
-
-def _retrieve(afut: asyncio.Future) -> None:
-    if afut.done() and not afut.cancelled():
-        afut.exception()
 
 
 @atexit.register

@@ -4,7 +4,7 @@
 lowest rank's error (naming the other failed ranks), a rank's own error before a ``ShutDown`` (a rank
 stopped by the shutdown another rank's failure caused is not the cause); ``first_result`` unwraps a one-rank
 call; ``settle`` completes a future that may already be done (cancelled by its caller, or failed by a death
-first).
+first); ``retrieve`` marks a done future's error as seen.
 """
 
 from __future__ import annotations
@@ -25,6 +25,13 @@ def settle(fut: Future, *, result: Any = None, exc: BaseException | None = None)
             fut.set_result(result)
     except InvalidStateError:
         pass
+
+
+def retrieve(fut: Any) -> None:
+    """Mark the exception of a done, non-cancelled (asyncio) future or task as retrieved, so asyncio logs no
+    "exception was never retrieved" for an error the caller reports otherwise (or another error instead)."""
+    if fut.done() and not fut.cancelled():
+        fut.exception()
 
 
 def gather_ranks(futures: Sequence[Future], group: str = "", method: str = "") -> Future:

@@ -50,6 +50,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 from llamarl._procs import exit_when_parent_dies, ignore_sigint
 from llamarl.runtime import server
 from llamarl.runtime.executor import ExecutorGroup, FailureCallback, RankLink
+from llamarl.runtime.futures import retrieve
 from llamarl.runtime.net import free_port, routable_address
 from llamarl.runtime.placement import CONTROLLER, GroupPlacement, Layout, LayoutError
 from llamarl.runtime.rpc import BOOTSTRAP_ID, CLOSE, Bootstrap, Call, ExecutorDied, recv, send
@@ -280,7 +281,7 @@ class Runtime:
                 # The controller may have failed too, typically with the same death seen through a call
                 # (both can be done by now, in either order): the death is what we report; mark the task's
                 # error as retrieved so asyncio does not print "Task exception was never retrieved" for it.
-                _retrieve(task)
+                retrieve(task)
                 self.shutdown(timeout=2.0)  # in-flight commands of the others are abandoned, not awaited
                 raise died.exception() if died.done() else task.exception()
             return task.result()
@@ -288,10 +289,10 @@ class Runtime:
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-            _retrieve(task)  # e.g. it failed while this coroutine was being cancelled (Ctrl-C)
+            retrieve(task)  # e.g. it failed while this coroutine was being cancelled (Ctrl-C)
             if not died.done():
                 died.cancel()
-            _retrieve(died)  # a death that arrived while we were already unwinding for another reason
+            retrieve(died)  # a death that arrived while we were already unwinding for another reason
 
     # ---------------------------------------------------------------- shutdown
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -393,12 +394,6 @@ class Runtime:
 def _ended_by_death(task: asyncio.Future) -> bool:
     """True if the controller task failed with an executor death (seen through a call before ``failed``)."""
     return task.done() and not task.cancelled() and isinstance(task.exception(), ExecutorDied)
-
-
-def _retrieve(fut: asyncio.Future) -> None:
-    """Mark the exception of a done, non-cancelled future/task as retrieved (we report another one)."""
-    if fut.done() and not fut.cancelled():
-        fut.exception()
 
 
 def _store(tr: TorchrunEnv, timeout_s: float, *, host: bool = False):
