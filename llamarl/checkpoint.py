@@ -57,7 +57,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from llamarl._fs import write_text_atomic
+from llamarl._fs import fsync_dir, write_text_atomic
 
 FORMAT_VERSION = 1
 MANIFEST = "MANIFEST.json"
@@ -359,7 +359,7 @@ class CheckpointWriter:
                 _fsync_file(f)
                 files[f.relative_to(self.path).as_posix()] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
             for d in sorted((p for p in self.path.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-                _fsync_dir(d)
+                fsync_dir(d)
             manifest = {"format": FORMAT_VERSION, "step": self.step, "files": files}
             _write_atomic(self.path / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
             # an abandoned continuation: gone before this step becomes the newest (the pointer follows the rename)
@@ -377,7 +377,7 @@ class CheckpointWriter:
             raise
         self._done = True
         try:  # committed: what follows only tidies up
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             _write_atomic(self.root / LATEST, self.name + "\n")
             self._prune(final)
         except OSError as exc:
@@ -487,14 +487,6 @@ def _clean_stale(root: Path) -> None:
 
 def _fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)
     finally:
