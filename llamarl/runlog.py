@@ -159,8 +159,7 @@ def claim_run_dir(out: Path, config_yaml: str, *, resume_step: int | None = None
         raise ConfigError(f"run.out: {out} is in use by another llamarl run ({owner}); wait for it to end or pick "
                           "another --out") from None
     except OSError as e:
-        raise ConfigError(f"run.out: cannot write the run directory {out}: {e.strerror or e}; pick another --out") \
-            from None
+        raise _unwritable(out, e) from None
     if not lock.locked:
         warn(f"the file system of {out} cannot lock files (flock): a second run started on this directory would not "
              "be refused; start one run per --out")
@@ -185,10 +184,13 @@ def claim_run_dir(out: Path, config_yaml: str, *, resume_step: int | None = None
     except BaseException as e:
         lock.release()
         if isinstance(e, OSError):
-            raise ConfigError(f"run.out: cannot write the run directory {out}: {e.strerror or e}; pick another "
-                              "--out") from None
+            raise _unwritable(out, e) from None
         raise
     return lock
+
+
+def _unwritable(out: Path, e: OSError) -> ConfigError:
+    return ConfigError(f"run.out: cannot write the run directory {out}: {e.strerror or e}; pick another --out")
 
 
 def _append(fd: int | None, row: dict) -> None:
