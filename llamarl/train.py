@@ -392,16 +392,19 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
             replicas=g.replicas, max_batch_size=max(g.prompts_per_step * g.samples_per_prompt, cfg.data.eval_size),
             max_seq_len=kv_slots, pad_id=tokenizer.pad_id, threads=threads, quantization=g.quantization,
             eos_token_ids=eos_ids(tokenizer, policy_config, policy_dir), tokenizer=tokenizer),
-            env={"LLAMARL_EXECUTOR": "generator"})
-        handles = [h for grp in gens for h in await grp.acall("handle")]  # every TP rank of every replica
+            env={"LLAMARL_EXECUTOR": "generator"}, wait=False)
+        # the trainer starts alongside (each process spends seconds importing torch and loading the model)
+        # and attaches to the generators' buckets once they are up
         trainer, = rt.spawn_role("trainer", "llamarl.executors.trainer:TrainerExecutor", init_kwargs=dict(
             model_path=str(policy_dir), trainer=dataclasses.asdict(cfg.trainer), temperature=g.temperature,
-            generator_handles=handles, generator_replicas=g.replicas, generator_tp=g.tp,
-            generator_quantization=g.quantization,
+            generator_replicas=g.replicas, generator_tp=g.tp, generator_quantization=g.quantization,
             resume=str(resume.path) if resume else None, seed=cfg.run.seed, total_steps=cfg.run.max_steps,
             threads=threads, tokenizer_path=cfg.policy.tokenizer,
             reference_path=str(reference_dir) if reference_dir else None, max_new_tokens=g.max_new_tokens),
-            env={"LLAMARL_EXECUTOR": "trainer"})
+            env={"LLAMARL_EXECUTOR": "trainer"}, wait=False)
+        rt.wait_ready([*gens, trainer])
+        handles = [h for grp in gens for h in await grp.acall("handle")]  # every TP rank of every replica
+        await trainer.acall("connect", handles)
         await trainer.acall("push_weights", start_version)
         runlog = RunLog(out, cfg.run.max_steps, initial_step=start_step, reporters=reporters)
 

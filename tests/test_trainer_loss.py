@@ -187,3 +187,36 @@ def test_micro_batches_without_trained_tokens_are_skipped_on_every_path(tmp_path
                                                      max_new_tokens=MAX_NEW_TOKENS)
     assert ref_stats["updates"] == 2
     assert_same_step(fused_stats, fused_w, ref_stats, ref_w, atol=4e-5)
+
+
+def test_a_trainer_started_before_its_generators_connects_later_and_pushes_exact_weights(tmp_path):
+    """The controller starts the trainer alongside the generators and hands it their buckets afterwards
+    (``connect``): a push before that is refused with what to do, a second connect too, and after it the
+    pushed version's slot holds the trainer's parameters byte for byte."""
+    from llamarl.executors.trainer import TrainerExecutor
+    from llamarl.runtime import RankInfo
+    from llamarl.weight_sync import GeneratorBuckets, GeneratorLayout, TrainerLayout, llama_param_specs, plan_sync
+
+    random_model(CFG).save_pretrained(tmp_path / "model")
+    buckets = GeneratorBuckets.create(plan_sync(llama_param_specs(CFG), TrainerLayout(world_size=1),
+                                                GeneratorLayout()), 0, storage="shm")
+    ex = TrainerExecutor(model_path=str(tmp_path / "model"), trainer=TRAINER, temperature=1.0,
+                         rank_info=RankInfo("trainer", "trainer", 0, 1, 1, 0, "cpu", "gloo"))
+    try:
+        with pytest.raises(RuntimeError, match=r"before connect\(\).*call connect\(generator_handles\)"):
+            ex.push_weights(1)
+        ex.connect([buckets.handle()])
+        with pytest.raises(RuntimeError, match="already connected"):
+            ex.connect([buckets.handle()])
+        ex.push_weights(1)
+        slot, version = buckets.control.acquire(1, timeout=5.0)
+        try:
+            assert version == 1
+            pushed = buckets.tensors(slot)
+            for name, p in ex.model.named_parameters():
+                assert pushed[name].view(torch.uint8).equal(p.detach().contiguous().view(torch.uint8)), name
+        finally:
+            buckets.control.release(slot)
+    finally:
+        ex.close()
+        buckets.close()

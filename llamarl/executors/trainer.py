@@ -23,8 +23,10 @@ The loss runs as the fused Triton kernel (``trainer.loss="fused"``, the default 
 reference (``"reference"``, the default on CPU, where Triton only runs interpreted). A non-finite loss or
 gradient skips the update (``applied=False``), leaving weights and optimizer state untouched.
 
-``push_weights(version)`` writes this rank's parameters straight into every generator's buckets with the
-cached copy plan (llamarl.weight_sync.WeightSender) and publishes them as ``version``.
+``connect(generator_handles)`` attaches to the generators' buckets (the copy plan is built at construction,
+so the trainer starts while the generators do); ``push_weights(version)`` then writes this rank's parameters
+straight into every generator's buckets with the cached plan (llamarl.weight_sync.WeightSender) and
+publishes them as ``version``.
 
 Sharded trainer (``trainer.ranks`` = R_t > 1, FSDP2; the executor group's process group is the mesh).
 Every rank loads the policy and keeps its dim-0 shard of each parameter (``llamarl.parallel.apply_fsdp``,
@@ -98,7 +100,7 @@ def policy_side_files(model_path: str, tokenizer_path: str | None = None) -> dic
 
 
 class TrainerExecutor:
-    def __init__(self, *, model_path: str, trainer: dict, temperature: float, generator_handles: list,
+    def __init__(self, *, model_path: str, trainer: dict, temperature: float, generator_handles: list | None = None,
                  generator_replicas: int = 1, generator_tp: int = 1, generator_quantization: str = "none",
                  resume: str | None = None, seed: int = 0, total_steps: int | None = None,
                  threads: int | None = None, tokenizer_path: str | None = None, reference_path: str | None = None,
@@ -155,17 +157,28 @@ class TrainerExecutor:
             if ckpt.rng_state:
                 restore_rng_state(ckpt.rng_state)
         source = TrainerLayout(world_size=self.world, replicated=self.distributed and not self.sharded)
-        plan = plan_sync(llama_param_specs(self.model.config, dtype=dtype), source,
-                         generator_layout(generator_tp, generator_replicas, generator_quantization))
-        # no timeout on a sync: with max_staleness >= 2 the trainer can push twice while one generation batch
-        # holds the slot the second push needs, and must wait for the batch however long it runs (a dead
-        # reader or writer still raises PeerDied at once; a hung generator stops the run anyway)
-        self.sender = WeightSender(plan, self.rank, generator_handles, device=self.device, timeout=float("inf"))
+        self.plan = plan_sync(llama_param_specs(self.model.config, dtype=dtype), source,
+                              generator_layout(generator_tp, generator_replicas, generator_quantization))
+        self.sender: WeightSender | None = None
+        if generator_handles is not None:
+            self.connect(generator_handles)
         self.version: int | None = None  # the last version pushed to the generators
         self._rl_step: int | None = None  # the RL step being trained (train_step's step)
         self._clip: tuple[float, float] | None = None  # the step's decoupled clip range (None: plain AIPO)
 
     # ------------------------------------------------------------------ commands
+    def connect(self, generator_handles: list) -> None:
+        """Attach to the generators' weight buckets (one handle per generator rank, every replica), which
+        ``push_weights`` writes into. Separate from construction so the trainer and the generators can start
+        at the same time: the handles exist only once the generators are up."""
+        if self.sender is not None:
+            raise RuntimeError("the trainer is already connected to its generators; connect() is called once")
+        # no timeout on a sync: with max_staleness >= 2 the trainer can push twice while one generation batch
+        # holds the slot the second push needs, and must wait for the batch however long it runs (a dead
+        # reader or writer still raises PeerDied at once; a hung generator stops the run anyway)
+        self.sender = WeightSender(self.plan, self.rank, generator_handles, device=self.device,
+                                   timeout=float("inf"))
+
     def train_step(self, batch: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]], push: bool = False,
                    step: int | None = None) -> dict:
         """RL step ``step`` (0-based; it sets the learning rate, ``lr_at``): an update on each collated
@@ -264,6 +277,9 @@ class TrainerExecutor:
         return self._apply_update(applied, loss_sum, grad_norm, t0, _combine(metrics))
 
     def push_weights(self, version: int) -> dict:
+        if self.sender is None:
+            raise RuntimeError("push_weights before connect(): the trainer has no generator buckets to write into; "
+                               "call connect(generator_handles) once the generators are up")
         if self.sharded:
             shards = parallel.sync_sources(self.model)  # this rank's dim-0 shards, views of FSDP's storage
         else:
@@ -289,7 +305,8 @@ class TrainerExecutor:
             (Path(path) / name).write_bytes(data)
 
     def close(self) -> None:
-        self.sender.close()
+        if self.sender is not None:
+            self.sender.close()
 
     # ------------------------------------------------------------------ the multi-rank paths (FSDP, DDP)
     def _distributed_train_step(self, batch: dict[str, torch.Tensor]) -> dict:
