@@ -266,3 +266,21 @@ def test_bad_inputs_raise():
         model(torch.ones(1, 3, dtype=torch.long), cache=KVCache(model.config, 1, 8, dtype=torch.float32, device="cpu"))
     with pytest.raises(ValueError, match="attention_mask"):
         model(torch.ones(2, 3, dtype=torch.long), attention_mask=torch.ones(2, 4))
+
+
+def test_a_model_built_on_the_meta_device_is_not_initialised(tmp_path):
+    """Building on the meta device (from_pretrained, the TP generator, checkpoint gathering) runs no init:
+    normal_ on a meta tensor imports torch._dynamo, seconds of every executor's start. Checked in a fresh
+    interpreter, where nothing imported it before. A CPU build is still initialised (HF's N(0, 0.02))."""
+    import subprocess
+    import sys
+
+    Llama(LLAMA_CONFIGS["tiny"]).save_pretrained(tmp_path / "model")
+    script = (f"import sys, torch\nfrom llamarl.models import LLAMA_CONFIGS, Llama\n"
+              f"with torch.device('meta'):\n    Llama(LLAMA_CONFIGS['tiny'])\n"
+              f"Llama.from_pretrained({str(tmp_path / 'model')!r})\nprint('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr + out.stdout
+    model = Llama(LLAMA_CONFIGS["tiny"])
+    assert model.model.embed_tokens.weight.std().item() == pytest.approx(0.02, rel=0.1)
+    assert torch.equal(model.model.norm.weight, torch.ones_like(model.model.norm.weight))

@@ -298,9 +298,20 @@ class LlamaBackbone(nn.Module):
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if _building_on_meta():  # an uninitialised weight: nn.Embedding's own init is normal_ (see Llama)
+            weight = torch.empty(config.vocab_size, config.hidden_size)
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+def _building_on_meta() -> bool:
+    """Whether modules are being built under ``with torch.device("meta")`` (for weights loaded or assigned
+    next). Nothing is initialised then: there is nothing to initialise, and ``normal_`` on a meta tensor
+    imports torch._dynamo, 3-4 s of a process's start-up on a 2-core CPU."""
+    return torch.empty(0).device.type == "meta"
 
 
 # ------------------------------------------------------------------------------------ the model
@@ -320,7 +331,8 @@ class Llama(nn.Module):
         # recompute each decoder layer in backward instead of keeping its activations (training only)
         self.activation_checkpointing = False
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
-        self.reset_parameters()
+        if not _building_on_meta():
+            self.reset_parameters()
 
     # ---------------------------------------------------------------- parameters
     def reset_parameters(self, std: float = 0.02) -> None:
