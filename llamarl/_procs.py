@@ -7,6 +7,7 @@
 * ``exit_when_parent_dies()``: a daemon thread ends the child once its parent is gone, however the parent
   died (SIGKILL included) and whatever the main thread is stuck in (an import, a rendezvous, a hanging
   user function): nobody would read its results any more.
+* ``set_process_name()``: what ``ps`` and ``top`` show for the process (an executor rank's role and rank).
 
 Imports nothing heavy (reward workers start fast).
 """
@@ -14,9 +15,11 @@ Imports nothing heavy (reward workers start fast).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import time
 from multiprocessing import resource_tracker
@@ -58,13 +61,14 @@ def exit_when_parent_dies(on_exit: Callable[[int], None] | None = None, poll_s: 
 
     The parent's end is noticed at once through ``multiprocessing.parent_process().sentinel`` (a pipe the
     parent holds open until it exits) and, as a fallback (no sentinel, or a copy of the parent's end held
-    by someone else), within ``poll_s`` by ``os.getppid()`` changing. ``on_exit(1)`` (e.g. a flush-then-
+    by someone else), within ``poll_s`` by ``os.getppid()`` changing: the OS parent is the parent itself
+    for a spawned child, or the fork server it started (which exits with it) for a forked one. ``on_exit(1)`` (e.g. a flush-then-
     ``os._exit``) runs in its own thread, with ``os._exit(1)`` 2 s later should it block; without it the
     process ends at once.
     """
     parent = mp.parent_process()
     sentinel = getattr(parent, "sentinel", None) if parent is not None else None
-    parent_pid = parent.pid if parent is not None and parent.pid is not None else os.getppid()
+    parent_pid = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent_pid:
@@ -82,3 +86,15 @@ def exit_when_parent_dies(on_exit: Callable[[int], None] | None = None, poll_s: 
         os._exit(1)
 
     threading.Thread(target=watch, name=name, daemon=True).start()
+
+
+def set_process_name(name: str) -> None:
+    """Name this process for ``ps``, ``top`` and /proc/PID/comm (e.g. "generator-0"; at most 15 bytes are
+    kept). A forked executor rank would otherwise show its fork server's name; Linux only, a no-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass

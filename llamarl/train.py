@@ -61,6 +61,7 @@ from llamarl.rewards.registry import info_params
 from llamarl.reporting import make_reporters, parse_report_to
 from llamarl.runlog import RunLog, claim_run_dir, summary_table
 from llamarl.runtime import ExecutorError, ExecutorHung, RewardSpec, TorchrunEnv, run, serve_torchrun
+from llamarl.runtime import starting
 from llamarl.train_data import PromptsTooLong, TrainData
 from llamarl.warmstart import cache_key, content_fingerprint, default_cache_dir, save_atomic, train_supervised
 
@@ -336,6 +337,10 @@ def train(cfg: TrainConfig) -> dict:
     tr = TorchrunEnv.detect()
     if tr is not None and tr.rank != 0:  # a torchrun executor rank: serve the controller, then exit
         sys.exit(serve_torchrun(layout, tr))
+    if tr is None and not (torch.cuda.is_available() and all(g.on_accelerator for g in layout.groups)):
+        # CPU executor ranks fork from a server that imports torch and their modules while this process
+        # loads the data and the policy (llamarl.runtime.starting)
+        starting.warm(["llamarl.executors.generator", "llamarl.executors.trainer"])
     t_start = time.perf_counter()
     for warning in config_warnings(cfg):
         log(f"warning: {warning}")

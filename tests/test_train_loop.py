@@ -87,20 +87,14 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _executor_pid(root: int, name: str) -> int | None:
-    """The controller's direct child running executor ``name`` (its own helpers inherit the variable)."""
-    try:
-        children = [int(k) for k in Path(f"/proc/{root}/task/{root}/children").read_text().split()]
-    except OSError:
-        return None
-    for pid in children:
+    """The process of rank 0 of executor group ``name`` under the controller ``root`` (a child, or a
+    grandchild forked by the controller's fork server), found by the name it gives itself ("generator-0")."""
+    for pid in _descendants(root):
         try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if Path(f"/proc/{pid}/comm").read_text().strip() == f"{name}-0":
+                return pid
         except OSError:
             continue
-        # multiprocessing's resource tracker, started during the spawn, inherits the variable too
-        if f"LLAMARL_EXECUTOR={name}".encode() in env and b"spawn_main" in cmd:
-            return pid
     return None
 
 

@@ -11,7 +11,8 @@ The controller's whole view of processes::
 
 Modules: ``rpc`` (messages and errors), ``server`` (the executor process loop), ``executor``
 (``ExecutorGroup``: futures, monitoring, shutdown), ``placement`` (``Layout``), ``launch`` (``Runtime``,
-local spawn and torchrun), ``net`` (ports, addresses), ``testing`` (a toy executor for tests).
+local spawn and torchrun), ``starting`` (how a local rank's process starts: forked from a preloaded
+server or spawned), ``net`` (ports, addresses), ``testing`` (a toy executor for tests).
 Executor classes are constructed as ``Class(**init_kwargs, rank_info=RankInfo)``; their public methods
 are the commands.
 """

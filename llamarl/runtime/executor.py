@@ -57,7 +57,7 @@ from multiprocessing.connection import wait
 from typing import Any, Callable, Iterable, Sequence
 
 from llamarl._procs import sigint_blocked
-from llamarl.runtime import server
+from llamarl.runtime import server, starting
 from llamarl.runtime.futures import first_result, gather_ranks, retrieve, settle
 from llamarl.runtime.links import RankLink, check_spawn_args, child_environment, disconnect, kill_all
 from llamarl.runtime.net import free_port
@@ -122,7 +122,8 @@ class ExecutorGroup:
               role: str = "", global_ranks: Sequence[int] | None = None, dist_timeout_s: float = 600.0,
               start_timeout_s: float = 600.0, on_failure: FailureCallback | None = None,
               wait_ready: bool = True, command_timeout_s: float = 0.0) -> ExecutorGroup:
-        """Start ``world_size`` local processes (``spawn`` context) running ``target`` ("pkg.module:Class").
+        """Start ``world_size`` local processes running ``target`` ("pkg.module:Class"): forked from the
+        preloaded fork server when every rank works on the CPU, spawned otherwise (``starting.py``).
 
         Each rank joins this group's own process group (``backend`` over 127.0.0.1 and a free port) and
         constructs ``Class(**init_kwargs, rank_info=RankInfo)``. ``devices`` (one per rank, default "cpu")
@@ -137,7 +138,8 @@ class ExecutorGroup:
         global_ranks = list(global_ranks) if global_ranks is not None else list(range(world_size))
         if len(global_ranks) != world_size:
             raise ValueError(f"executor group '{name}': got {len(global_ranks)} global ranks for {world_size} ranks")
-        ctx = mp.get_context("spawn")
+        method = starting.start_method(devices)
+        ctx = starting.context(method, target.partition(":")[0])
         port = free_port("127.0.0.1")
         links: list[RankLink] = []
         boots: list[Bootstrap] = []
@@ -145,12 +147,14 @@ class ExecutorGroup:
         try:
             for rank in range(world_size):
                 parent_conn, child_conn = ctx.Pipe(duplex=True)
-                process = ctx.Process(target=server.child_main, args=(child_conn,),
-                                      name=f"llamarl-{name}-{rank}", daemon=False)
-                # The child starts with the environment and with SIGINT blocked (it sets SIGINT to ignored
-                # and unblocks it first thing, server.child_main): a Ctrl-C while it is still importing
-                # modules is discarded there instead of printing a KeyboardInterrupt traceback.
+                # The child starts with the environment (a forked one installs what it is sent) and, when
+                # spawned, with SIGINT blocked (it sets SIGINT to ignored and unblocks it first thing,
+                # server.child_main): a Ctrl-C while it is still importing modules is discarded there
+                # instead of printing a KeyboardInterrupt traceback.
                 with child_environment(child_env), sigint_blocked():
+                    process = ctx.Process(target=server.child_main,
+                                          args=(child_conn, starting.for_child(method)),
+                                          name=f"llamarl-{name}-{rank}", daemon=False)
                     process.start()
                 child_conn.close()  # keep only the child's copy, so its death reads as EOF here
                 links.append(RankLink(parent_conn, process))

@@ -9,7 +9,8 @@ Two ways to get processes, one way to use them::
     result = run(layout, main)                # what train.py does
 
 * Local (default): the controller is this process; ``spawn_role`` starts each group of the layout with
-  ``ExecutorGroup.spawn`` (multiprocessing "spawn", never fork).
+  ``ExecutorGroup.spawn`` (CPU ranks forked from a preloaded fork server, CUDA ranks spawned: never a
+  plain fork of the controller; ``starting.py``).
 * torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set): every process runs the same
   script. ``run`` on global rank 0 becomes the controller: it opens a ``Listener`` (TCP, random authkey)
   and publishes ``host:port:authkey`` under ``llamarl/controller`` in the ``TCPStore`` at

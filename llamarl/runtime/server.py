@@ -3,8 +3,10 @@
 Life of a rank (identical for locally spawned ranks and torchrun ranks; only how ``conn`` was obtained
 differs):
 
-1. receive ``Call(0, "__bootstrap__", (Bootstrap,), {})``; apply its ``env`` (a locally spawned rank
-   already has it: the launcher puts it in the child's environment at exec time);
+0. a locally started rank (forked from the fork server, or spawned: ``starting.py``) installs the
+   environment it was sent, if forked, and names itself "<group>-<rank>" for ``ps`` and ``top``;
+1. receive ``Call(0, "__bootstrap__", (Bootstrap,), {})``; apply its ``env`` (a local rank already has
+   it: in the environment it was sent, or, if spawned, put in its environment at exec time);
 2. create this group's own torch.distributed process group (group-local rank/world size, ``gloo`` on
    CPU, ``nccl`` on CUDA, rendezvous at the bootstrap's master address); ``RANK``/``WORLD_SIZE``/
    ``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` are set to the group-local values so library code that
@@ -22,15 +24,16 @@ prior close the process exits at once with code 1 (its work has no receiver any 
 cannot unpickle (an argument whose class it cannot import) is answered in its turn with a failure that
 says so (``UNREADABLE_ID``, ``rpc.py``), and the rank serves on; a bootstrap it cannot unpickle is
 answered with that error before the rank exits. A locally
-spawned rank also watches its parent process as soon as its own code runs (``exit_when_parent_dies``),
+started rank also watches its parent process as soon as its own code runs (``exit_when_parent_dies``),
 so a controller killed while the rank is still bootstrapping (importing torch, in the process-group
 rendezvous, in the executor's constructor) or inside ``close()`` does not leave it behind either.
 With a command timeout in the bootstrap, a command that runs longer has this rank print the Python
 stacks of all its threads to stderr (``faulthandler``, from a C thread, so a rank stuck in native code or
 holding the GIL still dumps); the controller stops the group a few seconds later (``ExecutorHung``).
-SIGINT is ignored in spawned ranks so that Ctrl-C reaches only the controller, which then shuts
-everything down in order; the launcher starts them with SIGINT blocked, so a Ctrl-C that arrives while
-a rank is still importing modules is discarded rather than raised there as a KeyboardInterrupt.
+SIGINT is ignored in local ranks so that Ctrl-C reaches only the controller, which then shuts
+everything down in order; the launcher spawns them with SIGINT blocked, so a Ctrl-C that arrives while
+a rank is still importing modules is discarded rather than raised there as a KeyboardInterrupt (a forked
+rank imports nothing before it ignores SIGINT).
 This module imports torch lazily (only once the bootstrap arrives), so importing it is cheap.
 """
 
@@ -39,6 +42,7 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import importlib
+import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -48,7 +52,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from llamarl._procs import exit_when_parent_dies, ignore_sigint
+from llamarl._procs import exit_when_parent_dies, ignore_sigint, set_process_name
+from llamarl.runtime import starting
 from llamarl.runtime.rpc import (
     BOOTSTRAP_ID,
     CLOSE,
@@ -64,11 +69,14 @@ from llamarl.runtime.rpc import (
 _EOF = object()
 
 
-def child_main(conn: Connection) -> None:
-    """Entry point of a locally spawned rank (the ``target`` of its ``multiprocessing`` process)."""
-    # The launcher started us with SIGINT blocked (ExecutorGroup.spawn): ignore it before unblocking, so
+def child_main(conn: Connection, forked=None) -> None:
+    """Entry point of a locally started rank (the ``target`` of its ``multiprocessing`` process);
+    ``forked``: what a forked rank takes over from the controller (``starting.ForkedStart``)."""
+    # A spawned rank starts with SIGINT blocked (ExecutorGroup.spawn): ignore it before unblocking, so
     # that a Ctrl-C which arrived while this process was importing is discarded, not raised.
     ignore_sigint()
+    starting.install(forked)
+    set_process_name(mp.current_process().name.removeprefix("llamarl-"))  # "generator-0", "trainer-1"
     exit_when_parent_dies(hard_exit)  # hard_exit flushes stdio first (os._exit 2 s later if that blocks)
     hard_exit(serve(conn))  # skip interpreter teardown: no atexit surprises from libraries in a finished rank
 

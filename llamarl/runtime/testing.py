@@ -43,6 +43,21 @@ class ToyExecutor:
                 "threads": torch.get_num_threads(),
                 "env": {k: os.environ.get(k) for k in ("LLAMARL_TOY_ENV", "RANK", "WORLD_SIZE")}}
 
+    def process(self, keys: list[str] = ()) -> dict:
+        """This rank's process: parent pid, name (/proc/self/comm), torch's thread count and the
+        environment variables ``keys`` (None where unset)."""
+        import torch
+
+        with open("/proc/self/comm") as f:
+            comm = f.read().strip()
+        return {"pid": os.getpid(), "ppid": os.getppid(), "comm": comm, "threads": torch.get_num_threads(),
+                "env": {k: os.environ.get(k) for k in keys}}
+
+    def write(self, text: str) -> None:
+        """Write ``text`` to this process's stdout and stderr descriptors."""
+        os.write(1, f"stdout of rank {self.info.rank}: {text}\n".encode())
+        os.write(2, f"stderr of rank {self.info.rank}: {text}\n".encode())
+
     def fail(self, message: str = "boom") -> None:
         self.calls.append("fail")
         raise ToyError(f"{message} on rank {self.info.rank}")

@@ -1,0 +1,147 @@
+"""How a local executor rank's process starts: forked from a preloaded server (CPU ranks) or spawned.
+
+A spawned rank is a fresh interpreter that spends seconds of CPU before it does anything: importing
+torch alone takes 2.5-3.5 s on a 2-core CPU, and every run starts a generator and a trainer at least
+(the test suite starts hundreds). Ranks that work on the CPU therefore fork from multiprocessing's fork
+server, a process that imported torch and the executor modules once (``PRELOAD`` plus what ``warm``
+adds) and never used a CUDA device: such a rank is running its own code within milliseconds, with those
+modules loaded. The server is per controller process and shared by every group it starts; it exits
+with the controller.
+
+Ranks on a CUDA device are spawned by default. Forking them from the server is allowed by CUDA (the server
+never initialises the driver, which a forked process must not inherit) but not yet measured on a GPU;
+``LLAMARL_START_METHOD=forkserver`` forks every rank, ``=spawn`` spawns every rank (e.g. to rule the
+server out when debugging).
+
+Environment: a spawned rank inherits the controller's environment as it is at the rank's start (with the
+group's ``env`` added, ``links.child_environment``); a forked one would inherit the server's, frozen when
+the server started. So a forked rank is sent the controller's current environment with the group's
+variables, and its current stdout and stderr, and installs them first thing (``ForkedStart``, ``install``). Modules the server preloaded read
+their import-time variables when it started; of those, ``OMP_NUM_THREADS`` (read by OpenMP when torch
+loads) is applied again with ``torch.set_num_threads``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import threading
+from multiprocessing import forkserver, reduction
+from typing import Iterable, Sequence
+
+from llamarl._procs import sigint_blocked
+
+# torch._dynamo: constructing any torch.optim optimizer imports it (2-4 s on a 2-core CPU)
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "llamarl.runtime.server")
+_lock = threading.Lock()
+_extra: list[str] = []
+
+
+def start_method(devices: Sequence[str]) -> str:
+    """"forkserver" for a group whose ranks all work on the CPU (where the platform has it), else "spawn";
+    ``LLAMARL_START_METHOD`` set to either one applies it to every group."""
+    forced = os.environ.get("LLAMARL_START_METHOD", "")
+    if forced not in ("", "spawn", "forkserver"):
+        raise ValueError(f"LLAMARL_START_METHOD={forced!r}: use 'spawn' (every rank a fresh interpreter), "
+                         "'forkserver' (every rank forked from the preloaded server) or leave it unset (CPU ranks "
+                         "forked, CUDA ranks spawned)")
+    if forced == "spawn" or "forkserver" not in mp.get_all_start_methods():
+        return "spawn"
+    if forced == "forkserver":
+        return "forkserver"
+    return "forkserver" if all(str(d).startswith("cpu") for d in devices) else "spawn"
+
+
+def warm(modules: Iterable[str] = ()) -> None:
+    """Have the fork server import ``modules`` too, and start it now in the background, so its imports
+    overlap the controller's own start-up instead of delaying the first rank. Without effect once the
+    server runs (modules it lacks are then imported by each rank), and when ranks are always spawned."""
+    if start_method(["cpu"]) != "forkserver":
+        return
+    with _lock:
+        for m in modules:
+            if m not in _extra:
+                _extra.append(m)
+        _ensure_running()
+
+
+def context(method: str, target_module: str) -> mp.context.BaseContext:
+    """The multiprocessing context for ``method``; for "forkserver" the server is started (preloading
+    ``target_module`` as well) if it is not running yet."""
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        with _lock:
+            if target_module not in _extra:
+                _extra.append(target_module)
+            _ensure_running()
+    return ctx
+
+
+def _ensure_running() -> None:
+    # the preload list is read when the server starts; it is a process-wide setting of multiprocessing
+    forkserver.set_forkserver_preload([*PRELOAD, *_extra])
+    # Started with SIGINT blocked, the server keeps that mask for life and every rank it forks inherits
+    # it: a Ctrl-C while a rank still re-imports the controller's __main__ (multiprocessing's preparation,
+    # before the rank's code runs) stays pending until the rank ignores SIGINT (server.child_main), as
+    # for a spawned rank, instead of raising KeyboardInterrupt there.
+    with sigint_blocked():
+        forkserver.ensure_running()
+
+
+class ForkedStart:
+    """What a forked rank takes over from the controller as the controller is at the rank's start: the
+    environment and the stdout/stderr descriptors. A spawned rank inherits both at exec; a forked one
+    would otherwise have the server's, fixed when the server started (a test's output capture, a log
+    file the controller has since redirected to). Other process attributes (umask, resource limits) are
+    the server's, i.e. the controller's when the server started."""
+
+    def __init__(self) -> None:
+        self.environ = dict(os.environ)
+
+    def __reduce__(self):
+        # pickled while the rank is being started: DupFd hands the descriptors to the new process
+        fds = tuple(reduction.DupFd(fd) if _is_open(fd) else None for fd in (1, 2))
+        return _received, (self.environ, *fds)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def _received(environ: dict[str, str], stdout, stderr) -> tuple[dict[str, str], list[int | None]]:
+    return environ, [None if d is None else d.detach() for d in (stdout, stderr)]
+
+
+def for_child(method: str) -> ForkedStart | None:
+    """The extra argument of a rank started with ``method``: a ``ForkedStart`` for a forked rank (create it
+    inside ``child_environment``, so the group's variables are in it), None for a spawned one."""
+    return ForkedStart() if method == "forkserver" else None
+
+
+def install(received: tuple[dict[str, str], list[int | None]] | None) -> None:
+    """In a forked rank, first thing: take over the controller's stdout/stderr, make ``os.environ`` exactly
+    the controller's, and apply an ``OMP_NUM_THREADS`` that differs from the one torch loaded under.
+    ``received`` is the unpickled ``ForkedStart`` (None, for a spawned rank: nothing to do)."""
+    if received is None:
+        return
+    environ, fds = received
+    for target, fd in zip((1, 2), fds):
+        if fd is not None:
+            os.dup2(fd, target)
+            os.close(fd)
+    loaded_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ.clear()
+    os.environ.update(environ)
+    threads = environ.get("OMP_NUM_THREADS")
+    if threads != loaded_threads and threads and "torch" in sys.modules:
+        try:
+            count = int(threads)
+        except ValueError:
+            return  # OpenMP ignores a malformed value too
+        if count > 0:
+            sys.modules["torch"].set_num_threads(count)
