@@ -90,3 +90,14 @@ def test_a_forked_rank_writes_to_the_output_captured_now(capfd):
         g.call("write", "captured").result(timeout=60)
     out, err = capfd.readouterr()
     assert "stdout of rank 0: captured" in out and "stderr of rank 0: captured" in err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_cuda_rank_starts_either_way(monkeypatch, method):
+    """CUDA ranks are spawned by default; LLAMARL_START_METHOD=forkserver forks them from the server, which
+    must never have initialised the driver (a forked process cannot use an inherited CUDA state)."""
+    monkeypatch.setenv("LLAMARL_START_METHOD", method)
+    with ExecutorGroup.spawn(f"cuda-{method}", TOY, 1, devices=["cuda:0"], start_timeout_s=300) as g:
+        assert g.call_rank(0, "device_sum", 1000).result(timeout=120) == 1000.0
+        assert (g.call_rank(0, "process").result(timeout=60)["ppid"] != os.getpid()) == (method == "forkserver")

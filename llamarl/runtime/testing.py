@@ -53,6 +53,12 @@ class ToyExecutor:
         return {"pid": os.getpid(), "ppid": os.getppid(), "comm": comm, "threads": torch.get_num_threads(),
                 "env": {k: os.environ.get(k) for k in keys}}
 
+    def device_sum(self, n: int) -> float:
+        """Sum of ``n`` ones computed on this rank's device (proves the device works in this process)."""
+        import torch
+
+        return float(torch.ones(n, device=self.info.device).sum().item())
+
     def write(self, text: str) -> None:
         """Write ``text`` to this process's stdout and stderr descriptors."""
         os.write(1, f"stdout of rank {self.info.rank}: {text}\n".encode())
