@@ -59,6 +59,7 @@ from llamarl.parallel.tensor_parallel import check_tp_size
 from llamarl.rewards import RewardPool, RewardPoolError, load_reward
 from llamarl.rewards.registry import info_params
 from llamarl.reporting import make_reporters, parse_report_to
+from llamarl.run_warnings import config_warnings, resume_warnings
 from llamarl.runlog import RunLog, claim_run_dir, summary_table
 from llamarl.runtime import ExecutorError, ExecutorHung, RewardSpec, TorchrunEnv, run, serve_torchrun
 from llamarl.runtime import starting
@@ -302,35 +303,6 @@ def executor_layout(cfg: TrainConfig):
     return dataclasses.replace(cfg.layout(), reward=RewardSpec(0))
 
 
-def config_warnings(cfg: TrainConfig) -> list[str]:
-    """Settings that are valid but likely not what was meant; printed when a run starts."""
-    out = []
-    g = cfg.generator
-    if g.top_p < 1.0 or g.top_k > 0:
-        what = f"generator.top_p={g.top_p}" if g.top_p < 1.0 else f"generator.top_k={g.top_k}"
-        out.append(f"{what} samples from the truncated distribution, but the log-probs (mu) and the trainer's pi "
-                   "are the full softmax's (llamarl.generation.sampling), so the AIPO importance weights do not "
-                   "correct for the truncation; top_p=1 and top_k=0 keep mu exactly the sampler's")
-    if cfg.trainer.lr_warmup_steps >= cfg.run.max_steps:
-        out.append(f"trainer.lr_warmup_steps={cfg.trainer.lr_warmup_steps} >= run.max_steps={cfg.run.max_steps}: "
-                   "the learning rate never reaches trainer.lr")
-    for stop in g.stop:
-        if stop.startswith("[") and stop.endswith("]") and any(c in stop for c in ",'\""):
-            out.append(f"generator.stop {stop!r} is one stop string that looks like a list: a list's items must all "
-                       'be quoted, e.g. --set \'generator.stop=["</answer>", "\\nQuestion:"]\'')
-        if "\\n" in stop or "\\t" in stop:
-            out.append(f"generator.stop {stop!r} holds a backslash followed by n or t as two characters (a --set value "
-                       "is taken literally); for a newline or a tab write a YAML list with double quotes, e.g. "
-                       '--set \'generator.stop=["\\nQuestion:"]\'')
-    d = cfg.data
-    if d.few_shot and not d.chat and not g.stop and not d.dataset.startswith("synthetic:"):
-        out.append(f"data.few_shot={d.few_shot} without generator.stop: a base model tends to write the next example "
-                   "after its answer, and the verifier then reads that example's answer; set a stop string that "
-                   'starts an example, e.g. generator.stop: ["\\nQuestion:"] for the template '
-                   '"Question: {prompt}\\nAnswer: "')
-    return out
-
-
 def train(cfg: TrainConfig) -> dict:
     check_supported(cfg)
     layout = executor_layout(cfg)
@@ -346,6 +318,8 @@ def train(cfg: TrainConfig) -> dict:
         log(f"warning: {warning}")
     out = Path(cfg.run.out) if cfg.run.out else default_out()
     resume = load_latest(cfg.run.resume) if cfg.run.resume else None
+    for warning in resume_warnings(cfg, resume.step) if resume else ():
+        log(f"warning: {warning}")
     position, stream = _data_position(resume.data_cursor if resume else 0)
     tokenizer, data = load_inputs(cfg, cursor=position)
     if stream is not None and stream != data.stream_id:

@@ -158,7 +158,7 @@ def test_the_warm_start_cache_does_not_depend_on_how_a_path_is_spelled(tmp_path,
 
 
 def test_few_shot_raw_prompts_without_a_stop_string_are_warned_about(tmp_path):
-    from llamarl.train import config_warnings
+    from llamarl.run_warnings import config_warnings
 
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n"
                                               for i in range(40)))
@@ -170,7 +170,7 @@ def test_few_shot_raw_prompts_without_a_stop_string_are_warned_about(tmp_path):
 
 
 def test_a_stop_string_with_a_literal_backslash_n_is_warned_about():
-    from llamarl.train import config_warnings
+    from llamarl.run_warnings import config_warnings
 
     literal = config_warnings(load_config(SMOKE + ["--set", "generator.stop=\\nQuestion:"]))
     assert any(w.startswith("generator.stop '\\\\nQuestion:' holds a backslash") for w in literal), literal
@@ -179,7 +179,7 @@ def test_a_stop_string_with_a_literal_backslash_n_is_warned_about():
 
 
 def test_truncated_sampling_is_warned_about_since_mu_is_the_full_softmax():
-    from llamarl.train import config_warnings
+    from llamarl.run_warnings import config_warnings
 
     for flag, name in (("generator.top_p=0.9", "generator.top_p=0.9"), ("generator.top_k=20", "generator.top_k=20")):
         warned = config_warnings(load_config(SMOKE + ["--set", flag]))
@@ -188,7 +188,7 @@ def test_truncated_sampling_is_warned_about_since_mu_is_the_full_softmax():
 
 
 def test_a_stop_string_that_looks_like_a_list_is_warned_about():
-    from llamarl.train import config_warnings
+    from llamarl.run_warnings import config_warnings
 
     warned = config_warnings(load_config(SMOKE + ["--set", 'generator.stop=["</answer>", Question:]']))
     assert any("is one stop string that looks like a list" in w for w in warned), warned

@@ -1,0 +1,72 @@
+"""Settings that are valid but likely not what was meant: printed as warnings when a run starts
+(``llamarl.train``), never refused. ``config_warnings`` looks at the config alone; ``resume_warnings`` at
+a resume against the run's saved config.yaml."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import yaml
+
+from llamarl.config import TrainConfig, resume_run_dir
+from llamarl.executors.trainer import lr_at
+
+
+def config_warnings(cfg: TrainConfig) -> list[str]:
+    """Settings that are valid but likely not what was meant; printed when a run starts."""
+    out = []
+    g = cfg.generator
+    if g.top_p < 1.0 or g.top_k > 0:
+        what = f"generator.top_p={g.top_p}" if g.top_p < 1.0 else f"generator.top_k={g.top_k}"
+        out.append(f"{what} samples from the truncated distribution, but the log-probs (mu) and the trainer's pi "
+                   "are the full softmax's (llamarl.generation.sampling), so the AIPO importance weights do not "
+                   "correct for the truncation; top_p=1 and top_k=0 keep mu exactly the sampler's")
+    if cfg.trainer.lr_warmup_steps >= cfg.run.max_steps:
+        out.append(f"trainer.lr_warmup_steps={cfg.trainer.lr_warmup_steps} >= run.max_steps={cfg.run.max_steps}: "
+                   "the learning rate never reaches trainer.lr")
+    for stop in g.stop:
+        if stop.startswith("[") and stop.endswith("]") and any(c in stop for c in ",'\""):
+            out.append(f"generator.stop {stop!r} is one stop string that looks like a list: a list's items must all "
+                       'be quoted, e.g. --set \'generator.stop=["</answer>", "\\nQuestion:"]\'')
+        if "\\n" in stop or "\\t" in stop:
+            out.append(f"generator.stop {stop!r} holds a backslash followed by n or t as two characters (a --set value "
+                       "is taken literally); for a newline or a tab write a YAML list with double quotes, e.g. "
+                       '--set \'generator.stop=["\\nQuestion:"]\'')
+    d = cfg.data
+    if d.few_shot and not d.chat and not g.stop and not d.dataset.startswith("synthetic:"):
+        out.append(f"data.few_shot={d.few_shot} without generator.stop: a base model tends to write the next example "
+                   "after its answer, and the verifier then reads that example's answer; set a stop string that "
+                   'starts an example, e.g. generator.stop: ["\\nQuestion:"] for the template '
+                   '"Question: {prompt}\\nAnswer: "')
+    return out
+
+
+_LR_FIELDS = ("lr", "lr_schedule", "lr_warmup_steps", "min_lr_ratio")
+
+
+def resume_warnings(cfg: TrainConfig, step: int) -> list[str]:
+    """A resume at ``step`` (steps done) whose settings move the learning-rate schedule: the rate jumps at
+    the first resumed step instead of continuing the run's curve (``lr_at``). Compared with the run's saved
+    config.yaml; nothing to say without one (a checkpoint copied out of its run)."""
+    saved = resume_run_dir(cfg.run.resume) / "config.yaml"
+    try:
+        doc = yaml.safe_load(saved.read_text())
+    except (OSError, yaml.YAMLError):
+        return []
+    if not isinstance(doc, dict):
+        return []
+    new = dataclasses.asdict(cfg.trainer)
+    old = {**new, **{k: v for k, v in (doc.get("trainer") or {}).items() if k in _LR_FIELDS}}
+    old_total = (doc.get("run") or {}).get("max_steps", cfg.run.max_steps)
+    try:
+        before, after = lr_at(step, old, old_total), lr_at(step, new, cfg.run.max_steps)
+    except (TypeError, KeyError, ValueError):
+        return []  # a hand-edited file: its values are checked when it is loaded as a config, not here
+    if math.isclose(before, after, rel_tol=1e-9, abs_tol=0.0):
+        return []
+    changed = [f"run.max_steps {old_total} -> {cfg.run.max_steps}"] if old_total != cfg.run.max_steps else []
+    changed += [f"trainer.{k} {old[k]} -> {new[k]}" for k in _LR_FIELDS if old[k] != new[k]]
+    return [f"the learning rate of step {step + 1} moves from {before:.4g} (the schedule the run was on) to {after:.4g} "
+            f"on this resume ({', '.join(changed)}): the {new['lr_schedule']} schedule restarts from there; keep the "
+            "run's values to continue its curve unchanged"]

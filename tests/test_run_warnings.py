@@ -1,0 +1,59 @@
+"""A resume that moves the learning-rate schedule is warned about (llamarl.run_warnings.resume_warnings):
+the rate of the first resumed step, on the run's saved settings and on the resume's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from llamarl.config_cli import load_config
+from llamarl.executors.trainer import lr_at
+from llamarl.run_warnings import resume_warnings
+
+# a run of 10 steps on a linear schedule with 2 warm-up steps
+RUN = ["--preset", "smoke", "--max-steps", "10", "--set", "trainer.lr_schedule=linear",
+       "--set", "trainer.lr_warmup_steps=2"]
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """The run's directory, with the config.yaml it records."""
+    cfg = load_config(RUN + ["--out", str(tmp_path / "run")])
+    cfg.save(cfg.run.out)
+    return tmp_path / "run"
+
+
+def resumed(run_dir, *args: str):
+    """The config of a resume of the run with ``args`` changed (the checkpoint itself is not needed)."""
+    cfg = load_config(RUN + ["--out", str(run_dir), *args])
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=str(run_dir)))
+
+
+def test_a_longer_resume_is_warned_with_the_jump_it_makes(run_dir):
+    cfg = resumed(run_dir, "--max-steps", "20")
+    warning, = resume_warnings(cfg, 6)
+    trainer = dataclasses.asdict(cfg.trainer)
+    before, after = lr_at(6, trainer, 10), lr_at(6, trainer, 20)
+    assert after > before  # the decay is stretched: the rate goes back up
+    assert warning.startswith(f"the learning rate of step 7 moves from {before:.4g} (the schedule the run was on) "
+                              f"to {after:.4g} on this resume (run.max_steps 10 -> 20)")
+
+
+def test_a_changed_schedule_setting_is_named(run_dir):
+    warning, = resume_warnings(resumed(run_dir, "--set", "trainer.min_lr_ratio=0.5"), 6)
+    assert "(trainer.min_lr_ratio 0.0 -> 0.5)" in warning
+
+
+@pytest.mark.parametrize("args, step", [
+    ([], 6),                                            # the same settings
+    (["--max-steps", "20"], 1),                         # still warming up: the warm-up ignores the horizon
+])
+def test_a_resume_that_keeps_the_rate_says_nothing(run_dir, args, step):
+    assert resume_warnings(resumed(run_dir, *args), step) == []
+
+
+def test_a_checkpoint_outside_its_run_says_nothing(run_dir):
+    cfg = resumed(run_dir, "--max-steps", "20")
+    (run_dir / "config.yaml").unlink()
+    assert resume_warnings(cfg, 6) == []
