@@ -6,7 +6,8 @@ torch alone takes 2.5-3.5 s on a 2-core CPU, and every run starts a generator an
 server, a process that imported torch and the executor modules once (``PRELOAD`` plus what ``warm``
 adds) and never used a CUDA device: such a rank is running its own code within milliseconds, with those
 modules loaded. The server is per controller process and shared by every group it starts; it exits
-with the controller.
+with the controller. A forked rank's OS parent is the server: it exits when the controller does (the
+parent watch of ``llamarl._procs``) and also when the server does.
 
 Ranks on a CUDA device are spawned by default. Forking them from the server is allowed by CUDA (the server
 never initialises the driver, which a forked process must not inherit) but not yet measured on a GPU;
