@@ -11,7 +11,7 @@ trainer process and reward worker processes, weights moving trainer → generato
 Scale-out: ``--set trainer.ranks=R_t`` shards the trainer over R_t processes (FSDP2),
 ``--set generator.tp=R_g`` makes each generator replica tensor parallel over R_g processes (R_g must divide
 the model's attention and key/value heads), ``--set generator.replicas=D`` runs D replicas. Locally every
-executor is a spawned process; under torchrun every process is one executor rank of the same layout and
+executor is a process of its own (llamarl.runtime.starting); under torchrun every process is one executor rank of the same layout and
 rank 0 also runs the controller (with its executor rank in a child process), so the job takes
 R_t + R_g*D processes, or 1 + R_t + R_g*D to give the controller a rank of its own (reward workers are
 processes of the controller and take no rank)::
@@ -31,409 +31,37 @@ or the reward workers failed (e.g. could not start), or the reward function fail
 ``reward.max_failed_steps`` steps in a row (the message names what failed and carries its error; the last
 checkpoint stays intact), 130 after Ctrl-C and 143 after SIGTERM (executors shut down, the last checkpoint
 intact).
+
+This module stays light (no torch) until the run starts: ``main`` parses the command line, starts the
+fork server of the CPU executor ranks so that it imports torch alongside this process, then runs
+llamarl.training. Its API (``train``, ``prepare_policy``, ``load_inputs``, ``check_supported``, ...) is
+importable from here too and loads llamarl.training on first use.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import sys
-import tempfile
-import time
-from pathlib import Path
 
-import torch
-
-from llamarl._fs import write_text_atomic
-from llamarl.checkpoint import latest_checkpoint_dir, load_latest
-from llamarl.config import REWARD_NAMES, ConfigError, TrainConfig
+from llamarl.config import ConfigError, TrainConfig
 from llamarl.config_cli import load_config
-from llamarl.controller import Controller, Executors
-from llamarl.eval import eos_ids, evaluate
-from llamarl.generation.engine import cache_slots
-from llamarl.models import CharTokenizer, Llama, LlamaConfig, LLAMA_CONFIGS, load_tokenizer
-from llamarl.models.hf_io import check_checkpoint
-from llamarl.parallel.tensor_parallel import check_tp_size
-from llamarl.rewards import RewardPool, RewardPoolError, load_reward
-from llamarl.rewards.registry import info_params
-from llamarl.reporting import make_reporters, parse_report_to
-from llamarl.run_warnings import config_warnings, resume_warnings
-from llamarl.runlog import RunLog, claim_run_dir, summary_table
-from llamarl.runtime import ExecutorError, ExecutorHung, RewardSpec, TorchrunEnv, run, serve_torchrun
-from llamarl.runtime import starting
-from llamarl.train_data import PromptsTooLong, TrainData
-from llamarl.warmstart import cache_key, content_fingerprint, default_cache_dir, save_atomic, train_supervised
+from llamarl.executors import MODULES as EXECUTOR_MODULES
+from llamarl.rewards import RewardPoolError
+from llamarl.runtime import ExecutorError, ExecutorHung, TorchrunEnv, starting
+
+# llamarl.training's names, loaded on first use (PEP 562)
+_API = ("train", "prepare_policy", "load_inputs", "check_supported", "executor_layout", "default_out",
+        "make_tokenizer", "model_config_dict", "log")
 
 
-def log(msg: str) -> None:
-    print(f"[llamarl] {msg}", file=sys.stderr, flush=True)
+def __getattr__(name: str):
+    if name in _API:
+        from llamarl import training
 
-
-def prepare_policy(cfg: TrainConfig, tokenizer, data: TrainData) -> tuple[Path, dict]:
-    """The HF directory the trainer starts from: a given checkpoint, or the (cached) warm start, trained
-    on streams forked from the run's ``data`` (never its held-out split)."""
-    if cfg.policy.model not in LLAMA_CONFIGS:
-        return Path(cfg.policy.model), {"cached": None, "seconds": 0.0}
-    ws = cfg.warm_start
-    model_cfg = LLAMA_CONFIGS[cfg.policy.model]
-    # everything the warm-started weights depend on (the probe uses the reward and the generation length),
-    # input files by their absolute paths (as a resumed run's config.yaml holds them) and their contents
-    a = cfg.with_absolute_paths()
-    files = [a.data.dataset, a.reward.reward.rpartition(":")[0], a.policy.tokenizer]
-    key = cache_key("warmstart-v2", model_cfg.to_hf_dict(), dataclasses.replace(ws, cache_dir=None), a.data,
-                    cfg.run.seed, a.reward.reward, cfg.generator.max_new_tokens,
-                    *([cfg.generator.stop] if cfg.generator.stop else []),  # (the probe's completions end there)
-                    *([a.policy.tokenizer] if a.policy.tokenizer else []),
-                    *[content_fingerprint(f) for f in files if f and os.path.exists(f)])
-    path = (Path(ws.cache_dir) if ws.cache_dir else default_cache_dir()) / f"{cfg.policy.model}-{key}"
-    if (path / "warmstart.json").is_file():
-        info = json.loads((path / "warmstart.json").read_text())
-        log(f"warm start: cached at {path} (trained {info['steps']} steps, loss {info['loss']:.3f})")
-        return path, {**info, "cached": True, "seconds": 0.0}
-    torch.manual_seed(cfg.run.seed)
-    model = Llama(model_cfg)
-    stream = data.fork(cfg.run.seed + 1)  # its own streams: the RL stream's position stays untouched
-    log(f"warm start: {ws.steps} supervised steps on {cfg.data.dataset} ({model.num_parameters() / 1e6:.2f}M params)")
-    probe_samples = data.fork(cfg.run.seed + 2).next(128)
-    with contextlib.ExitStack() as stack:
-        if cfg.reward.reward in REWARD_NAMES:  # built-in verifiers: scored in this process
-            reward_fn = load_reward(cfg.reward.reward)
-        else:  # a user's function: in worker processes, with the run's per-sample timeout
-            reward_fn = stack.enter_context(RewardPool(cfg.reward.reward, num_workers=max(1, cfg.reward.workers),
-                                                       timeout_s=cfg.reward.timeout_s))
-
-        def probe() -> float:  # greedy accuracy on training problems (never the held-out split)
-            return evaluate(model, tokenizer, probe_samples, reward_fn, max_new_tokens=cfg.generator.max_new_tokens,
-                            batch_size=len(probe_samples), fmt=stream.formatter.fmt,
-                            shots=stream.formatter.shots, stop=cfg.generator.stop).accuracy
-
-        info = train_supervised(model, stream.next, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size,
-                                encode_prompt=stream.formatter.encode, encode_answer=tokenizer.encode,
-                                eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, log=log, probe=probe,
-                                target_accuracy=ws.target_accuracy)
-    save_atomic(model, tokenizer, path, info)
-    return path, {**info, "cached": False}
-
-
-def _dump_tasks_on_sigusr1() -> None:
-    """``kill -USR1 <pid>`` prints every asyncio task's stack: what the controller is waiting for."""
-    import asyncio
-    import signal
-
-    def dump() -> None:
-        for task in asyncio.all_tasks():
-            task.print_stack(file=sys.stderr)
-
-    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)
-
-
-def make_tokenizer(cfg: TrainConfig):
-    if cfg.policy.tokenizer:
-        return load_tokenizer(cfg.policy.tokenizer)
-    if cfg.policy.model in LLAMA_CONFIGS:
-        return CharTokenizer()
-    return load_tokenizer(cfg.policy.model)
-
-
-def model_config_dict(cfg: TrainConfig) -> dict:
-    """The policy's Hugging Face config: the built-in one, or the model directory's config.json."""
-    if cfg.policy.model in LLAMA_CONFIGS:
-        return LLAMA_CONFIGS[cfg.policy.model].to_hf_dict()
-    path = Path(cfg.policy.model) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"policy.model: cannot read {path}: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"policy.model: {path} must hold a JSON object, got {type(raw).__name__}")
-    missing = [k for k in ("vocab_size", "num_attention_heads") if k not in raw]
-    if missing:
-        raise ConfigError(f"policy.model: {path} is not a Llama config (missing {missing})")
-    return raw
-
-
-def load_inputs(cfg: TrainConfig, cursor: int = 0):
-    """(tokenizer, TrainData), checked against the policy before anything is written or started:
-    unreadable files (the model's weights too: names, shapes, dtypes, file sizes), a tokenizer larger than
-    the model's vocabulary, a generation length that fills the context, synthetic prompts longer than the
-    context leaves (``data.few_shot``, a long ``data.template``) and dataset errors raise ConfigError. Prompts
-    longer than the context minus ``generator.max_new_tokens`` are dropped from a file dataset (and counted)."""
-    model = model_config_dict(cfg)
-    if cfg.policy.model not in LLAMA_CONFIGS:  # a directory: its weights must load (headers and sizes only)
-        try:
-            check_checkpoint(cfg.policy.model)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"policy.model: {e}") from None
-    try:
-        tokenizer = make_tokenizer(cfg)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"policy.tokenizer: {e}") from None
-    if tokenizer.vocab_size > int(model["vocab_size"]):
-        raise ConfigError(f"policy.tokenizer: it has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-                          f"{model['vocab_size']}; use the model's own tokenizer")
-    if cfg.data.chat and not getattr(tokenizer, "chat_template", None):
-        raise ConfigError("data.chat: the tokenizer has no chat template (chat_template in tokenizer_config.json or "
-                          "a chat_template.jinja file); add one or set data.chat=false")
-    if cfg.data.chat:
-        try:
-            tokenizer.apply_chat_template([{"role": "user", "content": "1+1="}], add_generation_prompt=True)
-        except Exception as e:  # a template error of any kind: jinja2's, or raise_exception's
-            raise ConfigError(f"policy.tokenizer: its chat template fails on a plain user message: {e}") from None
-    if cfg.policy.model not in LLAMA_CONFIGS:  # where generation stops: config.json and generation_config.json
-        try:
-            stops = eos_ids(tokenizer, LlamaConfig.from_hf_dict(model), cfg.policy.model)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"policy.model: {e}") from None
-        outside = [i for i in stops if not 0 <= i < int(model["vocab_size"])]
-        if outside:
-            raise ConfigError(f"policy.model: end-of-text token id(s) {outside} (config.json, generation_config.json "
-                              f"or the tokenizer's eos) lie outside the vocabulary [0, {model['vocab_size']})")
-    context = int(model.get("max_position_embeddings") or 2048)
-    max_prompt = context - cfg.generator.max_new_tokens
-    if max_prompt < 1:
-        raise ConfigError(f"generator.max_new_tokens: {cfg.generator.max_new_tokens} leaves no room for a prompt in "
-                          f"the model's context of {context} tokens")
-    try:
-        data = TrainData(cfg.data, tokenizer, seed=cfg.run.seed, cursor=cursor, max_prompt_tokens=max_prompt)
-    except PromptsTooLong as e:
-        raise ConfigError(f"{e.field}: {e}, but the model context of {context} tokens minus generator.max_new_tokens="
-                          f"{cfg.generator.max_new_tokens} leaves {max_prompt}; change {e.field} or lower "
-                          "generator.max_new_tokens") from None
-    except (OSError, ValueError, ImportError) as e:
-        raise ConfigError(f"data.dataset: {e}") from None
-    for path, spec in cfg.reward.user_functions():  # the keyword arguments it asks for must exist for every sample
-        missing = sorted(info_params(load_reward(spec)).required - data.info_fields)
-        if missing:
-            raise ConfigError(f"{path}: {spec} needs the keyword argument(s) {missing}, which not every sample "
-                              f"has (all have: {sorted(data.info_fields)}); give them defaults or add those fields "
-                              "to every record of the dataset")
-    if data.dropped:
-        log(f"data: dropped {data.dropped} prompts longer than {max_prompt} tokens (the context {context} minus "
-            f"generator.max_new_tokens)")
-    if cfg.reward.reward == "gsm8k":  # a reference that is not one number rewards no completion
-        from llamarl.rewards.gsm8k import extract_reference_number
-
-        bad = [s for s in data.samples if extract_reference_number(s.answer) is None]
-        if bad:
-            log(f"warning: data: {len(bad)} of {len(data.samples)} answers are not one number (e.g. "
-                f"{bad[0].answer!r:.60}), so the gsm8k verifier scores every completion of them 0; use a reward "
-                "that reads them (math, exact, module:function) or fix the answers")
-    return tokenizer, data
-
-
-def _data_position(cursor) -> tuple[int, str | None]:
-    """A checkpoint's data cursor as (position, stream id): ``{"position", "stream"}`` (what runs write), or a
-    bare position (checkpoints written before stream ids; nothing to compare)."""
-    if isinstance(cursor, dict):
-        return int(cursor["position"]), cursor.get("stream")
-    return int(cursor or 0), None
-
-
-def _check_resumed_model(model: dict, policy_dir: Path) -> None:
-    """ConfigError unless ``policy.model`` (whose tokenizer and stop tokens a resumed run uses) has the
-    shapes of the checkpoint's policy, whose weights it trains."""
-    ours = LlamaConfig.from_hf_dict(model)  # parsed: fields a config.json leaves out take their defaults
-    saved = LlamaConfig.from_hf_dict(json.loads((policy_dir / "config.json").read_text()))
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim")
-    differ = {k: (getattr(ours, k), getattr(saved, k)) for k in keys if getattr(ours, k) != getattr(saved, k)}
-    if differ:
-        raise ConfigError(f"policy.model: not the model the resumed run trained (its checkpoint {policy_dir} differs "
-                          f"in {', '.join(f'{k} {a} vs {b}' for k, (a, b) in differ.items())}); pass that run's model")
-
-
-def _check_writable(directory: Path, field: str) -> None:
-    """ConfigError unless ``directory`` can be created and written (found now, not after the warm start)."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".llamarl-write-test-"):
-            pass
-    except OSError as e:
-        raise ConfigError(f"{field}: cannot write {directory}: {e.strerror or e}; point it (or $LLAMARL_CACHE_DIR) "
-                          "at a writable directory") from None
-
-
-def check_supported(cfg: TrainConfig) -> None:
-    """Settings the config accepts but this training loop does not run: refuse them up front."""
-    missing = {
-        "generator.quantization": (cfg.generator.quantization != "none" and cfg.generator.tp > 1,
-                                   "quantized generators run with generator.tp=1 (the tensor-parallel linears "
-                                   "are not quantized); use more generator.replicas, or quantization=none"),
-        "trainer.dtype": (cfg.trainer.dtype != cfg.policy.dtype,
-                          f"{cfg.trainer.dtype} differs from policy.dtype={cfg.policy.dtype}, the generator's; the "
-                          f"weight sync copies the trainer's weights byte for byte, so set both to the same dtype"),
-        "trainer.loss": (cfg.trainer.loss == "fused" and cfg.device == "cpu"
-                         and os.environ.get("TRITON_INTERPRET") != "1",
-                         "fused runs the Triton kernel, which needs a CUDA device (or TRITON_INTERPRET=1 on the "
-                         "CPU, slowly); use trainer.loss=auto (fused where it runs) or reference"),
-    }
-    for field, (bad, why) in missing.items():
-        if bad:
-            raise ConfigError(f"{field}: {why}")
-    policy = _policy_config(cfg) if cfg.generator.tp > 1 else None
-    if policy is not None:
-        try:
-            check_tp_size(policy, cfg.generator.tp)
-        except ValueError as exc:
-            raise ConfigError(f"generator.tp: {exc} ({cfg.policy.model})") from None
-    tr = TorchrunEnv.detect()
-    need = executor_layout(cfg).world_size - 1  # executor ranks; rank 0 also hosts the controller
-    if tr is not None and tr.world_size not in (need, need + 1):
-        raise ConfigError(f"trainer.ranks/generator.tp/generator.replicas: under torchrun the job needs "
-                          f"{cfg.trainer.ranks} trainer + {cfg.generator.tp}x{cfg.generator.replicas} generator "
-                          f"= {need} processes (rank 0 also runs the controller; or {need + 1} with a process of "
-                          f"its own for it), but torchrun started WORLD_SIZE={tr.world_size}; use "
-                          f"--nproc-per-node {need} (one node) or change the layout")
-
-
-def _policy_config(cfg: TrainConfig) -> LlamaConfig | None:
-    """The policy's LlamaConfig, or None if it cannot be read here (check_environment reports why)."""
-    if cfg.policy.model not in LLAMA_CONFIGS and not (Path(cfg.policy.model) / "config.json").is_file():
-        return None
-    try:
-        return LlamaConfig.from_hf_dict(model_config_dict(cfg))
-    except (ConfigError, ValueError):
-        return None
-
-
-def executor_layout(cfg: TrainConfig):
-    """The process layout of a run: the config's, with reward scoring in the controller's worker pool."""
-    return dataclasses.replace(cfg.layout(), reward=RewardSpec(0))
-
-
-def train(cfg: TrainConfig) -> dict:
-    check_supported(cfg)
-    layout = executor_layout(cfg)
-    tr = TorchrunEnv.detect()
-    if tr is not None and tr.rank != 0:  # a torchrun executor rank: serve the controller, then exit
-        sys.exit(serve_torchrun(layout, tr))
-    if tr is None and not (torch.cuda.is_available() and all(g.on_accelerator for g in layout.groups)):
-        # CPU executor ranks fork from a server that imports torch and their modules while this process
-        # loads the data and the policy (llamarl.runtime.starting)
-        starting.warm(["llamarl.executors.generator", "llamarl.executors.trainer"])
-    t_start = time.perf_counter()
-    for warning in config_warnings(cfg):
-        log(f"warning: {warning}")
-    out = Path(cfg.run.out) if cfg.run.out else default_out()
-    resume = load_latest(cfg.run.resume) if cfg.run.resume else None
-    for warning in resume_warnings(cfg, resume.step) if resume else ():
-        log(f"warning: {warning}")
-    position, stream = _data_position(resume.data_cursor if resume else 0)
-    tokenizer, data = load_inputs(cfg, cursor=position)
-    if stream is not None and stream != data.stream_id:
-        raise ConfigError(f"data.dataset: the data stream of {cfg.data.dataset} is not the one the checkpoint's "
-                          "position counts into (the file was edited, or a setting changed which prompts are held out, "
-                          "kept or how they read, e.g. generator.max_new_tokens dropping other prompts as too long); "
-                          "resume with the run's own data and settings, or start a new run from the checkpoint's "
-                          "weights (--model <checkpoint>/policy)")
-    if resume and resume.policy_dir is not None and cfg.policy.model not in LLAMA_CONFIGS:
-        _check_resumed_model(model_config_dict(cfg), Path(resume.policy_dir))
-    if cfg.policy.model in LLAMA_CONFIGS:
-        _check_writable(Path(cfg.warm_start.cache_dir) if cfg.warm_start.cache_dir else default_cache_dir(),
-                        "warm_start.cache_dir")
-    # the run directory is this run's from here until it ends (a second run on it is refused); a resumed
-    # run's logs and checkpoints are cut back to the resumed step right away, before anything can fail
-    lock = claim_run_dir(out, cfg.with_absolute_paths().to_yaml(), resume_step=resume.step if resume else None,
-                         warn=lambda message: log(f"warning: {message}"))
-    try:
-        return _train_in(out, cfg, resume, tokenizer, data, t_start)
-    finally:
-        lock.release()
-
-
-def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t_start: float) -> dict:
-    """The run itself, in the run directory ``out`` that ``train`` holds."""
-    layout = executor_layout(cfg)
-    if resume:
-        policy_dir, warm = resume.policy_dir, {"cached": None, "seconds": 0.0}
-        log(f"resuming from {resume.path} (step {resume.step}, policy version {resume.policy_version})")
-        # the KL reference stays the policy the run started from (the model, or its cached warm start)
-        reference_dir = prepare_policy(cfg, tokenizer, data)[0] if cfg.trainer.kl_coef > 0 else None
-    else:
-        policy_dir, warm = prepare_policy(cfg, tokenizer, data)
-        reference_dir = policy_dir
-    model_config = json.loads((Path(policy_dir) / "config.json").read_text())
-    policy_config = LlamaConfig.from_hf_dict(model_config)
-    start_step = resume.step if resume else 0
-    start_version = resume.policy_version if resume else 0
-    g = cfg.generator
-    threads = max(1, (os.cpu_count() or 2) // (layout.world_size - 1))  # CPU threads per executor process
-    # KV-cache slots for any batch of the run's prompts (1 to longest_prompt tokens) with its full generation,
-    # so the cache never cuts a completion short; a multiple of 64 (attention kernels like aligned lengths)
-    kv_slots = -(-cache_slots([1, data.longest_prompt], g.max_new_tokens, policy_config) // 64) * 64
-
-    async def main(rt) -> dict:
-        _dump_tasks_on_sigusr1()
-        gens = rt.spawn_role("generator", "llamarl.executors.generator:GeneratorExecutor", init_kwargs=dict(
-            model_config=model_config, dtype=cfg.policy.dtype, trainer_ranks=cfg.trainer.ranks,
-            replicas=g.replicas, max_batch_size=max(g.prompts_per_step * g.samples_per_prompt, cfg.data.eval_size),
-            max_seq_len=kv_slots, pad_id=tokenizer.pad_id, threads=threads, quantization=g.quantization,
-            eos_token_ids=eos_ids(tokenizer, policy_config, policy_dir), tokenizer=tokenizer),
-            env={"LLAMARL_EXECUTOR": "generator"}, wait=False)
-        # the trainer starts alongside (each process spends seconds importing torch and loading the model)
-        # and attaches to the generators' buckets once they are up
-        trainer, = rt.spawn_role("trainer", "llamarl.executors.trainer:TrainerExecutor", init_kwargs=dict(
-            model_path=str(policy_dir), trainer=dataclasses.asdict(cfg.trainer), temperature=g.temperature,
-            generator_replicas=g.replicas, generator_tp=g.tp, generator_quantization=g.quantization,
-            resume=str(resume.path) if resume else None, seed=cfg.run.seed, total_steps=cfg.run.max_steps,
-            threads=threads, tokenizer_path=cfg.policy.tokenizer,
-            reference_path=str(reference_dir) if reference_dir else None, max_new_tokens=g.max_new_tokens),
-            env={"LLAMARL_EXECUTOR": "trainer"}, wait=False)
-        rt.wait_ready([*gens, trainer])
-        handles = [h for grp in gens for h in await grp.acall("handle")]  # every TP rank of every replica
-        await trainer.acall("connect", handles)
-        await trainer.acall("push_weights", start_version)
-        runlog = RunLog(out, cfg.run.max_steps, initial_step=start_step, reporters=reporters)
-
-        async def checkpoint(step: int, version: int, cursor: int) -> None:
-            position = {"position": cursor, "stream": data.stream_id}
-            await trainer.acall("save_checkpoint", str(out), step, version, position, cfg.run.keep_checkpoints)
-
-        with RewardPool(cfg.reward.specs, num_workers=max(1, cfg.reward.workers), timeout_s=cfg.reward.timeout_s,
-                        weights=cfg.reward.weights) as pool:
-            ctrl = Controller(cfg, data, Executors(gens, trainer, pool), runlog, tokenizer=tokenizer,
-                              start_step=start_step, start_version=start_version, on_checkpoint=checkpoint)
-            try:
-                await ctrl.evaluate(start_step)  # resumed: the accuracy at the checkpoint (the summary takes step 0's)
-                t_rl = time.perf_counter()
-                await ctrl.run()
-                rl_s = time.perf_counter() - t_rl
-                after = await ctrl.evaluate(ctrl.step)
-                await checkpoint(ctrl.step, ctrl.version, data.cursor)
-            finally:
-                runlog.close()
-            reward_stats = pool.stats
-        rows = runlog.rows  # a resumed run's include the steps before the checkpoint: the summary covers them
-        plot = runlog.plot(out / "plot.png")
-        return {
-            "mode": cfg.run.mode, "max_staleness": cfg.run.max_staleness, "steps": len(rows),
-            "accuracy_before": runlog.evals[0]["accuracy"], "accuracy_after": after["accuracy"],
-            "resumed_from_step": start_step if resume else None,
-            "eval_size": len(data.heldout), "rl_s": rl_s, "warm_start_s": warm.get("seconds", 0.0),
-            "warm_start_cached": warm.get("cached"),
-            "step_s_mean": sum(r["step_s"] for r in rows) / max(1, len(rows)),
-            "sync_s_mean": sum(r["sync_s"] for r in rows) / max(1, len(rows)),
-            "max_staleness_seen": max((r["staleness"] for r in rows), default=0),
-            "tokens_per_s": sum(r["tokens"] for r in rows) / max(1e-9, sum(r["generate_s"] for r in rows)),
-            "reward_errors": reward_stats.errors, "reward_timeouts": reward_stats.timeouts,
-            "reward_worker_deaths": reward_stats.worker_deaths,
-            "skipped_updates": sum(not r["applied"] for r in rows), "policy_version": ctrl.version,
-            "plot": str(plot) if plot else None, "out": str(out),
-        }
-
-    reporters = make_reporters(parse_report_to(cfg.run.report_to), out, cfg.to_dict(), initial_step=start_step)
-    try:
-        summary = run(layout, main, command_timeout_s=cfg.run.command_timeout_s)
-        summary["wall_s"] = time.perf_counter() - t_start
-        write_text_atomic(out / "summary.json", json.dumps(summary, indent=2))
-        for r in reporters:
-            r.summary(summary)
-    finally:
-        for r in reporters:
-            r.close()
-    return summary
+        return getattr(training, name)
+    raise AttributeError(f"module 'llamarl.train' has no attribute {name!r}")
 
 
 def _config_error(e: ConfigError) -> int:
@@ -473,14 +101,21 @@ def _sigterm_as_ctrl_c():
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)
-        check_supported(cfg)
     except ConfigError as e:
         return _config_error(e)
     tr = TorchrunEnv.detect()
+    if tr is None and not _may_use_a_gpu(cfg):
+        starting.warm(EXECUTOR_MODULES)  # before this process spends seconds importing torch: in parallel
+    from llamarl import training
+
+    try:
+        training.check_supported(cfg)
+    except ConfigError as e:
+        return _config_error(e)
     if tr is not None and tr.rank != 0:  # a torchrun executor rank: torchrun's SIGTERM simply ends it
         return _run_main(cfg)
     if cfg.run.out is None:  # resolved here, so that an interrupted run can say where it stands
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out=str(default_out())))
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out=str(training.default_out())))
     with _sigterm_as_ctrl_c() as terminated:
         try:
             return _run_main(cfg)
@@ -490,18 +125,29 @@ def main(argv: list[str] | None = None) -> int:
             return status
 
 
-def default_out() -> Path:
-    """The run directory when ``--out`` is not given: ``runs/<timestamp>``."""
-    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+def _may_use_a_gpu(cfg: TrainConfig) -> bool:
+    """Whether the executors may land on a GPU, judged without importing torch (only for starting the fork
+    server early; llamarl.training decides with torch, and a wrong guess costs time, never correctness):
+    ``run.device`` cpu or cuda, else whether an NVIDIA or AMD GPU driver is visible to this process."""
+    if cfg.run.device != "auto":
+        return cfg.run.device != "cpu"
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd")
 
 
 def _where_it_stands(out: str) -> str:
+    from llamarl.checkpoint import latest_checkpoint_dir
+
     if latest_checkpoint_dir(out) is not None:
         return f"the last checkpoint is intact (continue with --resume {out} --max-steps N)"
     return f"it wrote no checkpoint yet, so there is nothing to resume; start again (delete {out} or use a new --out)"
 
 
 def _run_main(cfg: TrainConfig) -> int:
+    from llamarl.runlog import summary_table
+    from llamarl.training import train
+
     try:
         summary = train(cfg)
     except ConfigError as e:  # train() raises it only before it writes or starts anything

@@ -7,7 +7,7 @@ default first fits the policy to reference answers for a short while: minimise
 
 over completions a = answer ‖ EOS of training problems (m masks the prompt and the padding). The result is
 written as a Hugging Face directory (weights + tokenizer) under a cache key, built by
-``llamarl.train.prepare_policy``, over everything that determines it: the model config, the warm-start
+``llamarl.training.prepare_policy``, over everything that determines it: the model config, the warm-start
 settings, the data settings, the seed, the reward, the generation length, the tokenizer and the contents
 of the input files. ``prepare_policy`` loads a matching entry instead of training and reports
 ``cached=True``. Writes are atomic (temp dir + rename), so an interrupted warm start never leaves a

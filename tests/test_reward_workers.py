@@ -340,7 +340,7 @@ POOL_OWNER = textwrap.dedent(
     import sys
     import time
 
-    import torch  # like llamarl.train, the module a run's workers are spawned from  # noqa: F401
+    import torch  # a heavy __main__, as a user's training script is  # noqa: F401
 
     if __name__ == "__main__":
         from llamarl.rewards import RewardPool

@@ -134,7 +134,7 @@ def test_completions_cut_by_the_token_budget_are_warned_about_once(tmp_path, cap
 
 def test_a_config_json_leaving_out_defaults_matches_its_own_checkpoint(tmp_path):
     from llamarl.config import ConfigError
-    from llamarl.train import _check_resumed_model
+    from llamarl.training import _check_resumed_model
 
     config = LLAMA_CONFIGS["tiny"].replace(num_key_value_heads=LLAMA_CONFIGS["tiny"].num_attention_heads)
     Llama(config).save_pretrained(tmp_path / "policy")  # the checkpoint's config.json: every field written

@@ -4,3 +4,6 @@
     trainer:   TrainerExecutor   — AIPO updates with AdamW; pushes new weights into the generator buckets
 Rewards are scored by llamarl.rewards.RewardPool worker processes owned by the controller.
 """
+
+# the modules of the executor classes (what the fork server of CPU ranks preloads: llamarl.runtime.starting)
+MODULES = ("llamarl.executors.generator", "llamarl.executors.trainer")
