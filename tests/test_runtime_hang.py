@@ -136,7 +136,9 @@ def test_a_hung_remote_rank_is_disconnected_and_frees_a_send_blocked_on_it():
     """A torchrun rank (no local process to kill) that stopped reading while a large command is being sent
     to it: the hang stops the group, wakes the blocked sender and gives the rank its end of file."""
     listener = Listener(("127.0.0.1", 0), family="AF_INET", authkey=b"k" * 16)
-    peer = subprocess.Popen([sys.executable, "-c", _SILENT_PEER, str(listener.address[1]), "30"],
+    # the peer stops reading for 12 s; the group takes it for hung and disconnects it after the 1 s limit
+    # and HANG_GRACE_S (3 s), well before it reads again
+    peer = subprocess.Popen([sys.executable, "-c", _SILENT_PEER, str(listener.address[1]), "12"],
                             stdout=subprocess.PIPE, text=True)
     group = ExecutorGroup("remote", [RankLink(listener.accept())], command_timeout_s=1.0)
     try:
