@@ -17,9 +17,9 @@ server out when debugging).
 Environment: a spawned rank inherits the controller's environment as it is at the rank's start (with the
 group's ``env`` added, ``links.child_environment``); a forked one would inherit the server's, frozen when
 the server started. So a forked rank is sent the controller's current environment with the group's
-variables, and its current stdout and stderr, and installs them first thing (``ForkedStart``, ``install``). Modules the server preloaded read
-their import-time variables when it started; of those, ``OMP_NUM_THREADS`` (read by OpenMP when torch
-loads) is applied again with ``torch.set_num_threads``.
+variables, and its current stdout and stderr, and installs them first thing (``ForkedStart``,
+``install``). Modules the server preloaded read their import-time variables when it started; of those,
+``OMP_NUM_THREADS`` (read by OpenMP when torch loads) is applied again with ``torch.set_num_threads``.
 """
 
 from __future__ import annotations
