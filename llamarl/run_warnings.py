@@ -67,6 +67,6 @@ def resume_warnings(cfg: TrainConfig, step: int) -> list[str]:
         return []
     changed = [f"run.max_steps {old_total} -> {cfg.run.max_steps}"] if old_total != cfg.run.max_steps else []
     changed += [f"trainer.{k} {old[k]} -> {new[k]}" for k in _LR_FIELDS if old[k] != new[k]]
-    return [f"the learning rate of step {step + 1} moves from {before:.4g} (the schedule the run was on) to {after:.4g} "
-            f"on this resume ({', '.join(changed)}): the {new['lr_schedule']} schedule restarts from there; keep the "
-            "run's values to continue its curve unchanged"]
+    return [f"the learning rate of step {step + 1} moves from {before:.4g} (the schedule the run was on) to "
+            f"{after:.4g} on this resume ({', '.join(changed)}): the {new['lr_schedule']} schedule restarts from "
+            "there; keep the run's values to continue its curve unchanged"]

@@ -11,10 +11,10 @@ trainer process and reward worker processes, weights moving trainer → generato
 Scale-out: ``--set trainer.ranks=R_t`` shards the trainer over R_t processes (FSDP2),
 ``--set generator.tp=R_g`` makes each generator replica tensor parallel over R_g processes (R_g must divide
 the model's attention and key/value heads), ``--set generator.replicas=D`` runs D replicas. Locally every
-executor is a process of its own (llamarl.runtime.starting); under torchrun every process is one executor rank of the same layout and
-rank 0 also runs the controller (with its executor rank in a child process), so the job takes
-R_t + R_g*D processes, or 1 + R_t + R_g*D to give the controller a rank of its own (reward workers are
-processes of the controller and take no rank)::
+executor rank is a process of its own (llamarl.runtime.starting); under torchrun every process is one
+executor rank of the same layout and rank 0 also runs the controller (with its executor rank in a child
+process), so the job takes R_t + R_g*D processes, or 1 + R_t + R_g*D to give the controller a rank of
+its own (reward workers are processes of the controller and take no rank)::
 
     # 2 trainer ranks + 2 generator (TP) ranks; the controller shares rank 0
     torchrun --standalone --nproc-per-node 4 -m llamarl.train --set trainer.ranks=2 --set generator.tp=2
