@@ -55,7 +55,7 @@ def _run_controller(tmp_path: Path, **env: str) -> tuple[dict, str]:
 
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_ranks_start_with_the_controllers_environment_and_output_as_they_are_then(tmp_path, method):
-    result, output = _run_controller(tmp_path, **({"LLAMARL_START_METHOD": "spawn"} if method == "spawn" else {}))
+    result, output = _run_controller(tmp_path, LLAMARL_START_METHOD=method)
     ranks = result["ranks"]
     forked = [r["ppid"] != result["controller"] for r in ranks]
     assert forked == [method == "forkserver"] * 2  # a forked rank's parent is the fork server
@@ -82,9 +82,10 @@ def test_cpu_ranks_fork_and_cuda_ranks_spawn_unless_told_otherwise(monkeypatch):
         start_method(["cpu"])
 
 
-def test_a_forked_rank_writes_to_the_output_captured_now(capfd):
+def test_a_forked_rank_writes_to_the_output_captured_now(capfd, monkeypatch):
     """In this process the fork server may have started during an earlier test, under that test's output
     capture: a rank forked now still writes where this test captures."""
+    monkeypatch.delenv("LLAMARL_START_METHOD", raising=False)
     with ExecutorGroup.spawn("captured", TOY, 1, start_timeout_s=120) as g:
         assert g.call_rank(0, "process").result(timeout=60)["ppid"] != os.getpid()
         g.call("write", "captured").result(timeout=60)
