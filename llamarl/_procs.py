@@ -62,9 +62,9 @@ def exit_when_parent_dies(on_exit: Callable[[int], None] | None = None, poll_s: 
     The parent's end is noticed at once through ``multiprocessing.parent_process().sentinel`` (a pipe the
     parent holds open until it exits) and, as a fallback (no sentinel, or a copy of the parent's end held
     by someone else), within ``poll_s`` by ``os.getppid()`` changing: the OS parent is the parent itself
-    for a spawned child, or the fork server it started (which exits with it) for a forked one. ``on_exit(1)`` (e.g. a flush-then-
-    ``os._exit``) runs in its own thread, with ``os._exit(1)`` 2 s later should it block; without it the
-    process ends at once.
+    for a spawned child, or the fork server it started (which exits with it) for a forked one.
+    ``on_exit(1)`` (e.g. a flush-then-``os._exit``) runs in its own thread, with ``os._exit(1)`` 2 s later
+    should it block; without it the process ends at once.
     """
     parent = mp.parent_process()
     sentinel = getattr(parent, "sentinel", None) if parent is not None else None

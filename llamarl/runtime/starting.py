@@ -58,36 +58,30 @@ def warm(modules: Iterable[str] = ()) -> None:
     """Have the fork server import ``modules`` too, and start it now in the background, so its imports
     overlap the controller's own start-up instead of delaying the first rank. Without effect once the
     server runs (modules it lacks are then imported by each rank), and when ranks are always spawned."""
-    if start_method(["cpu"]) != "forkserver":
-        return
-    with _lock:
-        for m in modules:
-            if m not in _extra:
-                _extra.append(m)
-        _ensure_running()
+    if start_method(["cpu"]) == "forkserver":
+        _ensure_running(modules)
 
 
 def context(method: str, target_module: str) -> mp.context.BaseContext:
     """The multiprocessing context for ``method``; for "forkserver" the server is started (preloading
     ``target_module`` as well) if it is not running yet."""
-    ctx = mp.get_context(method)
     if method == "forkserver":
-        with _lock:
-            if target_module not in _extra:
-                _extra.append(target_module)
-            _ensure_running()
-    return ctx
+        _ensure_running([target_module])
+    return mp.get_context(method)
 
 
-def _ensure_running() -> None:
-    # the preload list is read when the server starts; it is a process-wide setting of multiprocessing
-    forkserver.set_forkserver_preload([*PRELOAD, *_extra])
-    # Started with SIGINT blocked, the server keeps that mask for life and every rank it forks inherits
-    # it: a Ctrl-C while a rank still re-imports the controller's __main__ (multiprocessing's preparation,
-    # before the rank's code runs) stays pending until the rank ignores SIGINT (server.child_main), as
-    # for a spawned rank, instead of raising KeyboardInterrupt there.
-    with sigint_blocked():
-        forkserver.ensure_running()
+def _ensure_running(modules: Iterable[str]) -> None:
+    """Add ``modules`` to the server's preload list, then start the server if it is not running."""
+    with _lock:
+        _extra.extend(m for m in modules if m not in _extra and m not in PRELOAD)
+        # the preload list is read when the server starts; it is a process-wide setting of multiprocessing
+        forkserver.set_forkserver_preload([*PRELOAD, *_extra])
+        # Started with SIGINT blocked, the server keeps that mask for life and every rank it forks
+        # inherits it: a Ctrl-C while a rank still re-imports the controller's __main__ (multiprocessing's
+        # preparation, before the rank's code runs) stays pending until the rank ignores SIGINT
+        # (server.child_main), as for a spawned rank, instead of raising KeyboardInterrupt there.
+        with sigint_blocked():
+            forkserver.ensure_running()
 
 
 class ForkedStart:
