@@ -37,7 +37,7 @@ CONTROLLER = textwrap.dedent("""
         os.dup2(log, 2)
         with ExecutorGroup.spawn("start", "llamarl.runtime.testing:ToyExecutor", 2, start_timeout_s=120,
                                  env={"LLAMARL_TOY_ENV": "group", "OMP_NUM_THREADS": "1"}) as g:
-            ranks = g.call("process", json.loads(sys.argv[1])).result(timeout=60)
+            ranks = g.call("info_dict", json.loads(sys.argv[1])).result(timeout=60)
             g.call("write", "hello").result(timeout=60)
         os.write(result, (json.dumps({"controller": os.getpid(), "ranks": ranks}) + "\\n").encode())
 """)
@@ -87,7 +87,7 @@ def test_a_forked_rank_writes_to_the_output_captured_now(capfd, monkeypatch):
     capture: a rank forked now still writes where this test captures."""
     monkeypatch.delenv("LLAMARL_START_METHOD", raising=False)
     with ExecutorGroup.spawn("captured", TOY, 1, start_timeout_s=120) as g:
-        assert g.call_rank(0, "process").result(timeout=60)["ppid"] != os.getpid()
+        assert g.call_rank(0, "info_dict").result(timeout=60)["ppid"] != os.getpid()
         g.call("write", "captured").result(timeout=60)
     out, err = capfd.readouterr()
     assert "stdout of rank 0: captured" in out and "stderr of rank 0: captured" in err
@@ -101,4 +101,4 @@ def test_a_cuda_rank_starts_either_way(monkeypatch, method):
     monkeypatch.setenv("LLAMARL_START_METHOD", method)
     with ExecutorGroup.spawn(f"cuda-{method}", TOY, 1, devices=["cuda:0"], start_timeout_s=300) as g:
         assert g.call_rank(0, "device_sum", 1000).result(timeout=120) == 1000.0
-        assert (g.call_rank(0, "process").result(timeout=60)["ppid"] != os.getpid()) == (method == "forkserver")
+        assert (g.call_rank(0, "info_dict").result(timeout=60)["ppid"] != os.getpid()) == (method == "forkserver")

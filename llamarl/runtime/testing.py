@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from llamarl.runtime.rpc import RankInfo
 
@@ -32,26 +32,22 @@ class ToyExecutor:
         self.calls.append("echo")
         return {"tag": self.tag, "rank": self.info.rank, "args": args, "kwargs": kwargs}
 
-    def info_dict(self) -> dict:
+    def info_dict(self, keys: Sequence[str] = ("LLAMARL_TOY_ENV", "RANK", "WORLD_SIZE")) -> dict:
+        """This rank: its RankInfo, process group, process (pid, parent pid, name in /proc/self/comm, Linux),
+        torch's thread count and the environment variables ``keys`` (None where unset)."""
         import torch
         import torch.distributed as dist
 
+        comm = None  # Linux only
+        if os.path.exists("/proc/self/comm"):
+            with open("/proc/self/comm") as f:
+                comm = f.read().strip()
         return {"group": self.info.group, "role": self.info.role, "rank": self.info.rank,
                 "world_size": self.info.world_size, "global_rank": self.info.global_rank,
                 "device": self.info.device, "backend": self.info.backend, "pid": os.getpid(),
+                "ppid": os.getppid(), "comm": comm,
                 "dist_rank": dist.get_rank(), "dist_world_size": dist.get_world_size(),
-                "threads": torch.get_num_threads(),
-                "env": {k: os.environ.get(k) for k in ("LLAMARL_TOY_ENV", "RANK", "WORLD_SIZE")}}
-
-    def process(self, keys: list[str] = ()) -> dict:
-        """This rank's process: parent pid, name (/proc/self/comm), torch's thread count and the
-        environment variables ``keys`` (None where unset)."""
-        import torch
-
-        with open("/proc/self/comm") as f:
-            comm = f.read().strip()
-        return {"pid": os.getpid(), "ppid": os.getppid(), "comm": comm, "threads": torch.get_num_threads(),
-                "env": {k: os.environ.get(k) for k in keys}}
+                "threads": torch.get_num_threads(), "env": {k: os.environ.get(k) for k in keys}}
 
     def device_sum(self, n: int) -> float:
         """Sum of ``n`` ones computed on this rank's device (proves the device works in this process)."""
