@@ -149,6 +149,12 @@ class TrainerConfig(_Section):
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     micro_batch_size: int = 16  # sequences per forward/backward on one rank
+    # > 0: a micro-batch holds as many sequences as fit in this many padded token positions (at least one;
+    # veRL's use_dynamic_bsz / ppo_max_token_len_per_gpu), and micro_batch_size is not used; 0: off
+    micro_batch_tokens: int = 0
+    # order a rank's sequences by length (prompt groups by their longest) before cutting micro-batches, so
+    # each holds similar lengths; every micro-batch runs only up to its longest sequence (llamarl.micro_batches)
+    length_grouping: bool = True
     # optimizer updates per RL step: the step's prompt groups are cut into mini_batches equal parts (whole
     # groups), and epochs passes are made over them, one AdamW update per part (veRL's ppo_mini_batch_size /
     # ppo_epochs, TRL's num_iterations); the generators receive the weights once, after the last update
@@ -190,6 +196,7 @@ class TrainerConfig(_Section):
             fail("trainer.min_lr_ratio", "must be in [0, 1] (the final learning rate as a fraction of lr)",
                  self.min_lr_ratio)
         self._positive("micro_batch_size")
+        self._positive("micro_batch_tokens", strict=False)
         self._positive("mini_batches")
         self._positive("epochs")
         for name in ("weight_decay", "grad_clip", "kl_coef", "entropy_coef"):

@@ -25,7 +25,7 @@ the batch once, and the completions against it, so the trainer runs a prompt onc
     mask, behavior, advantages   as above, over the C completion positions
 
 Both layouts have ``targets`` [rows, positions], ``mask``, ``behavior_logprobs`` and ``advantages``;
-``slice_rows`` cuts either into micro-batches (a shared-prompt slice keeps only its rows' prompts).
+llamarl.micro_batches cuts either into micro-batches.
 
 Zero-advantage rows (``drop_zero_advantage=True``): a sample with A = 0 adds exactly nothing to the
 policy-gradient term  −Σ_t m_t·w_t·A·log π_t / Σ_t m_t  (every factor of its gradient is multiplied by
@@ -238,23 +238,3 @@ def _completion_rows(rollouts: Sequence[Rollout], width: int, first: list[int]) 
             mask[i, f : f + c] = 1.0
             behavior[i, f : f + c] = torch.tensor(r.logprobs, dtype=torch.float32)
     return mask, behavior
-
-
-PROMPT_KEYS = ("prompt_ids", "prompt_start")
-TOTAL_KEYS = ("total_tokens", "total_sequences", "total_rows")  # whole-batch counts, not rows
-
-
-def slice_rows(batch: dict[str, torch.Tensor], lo: int, hi: int) -> dict[str, torch.Tensor]:
-    """Rows [lo, hi) of a collated batch (either layout; the ``TOTAL_KEYS`` counts are dropped).
-
-    A shared-prompt slice keeps only the prompts its rows use (renumbered in order) and drops prompt
-    columns that are padding in all of them."""
-    part = {k: v[lo:hi] for k, v in batch.items() if k not in PROMPT_KEYS and k not in TOTAL_KEYS}
-    if "prompt_ids" not in batch:
-        return part
-    used, part["group"] = torch.unique(part["group"], return_inverse=True)
-    start = batch["prompt_start"][used]
-    first = int(start.min()) if len(used) else 0
-    part["prompt_ids"] = batch["prompt_ids"][used, first:]
-    part["prompt_start"] = start - first
-    return part

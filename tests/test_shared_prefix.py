@@ -15,8 +15,9 @@ import torch
 from dist_harness import assert_same_step, random_model, single_process_train_step
 from llamarl.config import TrainerConfig
 from llamarl.models import Llama, LlamaConfig
+from llamarl.micro_batches import take_rows
 from llamarl.models.shared_prefix import shared_prefix_hidden_states
-from llamarl.rollouts import Rollout, collate, slice_rows
+from llamarl.rollouts import Rollout, collate
 
 CFG = LlamaConfig(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=6,
                   num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
@@ -94,15 +95,15 @@ def test_collate_lays_out_each_prompt_once_left_padded():
     assert float(kept["total_tokens"]) == 10
 
 
-def test_slice_rows_keeps_only_the_prompts_of_its_rows():
+def test_take_rows_keeps_only_the_prompts_of_its_rows():
     rollouts = _rollouts([2, 5, 3], [1, 2, 3, 4, 5, 6], n=2)
     batch = collate(rollouts, torch.zeros(6), PAD, share_prompts=True)
-    part = slice_rows(batch, 1, 3)  # the second sample of prompt 0 and the first of prompt 1
+    part = take_rows(batch, [1, 2], trim=False)  # the second sample of prompt 0 and the first of prompt 1
     assert part["group"].tolist() == [0, 1]
     assert part["prompt_ids"].tolist() == [[PAD, PAD, PAD] + rollouts[0].prompt_ids, rollouts[2].prompt_ids]
     assert part["prompt_start"].tolist() == [3, 0]
     assert torch.equal(part["targets"], batch["targets"][1:3]) and "total_tokens" not in part
-    last = slice_rows(batch, 4, 6)  # prompt 2 alone: its padding columns go
+    last = take_rows(batch, [4, 5], trim=False)  # prompt 2 alone: its padding columns go
     assert last["prompt_ids"].tolist() == [rollouts[4].prompt_ids] and last["prompt_start"].tolist() == [0]
 
 

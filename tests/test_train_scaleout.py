@@ -103,6 +103,17 @@ def test_a_batch_without_trained_tokens_is_no_update_on_any_layout(tmp_path):
             assert all(s["version"] == 0 for s in per_rank)  # nothing new pushed
 
 
+def test_budget_cases_plan_unequal_micro_batches():
+    """The token-budget cases below really give the two ranks different micro-batch counts."""
+    from llamarl.micro_batches import plan
+
+    def counts(batch, budget):
+        return [len(plan(batch, range(lo, lo + ROWS // 2), rows_per=3, token_budget=budget)) for lo in (0, ROWS // 2)]
+
+    assert counts(_batch(False), 20) == [3, 2]
+    assert counts(_batch(True), 16) == [4, 3]
+
+
 def _bucket_bytes_match(handles, plan, weights: dict[str, torch.Tensor], version: int) -> list[str]:
     """Names of tensors whose bytes in the slot holding ``version`` differ from their TP slice (per rank)."""
     bad = []
@@ -130,15 +141,21 @@ def _bucket_bytes_match(handles, plan, weights: dict[str, torch.Tensor], version
                          [(2, 2, TRAINER, False, ()), (2, 2, CHECKPOINTED, True, ()), (1, 3, TRAINER, False, ()),
                           (2, 1, FUSED, True, ()), (2, 2, DDP, True, ()), (2, 1, TRAINER, False, (3,)),
                           (2, 1, dict(TRAINER, mini_batches=2, epochs=2), True, ()),
-                          (2, 1, dict(TRAINER, norm="constant"), False, (3,))],
+                          (2, 1, dict(TRAINER, norm="constant"), False, (3,)),
+                          (2, 1, dict(TRAINER, micro_batch_tokens=20), False, ()),
+                          (2, 1, dict(TRAINER, micro_batch_tokens=16, mini_batches=2, epochs=2), True, ())],
                          ids=["2+2", "2+2-shared-prompts-checkpointed", "1+3", "2+1-fused-shared-prompts",
                               "2+2-ddp-shared-prompts", "2+1-a-micro-batch-without-tokens-on-one-rank",
-                              "2+1-two-mini-batches-two-epochs", "2+1-constant-norm"])
+                              "2+1-two-mini-batches-two-epochs", "2+1-constant-norm",
+                              "2+1-token-budget-3-and-2-micro-batches",
+                              "2+1-token-budget-shared-prompts-two-mini-batches-4-and-3-micro-batches"])
 def test_sharded_trainer_and_tp_generator_match_one_process(tmp_path, t_ranks, g_ranks, trainer_cfg, shared, empty):
     """The shared-prompt cases check that layout's forward (llamarl.models.shared_prefix) under FSDP, which
     runs every layer twice per micro-batch (prompts, then completions); tests/test_shared_prefix.py checks
     the layout itself against the flat one. With row 3 empty, rank 0's second micro-batch has no tokens
-    while rank 1's has: the ranks must still run the same collectives (the KL reference's forward too)."""
+    while rank 1's has: the ranks must still run the same collectives (the KL reference's forward too).
+    Under a token budget the ranks plan different numbers of micro-batches (test_budget_cases_plan_unequal_
+    micro_batches): the one with fewer adds idle ones, in the update and in the logπ_old forward."""
     model_dir = tmp_path / "model"
     random_model(CFG).save_pretrained(model_dir)
     batch = _batch(shared, empty)
@@ -155,7 +172,7 @@ def test_sharded_trainer_and_tp_generator_match_one_process(tmp_path, t_ranks, g
             model_path=str(model_dir), trainer=trainer_cfg, temperature=1.0, generator_handles=handles,
             generator_tp=g_ranks, threads=1, max_new_tokens=8))
         trainer.call("push_weights", 0).result()
-        per_rank_stats = trainer.call("train_step", batch).result()
+        per_rank_stats = trainer.call("train_step", batch).result(timeout=120)  # unequal collectives hang
         trainer.call("push_weights", 1).result()
         paths = trainer.call("save_checkpoint", str(tmp_path / "run"), 1, 1, 0).result()
         greedy = gen.call("generate", prompts, SamplingParams(max_new_tokens=6, temperature=0.0)).result()
@@ -169,7 +186,10 @@ def test_sharded_trainer_and_tp_generator_match_one_process(tmp_path, t_ranks, g
         weights = {n: p.detach() for n, p in trained.named_parameters()}
         assert set(weights) == set(ref_weights)
         diff = max(float((weights[n] - ref_weights[n]).abs().max()) for n in weights)
-        assert diff <= FP32_ATOL, f"sharded trainer differs from one process by {diff:.3g}"
+        # four updates (two mini-batches, two epochs) compound the rounding: one process alone moves by up to
+        # 6.4e-6 when only its micro-batches are cut differently (measured)
+        atol = FP32_ATOL * (1 if isinstance(batch, dict) else 2)
+        assert diff <= atol, f"sharded trainer differs from one process by {diff:.3g}"
         moved = max(float((weights[n] - p.detach()).abs().max()) for n, p in random_model(CFG).named_parameters())
         assert moved > 100 * FP32_ATOL  # the step really changed the weights
         stats = per_rank_stats[0]

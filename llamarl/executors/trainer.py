@@ -12,13 +12,15 @@ forward over the step's mini-batches records logπ_old (the policy the step star
 mini-batch of a one-epoch step needs none, its π is π_old); every update then weights a token by
 min(π_old/μ, ρ) and clips π/π_old to [1 − clip_ratio, 1 + clip_ratio_high].
 
-Each update runs in micro-batches of ``micro_batch_size`` sequences whose gradients add up to exactly the full-batch
-gradient (each micro-batch loss is weighted by its share of the batch's loss denominator: its tokens
-for ``norm="token"``, its non-empty sequences for ``norm="sequence"``, its sequences for
-``norm="constant"``, Dr. GRPO's Σ m ℓ / (sequences × ``max_new_tokens``)), then clips the global
-gradient norm and steps AdamW at the step's learning rate (``lr_at``: warm-up, then constant, cosine or
-linear decay over ``total_steps`` RL steps, at the step the controller names, so a resumed run continues
-the schedule). log π uses the generator's convention: log_softmax(logits / T) in fp32.
+Each update runs in micro-batches (``micro_batch_size`` sequences, or as many as fit in ``micro_batch_tokens``
+padded positions; ordered by length and cut to their longest sequence, llamarl.micro_batches) whose
+gradients add up to exactly the full-batch gradient (each micro-batch loss is weighted by its share of
+the batch's loss denominator: its tokens for ``norm="token"``, its non-empty sequences for
+``norm="sequence"``, its sequences for ``norm="constant"``, Dr. GRPO's Σ m ℓ / (sequences ×
+``max_new_tokens``)), then clips the global gradient norm and steps AdamW at the step's learning rate
+(``lr_at``: warm-up, then constant, cosine or linear decay over ``total_steps`` RL steps, at the step the
+controller names, so a resumed run continues the schedule). log π uses the generator's convention:
+log_softmax(logits / T) in fp32.
 The loss runs as the fused Triton kernel (``trainer.loss="fused"``, the default on CUDA) or as the eager
 reference (``"reference"``, the default on CPU, where Triton only runs interpreted). A non-finite loss or
 gradient skips the update (``applied=False``), leaving weights and optimizer state untouched.
@@ -34,14 +36,15 @@ in the policy dtype, no mixed-precision policy: the numerics are those of one pr
 shards. Protocol of one command (the controller calls every rank with the same arguments):
 
     train_step    every rank gets the same collated batch of B sequences (B % R_t == 0, checked by the
-                  config) and trains on its B/R_t contiguous rows, in micro-batches of micro_batch_size,
-                  each loss weighted by its share of the *global* denominator (tokens, or non-empty
+                  config) and trains on its B/R_t contiguous rows, in micro-batches as above, each
+                  loss weighted by its share of the *global* denominator (tokens, or non-empty
                   sequences for norm="sequence"). Gradients are summed over ranks (FSDP "sum" reduction,
                   one reduce-scatter after the last micro-batch), so the sharded gradient is, up to fp
                   rounding, the single-process gradient of the whole batch Σ_r Σ_m (units_rm / units) ∇L_rm,
                   exactly the gradient of the batch's AIPO loss under either normalisation.
                   Every rank runs the same number of forward/backward passes (FSDP's all-gathers are
-                  collectives); a micro-batch without tokens still runs, with weight 0. The gradient norm
+                  collectives); a micro-batch without tokens still runs, with weight 0, and under a token
+                  budget a rank that planned fewer micro-batches adds idle ones. The gradient norm
                   is global (``clip_grad_norm_``: identical on every rank); per-rank loss and metrics are
                   all-gathered and combined, so the skip decision (non-finite loss or norm) and every
                   returned number are the same on all ranks.
@@ -77,7 +80,7 @@ from llamarl.models.shared_prefix import shared_prefix_hidden_states
 from llamarl import parallel  # FSDP/DDP helpers, imported on first use (a single rank never needs them)
 from llamarl.parallel.grads import clip_grad_norm_
 from llamarl.executors.generator import generator_layout
-from llamarl.rollouts import TOTAL_KEYS, slice_rows
+from llamarl.micro_batches import TOTAL_KEYS, extents, idle_part, plan, take_rows
 from llamarl.runtime import RankInfo
 from llamarl.weight_sync import TrainerLayout, WeightSender, llama_param_specs, plan_sync
 
@@ -232,13 +235,31 @@ class TrainerExecutor:
         the same forwards on every rank (they gather shards)."""
         batch, _, _ = self._on_device(batch)
         out = torch.zeros(batch["targets"].shape, dtype=torch.float32, device=self.device)
-        lo, hi = self._my_rows(out.shape[0])
-        for start in range(lo, hi, self.cfg["micro_batch_size"]):
-            stop = min(start + self.cfg["micro_batch_size"], hi)
-            out[start:stop] = self._logprobs(self.model, slice_rows(batch, start, stop))
+        for rows, part in self._micro_batches(batch):
+            logprobs = self._logprobs(self.model, part)
+            if rows is not None:
+                out[rows, :logprobs.shape[1]] = logprobs
         if self.sharded:
             self.model.reshard()  # the root stays unsharded after a forward without backward
         return out
+
+    def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[tuple[list[int] | None, dict[str, torch.Tensor]]]:
+        """This rank's micro-batches of ``batch`` as (rows, part) pairs (llamarl.micro_batches: rows ordered
+        by length when ``trainer.length_grouping``, ``micro_batch_size`` rows or ``micro_batch_tokens``
+        padded positions each, every part cut to the columns it needs). FSDP ranks run the same number of
+        forwards (each gathers the shards): under a token budget a rank that planned fewer adds idle parts
+        (rows None: one untrained column)."""
+        lo, hi = self._my_rows(batch["targets"].shape[0])
+        ext = extents(batch)
+        groups = plan(batch, range(lo, hi), rows_per=self.cfg["micro_batch_size"], ext=ext,
+                      token_budget=self.cfg["micro_batch_tokens"], by_length=self.cfg["length_grouping"])
+        parts: list[tuple[list[int] | None, dict[str, torch.Tensor]]] = [(g, take_rows(batch, g, ext=ext))
+                                                                          for g in groups]
+        if self.sharded and self.cfg["micro_batch_tokens"]:
+            count = torch.tensor([len(parts)], device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            parts += [(None, idle_part(batch, lo))] * (int(count) - len(parts))
+        return parts
 
     def _logprobs(self, model: Llama, part: dict[str, torch.Tensor]) -> torch.Tensor:
         """No-grad logπ [rows, T] of ``part["targets"]`` under ``model`` (fp32; with the fused loss, from
@@ -258,12 +279,9 @@ class TrainerExecutor:
     def _train_step(self, batch: dict[str, torch.Tensor]) -> dict:
         t0 = time.perf_counter()
         batch, total, kept_tokens = self._on_device(batch)
-        rows = batch["targets"].shape[0]
-        mb = self.cfg["micro_batch_size"]
         self.opt.zero_grad(set_to_none=True)
         loss_sum, metrics = 0.0, []
-        for lo in range(0, rows, mb):
-            part = slice_rows(batch, lo, lo + mb)
+        for _, part in self._micro_batches(batch):
             share = self._units(part) / total
             if not bool(part["mask"].any()):  # no trained token (norm="constant" still counts its rows)
                 continue
@@ -313,10 +331,7 @@ class TrainerExecutor:
         """``train_step`` on R_t ranks: this rank's rows of the batch; see the module docstring."""
         t0 = time.perf_counter()
         batch, total, kept_tokens = self._on_device(batch)
-        lo, hi = self._my_rows(batch["targets"].shape[0])
-        mine = slice_rows(batch, lo, hi)
-        mb = self.cfg["micro_batch_size"]
-        parts = [slice_rows(mine, start, start + mb) for start in range(0, hi - lo, mb)]
+        parts = [part for _, part in self._micro_batches(batch)]
         metrics: list[tuple[float, dict]] = []
 
         def weighted_loss(part: dict[str, torch.Tensor]) -> torch.Tensor | None:
