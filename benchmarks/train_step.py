@@ -13,10 +13,12 @@ same trainer settings, one process, measured alternately):
 
 Each row reports the padded positions the step's forwards run (``llamarl.micro_batches.positions``,
 deterministic), the median step time (forward, backward, AdamW) and the speed-up over ``padded``, the
-resident memory a step adds, and the largest difference of the updated weights from ``padded``'s after one step from the same weights (the
-variants are exact up to float summation order).
+memory a step adds, and the largest difference of the updated weights from ``padded``'s after one step
+from the same weights (the variants are exact up to float summation order).
 
     python -m benchmarks.train_step [--model small] [--prompts 4] [--samples 8] [--max-new-tokens 128]
+    python -m benchmarks.train_step --device cuda --dtype bfloat16 --model llama-3.2-1b \
+        --prompts 8 --samples 16 --max-new-tokens 1024 --median-new-tokens 200 --micro-batch-size 16
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--micro-batch-size", type=positive_int, default=8)
     p.add_argument("--flat", dest="share_prompts", action="store_false",
                    help="one flat row per sample instead of the shared-prompt layout (trainer.share_prompts)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU; the trainer's loss is then the fused "
+                                                   "kernel, trainer.loss=auto)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--iters", type=positive_int, default=3)
     p.add_argument("--threads", type=positive_int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -87,7 +92,12 @@ def main(argv: list[str] | None = None) -> None:
 
     config = LLAMA_CONFIGS[args.model]
     batch = make_batch(args, config.vocab_size)
-    base = dataclasses.asdict(TrainerConfig(lr=1e-4, micro_batch_size=args.micro_batch_size, loss="reference"))
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        torch.cuda.set_device(device)
+    base = dataclasses.asdict(TrainerConfig(lr=1e-4, micro_batch_size=args.micro_batch_size, dtype=args.dtype,
+                                            loss="auto"))
     grouped = dict(base, length_grouping=True)
     ext = micro_batches.extents(batch)
     parts = micro_batches.plan(batch, range(len(ext)), rows_per=args.micro_batch_size, ext=ext)
@@ -97,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
                 "grouped": (grouped, True),
                 f"budget {budget}": (dict(grouped, micro_batch_tokens=budget), True)}
 
-    report = Report("train_step", f"Trainer step: micro-batches by length ({args.model}, cpu)")
+    report = Report("train_step", f"Trainer step: micro-batches by length ({args.model}, {device.type})")
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(args.seed)
         Llama(config).save_pretrained(Path(tmp) / "model")
@@ -106,8 +116,10 @@ def main(argv: list[str] | None = None) -> None:
         for name, (cfg, trim) in variants.items():
             ex = trainer_module.TrainerExecutor(model_path=str(Path(tmp) / "model"), trainer=cfg, temperature=1.0,
                                                 threads=args.threads,
-                                                rank_info=RankInfo("trainer", "trainer", 0, 1, 1, 0, "cpu", "gloo"))
+                                                rank_info=RankInfo("trainer", "trainer", 0, 1, 1, 0, str(device),
+                                                                   "nccl" if device.type == "cuda" else "gloo"))
             executors[name] = (ex, trim)
+            executors_fused = ex.fused
         try:
             def step(name):
                 ex, trim = executors[name]
@@ -123,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
             times, peak = {}, {}
             for _ in range(args.iters):  # alternately, so drift in the machine's speed hits every variant
                 for name in variants:
-                    m = measure(functools.partial(step, name), warmup=0, iters=1, device="cpu")
+                    m = measure(functools.partial(step, name), warmup=0, iters=1, device=device)
                     times.setdefault(name, []).append(m.median_s)
                     peak[name] = max(peak.get(name, 0), m.peak_mem_bytes)
         finally:
@@ -134,17 +146,18 @@ def main(argv: list[str] | None = None) -> None:
         t = sorted(times[name])[len(times[name]) // 2]
         diff = max(float((first[name][n] - w).abs().max()) for n, w in first["padded"].items())
         report.add(variant=name, positions=positions_run(batch, cfg, trim), step_s=t, min_s=min(times[name]),
-                   speedup_vs_padded=ref / t, peak_rss_MiB=peak[name] / 2**20, max_weight_diff=diff)
+                   speedup_vs_padded=ref / t, peak_MiB=peak[name] / 2**20, max_weight_diff=diff)
     rows = batch["mask"].shape[0]
     report.note(f"batch: {args.prompts} prompts x {args.samples} samples = {rows} rows, "
                 f"{'shared-prompt' if args.share_prompts else 'flat'} layout, prompt {args.prompt_len // 2}-"
                 f"{args.prompt_len} tokens, completions lognormal (median {args.median_new_tokens}) capped at "
                 f"{args.max_new_tokens}: {int(batch['mask'].sum())} trained tokens, widest completion {max(ext)}")
     report.note(f"model {args.model} ({sum(t.numel() for t in first['padded'].values()) / 1e6:.1f}M parameters, "
-                f"fp32), eager loss, AdamW lr 1e-4, micro_batch_size {args.micro_batch_size}; "
+                f"{args.dtype}), {'fused' if executors_fused else 'eager'} loss, AdamW lr 1e-4, "
+                f"micro_batch_size {args.micro_batch_size}; "
                 f"median of {args.iters} steps per variant, timed alternately; threads={torch.get_num_threads()}; "
-                "peak_rss_MiB: resident memory a step adds (the harness's sampled estimate, largest of the "
-                "untimed steps measure runs after each timed one)")
+                "peak_MiB: resident memory a step adds (the harness's sampled estimate, largest of the "
+                "untimed steps measure runs after each timed one; CUDA: the allocator's peak above the step's start)")
     report.save()
 
 

@@ -23,3 +23,19 @@ def test_cpu_peak_memory_counts_what_each_call_allocates():
 
     assert 48 * MIB <= measure(holds_64_mib, warmup=2, iters=3, device="cpu").peak_mem_bytes <= 80 * MIB
     assert measure(lambda: torch.ones(8).sum(), warmup=2, iters=3, device="cpu").peak_mem_bytes < 8 * MIB
+
+
+def test_train_step_benchmark_runs_and_its_variants_agree(tmp_path, monkeypatch):
+    """benchmarks.train_step on the tiny model: every variant runs, cut micro-batches run fewer positions,
+    and one step of each moves the weights as the padded step does (up to summation order)."""
+    import json
+
+    from benchmarks import train_step
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    train_step.main(["--model", "tiny", "--iters", "1", "--prompts", "2", "--prompt-len", "16",
+                     "--max-new-tokens", "32", "--median-new-tokens", "6", "--flat"])
+    rows = {r["variant"].split()[0]: r for r in json.loads((tmp_path / "train_step.json").read_text())["rows"]}
+    assert set(rows) == {"padded", "trimmed", "grouped", "budget"}
+    assert rows["padded"]["positions"] > rows["trimmed"]["positions"] >= rows["grouped"]["positions"]
+    assert all(r["max_weight_diff"] < 1e-5 for r in rows.values())
