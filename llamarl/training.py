@@ -357,7 +357,7 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
             threads=threads, tokenizer_path=cfg.policy.tokenizer,
             reference_path=str(reference_dir) if reference_dir else None, max_new_tokens=g.max_new_tokens),
             env={"LLAMARL_EXECUTOR": "trainer"}, wait=False)
-        rt.wait_ready([*gens, trainer])
+        await rt.await_ready([*gens, trainer])  # the loop runs meanwhile: a Ctrl-C stops the start at once
         handles = [h for grp in gens for h in await grp.acall("handle")]  # every TP rank of every replica
         await trainer.acall("connect", handles)
         await trainer.acall("push_weights", start_version)

@@ -442,6 +442,21 @@ CONTROLLER = textwrap.dedent("""
                 print("RANK", int(status["SigBlk"], 16), int(status["SigIgn"], 16), flush=True)
                 print("ECHO", g.call("echo", 1).result(timeout=60)[0]["args"], flush=True)
             sys.exit(0)
+        if sys.argv[1] == "await":  # a controller awaiting its executors' start from its event loop
+            import asyncio
+            from llamarl.runtime import Layout, Runtime
+
+            async def main(rt):
+                groups = rt.spawn_role("generator", "stuck_executor:Stuck", env={"OMP_NUM_THREADS": "1"}, wait=False)
+                print("PIDS", groups[0].pids[0], flush=True)
+                await rt.await_ready(groups)
+
+            with Runtime(Layout.parse("trainer=1,generator=1x1,reward=0"), start_timeout_s=600) as rt:
+                try:
+                    asyncio.run(main(rt))
+                except KeyboardInterrupt:
+                    print("INTERRUPTED", flush=True)
+            sys.exit(0)
         g = ExecutorGroup.spawn("stuck", "stuck_executor:Stuck", 1, wait_ready=False, env={"OMP_NUM_THREADS": "1"})
         print("PIDS", g.pids[0], flush=True)
         time.sleep(600)
@@ -473,6 +488,29 @@ def test_a_rank_stuck_while_starting_dies_with_a_killed_controller(tmp_path):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         assert _wait_gone([rank], timeout=20) == []  # liveness, not timing: the watch reacts within ~1 s
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def test_a_ctrl_c_while_ranks_start_stops_an_awaiting_controller_at_once(tmp_path):
+    # Regression: the controller waited for its executors' start with a blocking call inside its event loop,
+    # so asyncio's Ctrl-C (a cancel of the main task) waited for the slowest rank's start (seconds on a GPU)
+    proc = _controller(tmp_path, "await")
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("PIDS"), proc.stderr.read() if proc.poll() is not None else line
+        rank = int(line.split()[1])
+        deadline = time.monotonic() + 120  # liveness bound: the rank imports torch first
+        while not (tmp_path / "in_ctor").exists() and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        assert (tmp_path / "in_ctor").exists(), "the rank never reached its constructor"
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)  # the rank sleeps 600 s in its constructor
+        assert proc.returncode == 0 and "INTERRUPTED" in out, err
+        assert _wait_gone([rank], timeout=20) == []
     finally:
         if proc.poll() is None:
             proc.kill()

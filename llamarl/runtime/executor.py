@@ -205,8 +205,18 @@ class ExecutorGroup:
         On a constructor error, a death or a timeout the group is shut down and the error raised.
         """
         assert self._ready is not None, "wait_ready() on a group that was not bootstrapped"
-        done, _ = wait_futures([self._ready], timeout=timeout)
-        if not done:
+        wait_futures([self._ready], timeout=timeout)
+        return self._ready_pids(timeout)
+
+    async def await_ready(self, timeout: float | None = 600.0) -> list[int]:
+        """``wait_ready`` for asyncio: the event loop runs while the ranks start (so a Ctrl-C, which cancels
+        the controller's task, ends the wait at once; the group is left to its caller)."""
+        assert self._ready is not None, "await_ready() on a group that was not bootstrapped"
+        await asyncio.wait([asyncio.wrap_future(self._ready)], timeout=timeout)
+        return self._ready_pids(timeout)
+
+    def _ready_pids(self, timeout: float | None) -> list[int]:
+        if not self._ready.done():
             missing = [r for r, link in enumerate(self._links) if BOOTSTRAP_ID in link.pending]
             self.shutdown(timeout=2.0)
             raise TimeoutError(f"executor group '{self.name}': ranks {missing} did not start within {timeout} s "
