@@ -8,6 +8,7 @@ child) dominates the run time, so one two-rank group is shared by the tests that
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -471,50 +472,43 @@ def _controller(tmp_path, mode: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_a_rank_stuck_while_starting_dies_with_a_killed_controller(tmp_path):
-    # Regression: a rank noticed a lost controller only through its command connection, which nothing
-    # reads while it bootstraps (torch import, rendezvous, the executor's constructor): a controller
-    # killed then left the rank running until its constructor returned.
-    proc = _controller(tmp_path, "stuck")
+@contextlib.contextmanager
+def _rank_in_its_constructor(tmp_path, mode: str):
+    """The ``mode`` controller, once its stuck rank is inside its constructor: (controller, rank pid)."""
+    proc = _controller(tmp_path, mode)
     try:
         line = proc.stdout.readline()
         assert line.startswith("PIDS"), proc.stderr.read() if proc.poll() is not None else line
-        rank = int(line.split()[1])
         deadline = time.monotonic() + 120  # liveness bound: the rank imports torch first
         while not (tmp_path / "in_ctor").exists() and time.monotonic() < deadline:
             assert proc.poll() is None, proc.stderr.read()
             time.sleep(0.05)
         assert (tmp_path / "in_ctor").exists(), "the rank never reached its constructor"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-        assert _wait_gone([rank], timeout=20) == []  # liveness, not timing: the watch reacts within ~1 s
+        yield proc, int(line.split()[1])
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+def test_a_rank_stuck_while_starting_dies_with_a_killed_controller(tmp_path):
+    # Regression: a rank noticed a lost controller only through its command connection, which nothing
+    # reads while it bootstraps (torch import, rendezvous, the executor's constructor): a controller
+    # killed then left the rank running until its constructor returned.
+    with _rank_in_its_constructor(tmp_path, "stuck") as (proc, rank):
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert _wait_gone([rank], timeout=20) == []  # liveness, not timing: the watch reacts within ~1 s
 
 
 def test_a_ctrl_c_while_ranks_start_stops_an_awaiting_controller_at_once(tmp_path):
     # Regression: the controller waited for its executors' start with a blocking call inside its event loop,
     # so asyncio's Ctrl-C (a cancel of the main task) waited for the slowest rank's start (seconds on a GPU)
-    proc = _controller(tmp_path, "await")
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("PIDS"), proc.stderr.read() if proc.poll() is not None else line
-        rank = int(line.split()[1])
-        deadline = time.monotonic() + 120  # liveness bound: the rank imports torch first
-        while not (tmp_path / "in_ctor").exists() and time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stderr.read()
-            time.sleep(0.05)
-        assert (tmp_path / "in_ctor").exists(), "the rank never reached its constructor"
+    with _rank_in_its_constructor(tmp_path, "await") as (proc, rank):
         os.kill(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=60)  # the rank sleeps 600 s in its constructor
         assert proc.returncode == 0 and "INTERRUPTED" in out, err
         assert _wait_gone([rank], timeout=20) == []
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
 
 
 def test_a_ctrl_c_while_a_rank_imports_is_discarded_there(tmp_path):
