@@ -18,17 +18,20 @@ untrimmed rows up to floating-point reassociation.
 ``plan`` decides the micro-batches of a list of rows:
 
 * ``by_length``: rows are ordered by extent, longest first, so each micro-batch holds rows of similar
-  length and trims well; the longest micro-batch comes first, so a step that does not fit in memory fails
-  on its first forward. With shared prompts two orders compete, and the one whose micro-batches run fewer
-  padded positions wins: whole prompt groups by their longest row (a prompt runs once, its rows' lengths
-  mix), or all rows by extent (lengths match, a prompt runs in every micro-batch holding one of its rows). The loss is a sum over rows weighted by each micro-batch's share of the batch's
-  denominator (llamarl.executors.trainer), so the order changes only the summation order.
+  length and trims well. With shared prompts two orders compete: whole prompt groups by their longest row
+  (a prompt runs once, its rows' lengths mix), or all rows by extent (lengths match, a prompt runs in every
+  micro-batch holding one of its rows); the second is cut so that no micro-batch runs more positions than
+  the first order's largest (mixing prompts must not raise the peak memory a ``micro_batch_size`` was
+  chosen for), and the order whose micro-batches run fewer positions in all wins. The micro-batches then
+  run largest first, so a step that does not fit in memory fails on its first forward. The loss is a sum
+  over rows weighted by each micro-batch's share of the batch's denominator (llamarl.executors.trainer),
+  so the order changes only the summation order.
 * ``token_budget`` > 0 (veRL's use_dynamic_bsz with ppo_max_token_len_per_gpu): consecutive rows of that
   order share a micro-batch while its padded positions (``positions``) stay within the budget, at least one
-  row each; the row count ``rows_per`` is then not used. 0: micro-batches of ``rows_per`` rows.
+  row each; the row count ``rows_per`` is then not used. 0: micro-batches of at most ``rows_per`` rows.
 
-``positions(batch, rows)`` is what a micro-batch costs: the padded positions its forward runs,
-rows × (W + 1) for the flat layout, G × P + rows × W with shared prompts (G prompts of P columns).
+``positions(batch, rows)`` is the cost model: rows × (W + 1) positions for the flat layout, G × P + rows × W
+with shared prompts (G prompts of P columns; the completion pass runs W − 1 of each row's W).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def take_rows(batch: dict[str, torch.Tensor], rows: Sequence[int] | torch.Tensor
     part = {k: v.index_select(0, index) for k, v in batch.items() if k not in PROMPT_KEYS and k not in TOTAL_KEYS}
     if trim:
         ext = extents(batch) if ext is None else ext
-        width = max([_min_width(batch)] + [ext[r] for r in index.tolist()])
+        width = max([_min_width(batch)] + [ext[r] for r in (rows.tolist() if torch.is_tensor(rows) else rows)])
         for k, v in part.items():
             if k == "input_ids":
                 part[k] = v[:, :width + 1]
@@ -108,7 +111,11 @@ class _Rows:
         if not self.shared:
             return len(rows) * (width + 1)
         groups = {self.group[r] for r in rows}
-        return len(groups) * (self.width - min(self.start[g] for g in groups)) + len(rows) * width
+        return self.cost(len(rows), width, len(groups), min(self.start[g] for g in groups))
+
+    def cost(self, rows: int, width: int, groups: int, first: int) -> int:
+        """``positions`` of ``rows`` rows up to column ``width`` with ``groups`` prompts from column ``first``."""
+        return rows * (width + 1) if not self.shared else groups * (self.width - first) + rows * width
 
 
 def positions(batch: dict[str, torch.Tensor], rows: Sequence[int], ext: Sequence[int] | None = None) -> int:
@@ -129,24 +136,40 @@ def plan(batch: dict[str, torch.Tensor], rows: Sequence[int], *, rows_per: int, 
         return _split(facts, order, rows_per, token_budget)
     by_extent = sorted(order, key=lambda r: -facts.ext[r])  # stable: equal extents keep the batch order
     if not facts.shared:
-        return _split(facts, by_extent, rows_per, token_budget)
-    group, longest, first = facts.group, {}, {}
-    for i, r in enumerate(order):
-        longest[group[r]] = max(longest.get(group[r], 0), facts.ext[r])
-        first.setdefault(group[r], i)
-    by_group = sorted(order, key=lambda r: (-longest[group[r]], first[group[r]], -facts.ext[r]))
-    candidates = [_split(facts, by_group, rows_per, token_budget), _split(facts, by_extent, rows_per, token_budget)]
-    return min(candidates, key=lambda parts: sum(facts.positions(p) for p in parts))  # a tie: by group
+        parts = _split(facts, by_extent, rows_per, token_budget)
+    else:
+        group, longest, first = facts.group, {}, {}
+        for i, r in enumerate(order):
+            longest[group[r]] = max(longest.get(group[r], 0), facts.ext[r])
+            first.setdefault(group[r], i)
+        by_group = _split(facts, sorted(order, key=lambda r: (-longest[group[r]], first[group[r]], -facts.ext[r])),
+                          rows_per, token_budget)
+        peak = token_budget or max(facts.positions(p) for p in by_group)
+        by_row = _split(facts, by_extent, rows_per, peak, max_rows=None if token_budget else rows_per)
+        parts = min([by_group, by_row], key=lambda c: sum(facts.positions(p) for p in c))  # a tie: by group
+    return sorted(parts, key=facts.positions, reverse=True)  # stable
 
 
-def _split(facts: _Rows, order: list[int], rows_per: int, token_budget: int) -> list[list[int]]:
-    """Consecutive rows of ``order``: ``rows_per`` each, or greedily within ``token_budget`` positions."""
+def _split(facts: _Rows, order: list[int], rows_per: int, token_budget: int,
+           max_rows: int | None = None) -> list[list[int]]:
+    """Consecutive rows of ``order``: ``rows_per`` each, or greedily while a micro-batch stays within
+    ``token_budget`` positions (and ``max_rows`` rows, if given; at least one row each)."""
     if not token_budget:
         return [order[i:i + rows_per] for i in range(0, len(order), rows_per)]
     parts: list[list[int]] = []
+    width = first = 0
+    groups: set[int] = set()
     for r in order:
-        if parts and facts.positions(parts[-1] + [r]) <= token_budget:
+        g = facts.group[r] if facts.shared else 0
+        w, f = max(width, facts.ext[r]), min(first, facts.start[g]) if facts.shared else 0
+        n = len(groups) + (g not in groups)
+        if parts and (max_rows is None or len(parts[-1]) < max_rows) \
+                and facts.cost(len(parts[-1]) + 1, w, n, f) <= token_budget:
             parts[-1].append(r)
+            width, first = w, f
+            groups.add(g)
         else:
             parts.append([r])
+            width, groups = max(facts.min_width, facts.ext[r]), {g}
+            first = facts.start[g] if facts.shared else 0
     return parts

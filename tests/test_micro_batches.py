@@ -82,12 +82,13 @@ def test_take_rows_cuts_each_part_to_its_longest_row_and_keeps_its_logprobs(tmp_
         assert take_rows(batch, [5])["targets"].shape == (1, 2)  # one trained token, two columns
 
 
-def _split(order: list[int], rows_per: int, budget: int, batch) -> list[list[int]]:
+def _split(batch, order: list[int], rows_per: int, budget: int, max_rows: int | None = None) -> list[list[int]]:
+    """Reference cut: ``rows_per`` rows each, or greedily within ``budget`` positions (and ``max_rows``)."""
     if not budget:
         return [order[i:i + rows_per] for i in range(0, len(order), rows_per)]
     parts = [[order[0]]]
     for r in order[1:]:
-        if positions(batch, parts[-1] + [r]) <= budget:
+        if (max_rows is None or len(parts[-1]) < max_rows) and positions(batch, parts[-1] + [r]) <= budget:
             parts[-1].append(r)
         else:
             parts.append([r])
@@ -102,22 +103,27 @@ def test_plan_covers_every_row_once_longest_first_within_the_budget(share_prompt
     rows = list(range(2, 11))  # a rank's share: not the whole batch
     parts = plan(batch, rows, rows_per=4, token_budget=budget)
     assert sorted(r for p in parts for r in p) == rows
+    cost = [positions(batch, p) for p in parts]
+    assert cost == sorted(cost, reverse=True)  # the largest micro-batch runs first
     by_extent = sorted(rows, key=lambda r: -ext[r])
-    if share_prompts:  # whole prompt groups, longest group first, or all rows by extent: the cheaper
+    if share_prompts:  # whole prompt groups, longest group first, or all rows by extent within its peak
         group = batch["group"].tolist()
-        by_group = sorted(rows, key=lambda r: (-max(ext[q] for q in rows if group[q] == group[r]),
-                                               [group[q] for q in rows].index(group[r]), -ext[r]))
-        candidates = [_split(order, 4, budget, batch) for order in (by_group, by_extent)]
-        cost = [sum(positions(batch, p) for p in c) for c in candidates]
-        assert parts == candidates[cost.index(min(cost))]
+        by_group = _split(batch, sorted(rows, key=lambda r: (-max(ext[q] for q in rows if group[q] == group[r]),
+                                                            [group[q] for q in rows].index(group[r]), -ext[r])),
+                          4, budget)
+        peak = budget or max(positions(batch, p) for p in by_group)
+        by_row = _split(batch, by_extent, 4, peak, None if budget else 4)
+        total = [sum(positions(batch, p) for p in c) for c in (by_group, by_row)]
+        assert sorted(parts) == sorted((by_group, by_row)[total.index(min(total))])
     else:
-        assert [r for p in parts for r in p] == by_extent
+        assert sorted(parts) == sorted(_split(batch, by_extent, 4, budget))
     if budget:
-        assert all(positions(batch, p) <= budget for p in parts if len(p) > 1)
-        assert all(positions(batch, p + [q[0]]) > budget for p, q in zip(parts, parts[1:]))  # greedy: full parts
+        assert all(c <= budget for c, p in zip(cost, parts) if len(p) > 1)
         assert len(parts) > len(rows) // 4  # the budget, not rows_per, decided
     else:
-        assert [len(p) for p in parts] == [4, 4, 1]
+        assert all(len(p) <= 4 for p in parts)
+        if not share_prompts:
+            assert sorted(len(p) for p in parts) == [1, 4, 4]
     assert plan(batch, rows, rows_per=4, by_length=False) == [rows[0:4], rows[4:8], rows[8:]]
 
 
@@ -128,16 +134,25 @@ def _groups(prompt_len: int, lengths: list[list[int]]) -> dict[str, torch.Tensor
 
 
 def test_shared_prompts_take_whichever_order_runs_fewer_positions():
-    """Long prompts, each group's lengths alike: groups stay together (135 positions; by extent 249).
-    Short prompts, one long row per group: rows by extent (53 positions; by group 78)."""
+    """Long prompts, each group's lengths alike: groups stay together (135 positions; by extent 188).
+    Short prompts, one long row per group: rows by extent (61 positions, at most 25 each; by group 78)."""
     long_prompts = _groups(30, [[5, 1, 5], [4, 2, 4], [6, 1, 6]])
     parts = plan(long_prompts, range(9), rows_per=3)
     assert parts == [[6, 8, 7], [0, 2, 1], [3, 5, 4]]
-    assert sum(positions(long_prompts, p) for p in parts) == 135
+    assert [positions(long_prompts, p) for p in parts] == [48, 45, 42]
     short_prompts = _groups(2, [[9, 1, 1], [8, 1, 1], [7, 1, 1]])
     parts = plan(short_prompts, range(9), rows_per=3)
-    assert parts == [[0, 3, 6], [1, 2, 4], [5, 7, 8]]
-    assert sum(positions(short_prompts, p) for p in parts) == 53
+    assert parts == [[6, 1, 2], [0, 3], [4, 5, 7], [8]]
+    assert [positions(short_prompts, p) for p in parts] == [25, 22, 10, 4]
+
+
+def test_mixing_prompts_never_raises_the_peak_over_whole_groups():
+    """Rows by extent run far fewer positions here (460 against 720), but a micro-batch of the four long
+    rows would hold four prompts (240 positions); it is cut to three, within a whole group's 180."""
+    batch = _groups(20, [[40, 1, 1, 1]] * 4)
+    parts = plan(batch, range(16), rows_per=4)
+    assert [positions(batch, p) for p in parts] == [180, 160, 48, 48, 24]
+    assert parts[0] == [0, 4, 8] and all(len(p) <= 4 for p in parts)
 
 
 @pytest.mark.parametrize("norm", ["token", "sequence", "constant"])

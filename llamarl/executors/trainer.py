@@ -248,7 +248,7 @@ class TrainerExecutor:
         by length when ``trainer.length_grouping``, ``micro_batch_size`` rows or ``micro_batch_tokens``
         padded positions each, every part cut to the columns it needs). FSDP ranks run the same number of
         forwards (each gathers the shards): under a token budget a rank that planned fewer adds idle parts
-        (rows None: one untrained column)."""
+        (rows None: a row cut to its fewest columns, untrained)."""
         lo, hi = self._my_rows(batch["targets"].shape[0])
         ext = extents(batch)
         groups = plan(batch, range(lo, hi), rows_per=self.cfg["micro_batch_size"], ext=ext,
