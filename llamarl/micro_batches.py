@@ -124,6 +124,14 @@ def positions(batch: dict[str, torch.Tensor], rows: Sequence[int], ext: Sequence
     return _Rows(batch, ext).positions(rows)
 
 
+def part_positions(part: dict[str, torch.Tensor]) -> int:
+    """The padded positions a part's forward runs, read off its tensors (``positions`` of its rows when it
+    came from ``take_rows``): its input tokens, or its prompts' columns plus its completions'."""
+    if "prompt_ids" in part:
+        return part["prompt_ids"].numel() + part["targets"].numel()
+    return part["input_ids"].numel()
+
+
 def plan(batch: dict[str, torch.Tensor], rows: Sequence[int], *, rows_per: int, token_budget: int = 0,
          by_length: bool = True, ext: Sequence[int] | None = None) -> list[list[int]]:
     """The micro-batches of ``rows`` (row indices of ``batch``), each a list of rows (module docstring).

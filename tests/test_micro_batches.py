@@ -164,10 +164,16 @@ def test_grouped_and_budgeted_micro_batches_give_the_whole_batch_step(tmp_path, 
     whole = single_process_train_step(tmp_path / "model", CFG, batch,
                                       dict(cfg, micro_batch_size=len(LENGTHS), length_grouping=False),
                                       max_new_tokens=32)
+    ext = extents(batch)
     for variant in (dict(length_grouping=True), dict(micro_batch_tokens=48)):
         stats, weights = single_process_train_step(tmp_path / "model", CFG, batch, dict(cfg, **variant),
                                                    max_new_tokens=32)
         assert_same_step(stats, weights, *whole, atol=4e-6)
+        parts = plan(batch, range(len(ext)), rows_per=cfg["micro_batch_size"],
+                     token_budget=variant.get("micro_batch_tokens", 0))
+        # what the forwards ran (a micro-batch of only the empty completion is skipped)
+        assert stats["train_positions"] == sum(positions(batch, p) for p in parts if any(ext[r] for r in p))
+    assert whole[0]["train_positions"] == positions(batch, range(len(ext))) > stats["train_positions"]
 
 
 def test_old_logprobs_land_on_their_rows(tmp_path):

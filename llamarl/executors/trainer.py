@@ -80,14 +80,14 @@ from llamarl.models.shared_prefix import shared_prefix_hidden_states
 from llamarl import parallel  # FSDP/DDP helpers, imported on first use (a single rank never needs them)
 from llamarl.parallel.grads import clip_grad_norm_
 from llamarl.executors.generator import generator_layout
-from llamarl.micro_batches import TOTAL_KEYS, extents, idle_part, plan, take_rows
+from llamarl.micro_batches import TOTAL_KEYS, extents, idle_part, part_positions, plan, take_rows
 from llamarl.runtime import RankInfo
 from llamarl.weight_sync import TrainerLayout, WeightSender, llama_param_specs, plan_sync
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 MODEL_SIDE_FILES = ("generation_config.json",)
-SUM_METRICS = ("tokens",)
+SUM_METRICS = ("tokens", "train_positions")  # train_positions: padded positions the update forwards ran
 MAX_METRICS = ("ratio_max",)
 
 
@@ -288,7 +288,7 @@ class TrainerExecutor:
             loss, m = self._loss(part)
             (loss * share).backward()
             loss_sum += float(loss.detach()) * float(share)
-            metrics.append((float(part["mask"].sum() / kept_tokens), m))
+            metrics.append((float(part["mask"].sum() / kept_tokens), {**m, "train_positions": part_positions(part)}))
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg["grad_clip"])
         applied = math.isfinite(loss_sum) and bool(torch.isfinite(grad_norm)) and bool(grads)
@@ -345,7 +345,7 @@ class TrainerExecutor:
                         _logits(self.ref, part)
                 return _logits(self.model, part).float().sum() * 0.0
             loss, m = self._loss(part)
-            metrics.append((float(part["mask"].sum() / kept_tokens), m))
+            metrics.append((float(part["mask"].sum() / kept_tokens), {**m, "train_positions": part_positions(part)}))
             return loss * share
 
         self.opt.zero_grad(set_to_none=True)
