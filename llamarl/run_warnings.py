@@ -33,6 +33,11 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
             out.append(f"generator.stop {stop!r} holds a backslash followed by n or t as two characters (a --set value "
                        "is taken literally); for a newline or a tab write a YAML list with double quotes, e.g. "
                        '--set \'generator.stop=["\\nQuestion:"]\'')
+    t = cfg.trainer
+    if 0 < t.micro_batch_tokens <= g.max_new_tokens:
+        out.append(f"trainer.micro_batch_tokens={t.micro_batch_tokens} is not above generator.max_new_tokens="
+                   f"{g.max_new_tokens}: a sequence near the length limit does not fit the budget with its prompt, so "
+                   "it runs alone, over budget; give the budget room for several full-length sequences")
     d = cfg.data
     if d.few_shot and not d.chat and not g.stop and not d.dataset.startswith("synthetic:"):
         out.append(f"data.few_shot={d.few_shot} without generator.stop: a base model tends to write the next example "

@@ -57,3 +57,17 @@ def test_a_checkpoint_outside_its_run_says_nothing(run_dir):
     cfg = resumed(run_dir, "--max-steps", "20")
     (run_dir / "config.yaml").unlink()
     assert resume_warnings(cfg, 6) == []
+
+
+def test_a_token_budget_below_one_full_length_sequence_is_warned():
+    from llamarl.run_warnings import config_warnings
+
+    def warned(budget: int) -> list[str]:
+        cfg = load_config(RUN + ["--set", f"trainer.micro_batch_tokens={budget}", "--set",
+                                 "generator.max_new_tokens=64"])
+        return [w for w in config_warnings(cfg) if w.startswith("trainer.micro_batch_tokens")]
+
+    assert warned(64) == ["trainer.micro_batch_tokens=64 is not above generator.max_new_tokens=64: a sequence near "
+                          "the length limit does not fit the budget with its prompt, so it runs alone, over budget; "
+                          "give the budget room for several full-length sequences"]
+    assert warned(0) == [] and warned(4096) == []
