@@ -1,5 +1,6 @@
-"""A resume that moves the learning-rate schedule is warned about (llamarl.run_warnings.resume_warnings):
-the rate of the first resumed step, on the run's saved settings and on the resume's."""
+"""Warnings at a run's start (llamarl.run_warnings): a resume that moves the learning-rate schedule (the rate
+of the first resumed step, on the run's saved settings and on the resume's), and a token budget too small for
+one full-length sequence."""
 
 from __future__ import annotations
 
