@@ -170,7 +170,7 @@ class TrainerConfig(_Section):
     rho: float = 2.0  # AIPO one-sided truncation of pi/mu
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
-    advantage: Literal["mean", "grpo", "rloo"] = "mean"
+    advantage: Literal["mean", "grpo", "rloo", "reinforce_baseline"] = "mean"  # llamarl.algorithms.advantages
     # the loss's mean: over tokens, over sequences (of their token means), or Dr. GRPO's "constant"
     # (sum / (sequences x generator.max_new_tokens): no length bias); llamarl.algorithms.aipo
     norm: Literal["token", "sequence", "constant"] = "token"

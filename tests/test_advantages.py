@@ -113,3 +113,33 @@ def test_failed_samples_take_no_part_in_their_group(method):
                        group_advantages(rewards[3 * n:], n, method))
     with pytest.raises(ValueError, match="valid must be a bool tensor of shape"):
         group_advantages(rewards, n, method, valid=valid.float())
+
+
+def test_reinforce_baseline_scales_the_group_baseline_by_the_batch_spread():
+    adv = group_advantages(REWARDS, 4, "reinforce_baseline", eps=1e-6)
+    centered = [0.5, -0.5, -0.5, 0.5, 1.0, -1.0, 0.0, 0.0]
+    sigma = math.sqrt(sum(c * c for c in centered) / (len(centered) - 1))  # over the whole batch of 8
+    torch.testing.assert_close(adv, torch.tensor([c / (sigma + 1e-6) for c in centered]), rtol=1e-6, atol=1e-7)
+    # unlike grpo, the two groups share one scale: their relative sizes stay
+    assert adv[4] / adv[0] == pytest.approx(2.0)
+    assert group_advantages(REWARDS, 4, "grpo")[4] / group_advantages(REWARDS, 4, "grpo")[0] != pytest.approx(2.0)
+
+
+def test_reinforce_baseline_invariants_and_failed_samples():
+    torch.manual_seed(0)
+    n = 5
+    rewards = torch.randn(6 * n, dtype=torch.float64)
+    rewards[n:2 * n] = 0.7  # a constant group
+    valid = torch.ones(6 * n, dtype=torch.bool)
+    valid[[0, 1]] = False
+    rewards[0] = float("nan")  # never read
+    adv = group_advantages(rewards, n, "reinforce_baseline", valid=valid)
+    assert adv[~valid].eq(0).all() and adv[n:2 * n].eq(0).all()
+    torch.testing.assert_close(adv.view(6, n).sum(1), torch.zeros(6, dtype=torch.float64), rtol=0, atol=1e-12)
+    r = rewards.view(6, n)
+    ok = valid.view(6, n)
+    centered = torch.where(ok, r - torch.where(ok, r, 0.0).sum(1, keepdim=True) / ok.sum(1, keepdim=True), 0.0)
+    sigma = float((centered.pow(2).sum() / (int(valid.sum()) - 1)).sqrt())
+    torch.testing.assert_close(adv, (centered / (sigma + 1e-6)).reshape(-1), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        group_advantages(torch.zeros(4), 1, "reinforce_baseline")

@@ -8,26 +8,34 @@ For a group with rewards ``r_1 .. r_n`` (mean ``r̄``):
     method="grpo"  (DeepSeekMath GRPO)         A_i = (r_i − r̄) / (s + eps),
                                                s = sqrt(Σ_j (r_j − r̄)² / (n − 1))   (Bessel-corrected)
     method="rloo"  (REINFORCE leave-one-out)   A_i = r_i − (Σ_{j≠i} r_j) / (n − 1) = n/(n − 1) · (r_i − r̄)
+    method="reinforce_baseline"                A_i = (r_i − r̄) / (σ + eps),
+           (REINFORCE++-baseline: OpenRLHF's   σ = sqrt(Σ_b Σ_j (r_j − r̄_b)² / (K − 1)) over the K valid
+            reinforce_baseline, veRL's         samples of the batch: the group baseline scaled by the
+            reinforce_plus_plus_baseline)      batch's spread, not each group's (a near-flat group stays small)
 
 Failed samples (``valid[i] = False``: the verifier raised or timed out, so r_i = 0 means nothing) take
 no part: each group's statistics run over its k valid members (n → k above), and a failed sample's
-advantage is 0. A group with k < 2 valid members gets zeros for "grpo" and "rloo" (no baseline without
-the sample itself); "mean" with k = 1 gives that sample 0 too. Without this, one verifier crash in a
-group of correct answers would read as a wrong answer and push the others up.
+advantage is 0. A group with k < 2 valid members gets zeros (no baseline without the sample itself).
+Without this, one verifier crash in a group of correct answers would read as a wrong answer and push the
+others up.
+
+The batch of "reinforce_baseline" is the ``rewards`` passed in (a training step's samples). Its centred
+rewards already have batch mean 0 (each group's sum to 0), so the whitening those frameworks apply is the
+division alone; they whiten per token, which weighs a sample by its length, and here it is per sample.
 
 Invariants: every method gives advantages that sum to zero over each group's valid members (so a group
 whose valid completions all earn the same reward contributes no gradient), and the result has the
-shape and device of ``rewards`` and its dtype if floating (float32 for integer/bool rewards). "grpo" and
-"rloo" need ``n ≥ 2``; "mean" with ``n = 1`` is defined and gives zeros. Arithmetic runs in float64 and is
-cast back; for fp32 rewards of moderate range the float64 sums are exact, so then the values do not
-depend on the order of the sums.
+shape and device of ``rewards`` and its dtype if floating (float32 for integer/bool rewards). Every
+method but "mean" needs ``n ≥ 2``; "mean" with ``n = 1`` is defined and gives zeros. Arithmetic runs in
+float64 and is cast back; for fp32 rewards of moderate range the float64 sums are exact, so then the values
+do not depend on the order of the sums.
 """
 
 from __future__ import annotations
 
 import torch
 
-METHODS = ("mean", "grpo", "rloo")
+METHODS = ("mean", "grpo", "rloo", "reinforce_baseline")
 
 
 def group_advantages(
@@ -62,7 +70,7 @@ def group_advantages(
             f"group_advantages: rewards has {batch} entries, which is not a positive multiple of "
             f"group_size={group_size}; pass all n completions of every prompt"
         )
-    if method in ("grpo", "rloo") and group_size < 2:
+    if method != "mean" and group_size < 2:
         raise ValueError(f"group_advantages: method={method!r} needs group_size >= 2, got {group_size}")
 
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
@@ -80,8 +88,12 @@ def group_advantages(
     elif method == "grpo":
         std = (centered.pow(2).sum(dim=1, keepdim=True) / (k - 1).clamp(min=1)).sqrt()
         adv = torch.where(k >= 2, centered / (std + eps), 0.0)
-    else:  # rloo: r_i minus the mean of the other k - 1 valid rewards
+    elif method == "rloo":  # r_i minus the mean of the other k - 1 valid rewards
         adv = torch.where(k >= 2, centered * (k / (k - 1).clamp(min=1)), 0.0)
+    else:  # reinforce_baseline: the group baseline over the batch's spread
+        total = k.sum()
+        std = (centered.pow(2).sum() / (total - 1).clamp(min=1)).sqrt()
+        adv = torch.where(total >= 2, centered / (std + eps), 0.0)
     return adv.reshape(batch).to(out_dtype)
 
 
