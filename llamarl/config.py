@@ -174,6 +174,10 @@ class TrainerConfig(_Section):
     # the loss's mean: over tokens, over sequences (of their token means), or Dr. GRPO's "constant"
     # (sum / (sequences x generator.max_new_tokens): no length bias); llamarl.algorithms.aipo
     norm: Literal["token", "sequence", "constant"] = "token"
+    # where the importance ratios are taken: per token (AIPO), or per sequence (GSPO's ratio, TRL's
+    # importance_sampling_level="sequence"): each sequence's geometric-mean pi/mu weights, truncates (and, with
+    # several updates, clips) all its tokens together; llamarl.algorithms.aipo
+    ratio_level: Literal["token", "sequence"] = "token"
     # "aipo": weight each token by min(pi/mu, rho); "none": plain policy gradient that treats stale
     # samples as on-policy (w = 1) — only for the ablation that shows why the correction matters
     correction: Literal["aipo", "none"] = "aipo"

@@ -15,6 +15,13 @@ step's starting policy, default logπ_i detached):
     w_i = min(exp(logπ_old,i − logμ_i), ρ),   q_i = exp(logπ_i − logπ_old,i),
     policy term −w_i · min(q_i A_i, clip(q_i, 1 − ε_l, 1 + ε_h) A_i)   in place of −w_i A_i logπ_i
 
+or, with ``level="sequence"`` (GSPO's ratio), the same terms with the ratios replaced by their geometric
+means over each sequence b's masked rows (L_b of them): w_b = min(exp(Σ_{i∈b} m_i (logπ_i − logμ_i) / L_b), ρ)
+and q_b likewise, one weight and one clip decision per sequence. Then a row's dloss/dlogπ depends on the
+other rows of its sequence, so a first pass (``fused_logprobs``, no gradients) computes logπ, and the policy
+term's coefficient of each row (``_sequence_policy``) is handed to the kernel instead of computed in it:
+about one GEMM more, no [N, V] memory more.
+
 with the row weights s_i of the normalisation (all 0 when no row is masked in):
 
     norm="token":     s_i = m_i / M,              M = Σ_i m_i                      (token mean)
@@ -69,6 +76,7 @@ from torch.autograd.function import once_differentiable
 from llamarl_kernels.logprobs import (
     check_hidden_weight_targets,
     chunk_rows,
+    fused_logprobs,
     row_launch,
     softmax_row_stats,
 )
@@ -77,13 +85,14 @@ from llamarl_kernels.shapes import check_clip, check_norm
 
 @triton.jit
 def _aipo_rows_kernel(
-    logits_ptr, stride_row, targets_ptr, behavior_ptr, adv_ptr, scale_ptr, ref_ptr, old_ptr,
+    logits_ptr, stride_row, targets_ptr, behavior_ptr, adv_ptr, scale_ptr, ref_ptr, old_ptr, coef_ptr,
     logprobs_ptr, entropy_ptr,
     V, temperature, rho, kl_coef, entropy_coef, clip_lo, clip_hi,
-    HAS_REF: tl.constexpr, CLIP: tl.constexpr, HAS_OLD: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_REF: tl.constexpr, CLIP: tl.constexpr, HAS_OLD: tl.constexpr, HAS_COEF: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Per row: logπ and H into the [N] outputs; with WRITE_GRAD, overwrite the logits row by g."""
+    """Per row: logπ and H into the [N] outputs; with WRITE_GRAD, overwrite the logits row by g. HAS_COEF:
+    the policy term's dloss/dlogπ (before s_i) is given per row (sequence-level ratios), not computed here."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
     target = tl.load(targets_ptr + row).to(tl.int64)
@@ -93,7 +102,9 @@ def _aipo_rows_kernel(
     if WRITE_GRAD:
         s = tl.load(scale_ptr + row)  # the row's weight s_i in the loss; 0 for masked rows
         a = tl.load(adv_ptr + row)
-        if CLIP:  # decoupled PPO: w at π_old, gradient of the clipped surrogate (0 where the clip holds)
+        if HAS_COEF:
+            c = tl.load(coef_ptr + row)
+        elif CLIP:  # decoupled PPO: w at π_old, gradient of the clipped surrogate (0 where the clip holds)
             old = logprob
             if HAS_OLD:
                 old = tl.load(old_ptr + row)
@@ -170,8 +181,9 @@ def _row_weights(mask: torch.Tensor, norm: str = "token", sequence_ids: torch.Te
 
 
 def _run_chunks(hidden, weight, targets, behavior, adv, scale, ref, old, clip, rho, temperature, kl_coef,
-                entropy_coef, chunk_size, need_grad_hidden, need_grad_weight):
-    """The chunk loop: returns logπ [N], H [N] (fp32) and grad_hidden / grad_weight (or None)."""
+                entropy_coef, chunk_size, need_grad_hidden, need_grad_weight, coef=None):
+    """The chunk loop: returns logπ [N], H [N] (fp32) and grad_hidden / grad_weight (or None). ``coef`` [N]:
+    the policy term's per-row dloss/dlogπ before s_i (``_sequence_policy``), else computed per row."""
     n_rows, vocab = hidden.shape[0], weight.shape[0]
     device = hidden.device
     rows = chunk_rows(n_rows, vocab, hidden.dtype, chunk_size)
@@ -185,6 +197,7 @@ def _run_chunks(hidden, weight, targets, behavior, adv, scale, ref, old, clip, r
     buffer = torch.empty((rows, vocab), dtype=hidden.dtype, device=device)
     ref_arg = ref if ref is not None else behavior  # never read when HAS_REF is False
     old_arg = old if old is not None else behavior  # never read when HAS_OLD is False
+    coef_arg = coef if coef is not None else behavior  # never read when HAS_COEF is False
     clip_lo, clip_hi = (1.0 - clip[0], 1.0 + clip[1]) if clip is not None else (0.0, 0.0)
 
     for start in range(0, n_rows, rows):
@@ -194,10 +207,10 @@ def _run_chunks(hidden, weight, targets, behavior, adv, scale, ref, old, clip, r
         torch.matmul(h_chunk, weight.t(), out=logits)
         _aipo_rows_kernel[(stop - start,)](
             logits, logits.stride(0), targets[start:stop], behavior[start:stop], adv[start:stop],
-            scale[start:stop], ref_arg[start:stop], old_arg[start:stop], logprobs[start:stop], entropy[start:stop],
-            vocab, float(temperature), float(rho), float(kl_coef), float(entropy_coef), float(clip_lo),
-            float(clip_hi), HAS_REF=ref is not None, CLIP=clip is not None, HAS_OLD=old is not None,
-            WRITE_GRAD=write_grad, ENTROPY_GRAD=entropy_coef != 0.0,
+            scale[start:stop], ref_arg[start:stop], old_arg[start:stop], coef_arg[start:stop], logprobs[start:stop],
+            entropy[start:stop], vocab, float(temperature), float(rho), float(kl_coef), float(entropy_coef),
+            float(clip_lo), float(clip_hi), HAS_REF=ref is not None, CLIP=clip is not None, HAS_OLD=old is not None,
+            HAS_COEF=coef is not None, WRITE_GRAD=write_grad, ENTROPY_GRAD=entropy_coef != 0.0,
             BLOCK_V=launch.block_v, num_warps=launch.num_warps,
         )
         if need_grad_hidden:
@@ -210,8 +223,39 @@ def _run_chunks(hidden, weight, targets, behavior, adv, scale, ref, old, clip, r
     return logprobs, entropy, grad_hidden, grad_weight
 
 
-def _loss_and_metrics(logprobs, entropy, behavior, adv, mask, scale, ref, old, clip, rho, kl_coef, entropy_coef):
-    """Loss value (Σ s_i ℓ_i) and metrics (token means) from the per-row fp32 vectors (cheap [N] arithmetic)."""
+def _sequence_policy(logprobs, behavior, adv, mask, old, clip, rho, sequence_ids):
+    """level="sequence" (module docstring), from logπ [N] of a first pass: per row (the policy term's
+    dloss/dlogπ before s_i, its loss value, the ratio its weight truncates, clipped or None).
+
+    The ratios are each sequence's geometric means over its masked rows, as ``llamarl.algorithms.aipo_loss``
+    takes them. s_i is the same for the masked rows of a sequence under every norm, so the clipped form's
+    dloss/dlogπ_i = −w_b q_b Σ_{t∈b} s_t A_t 1(t not clipped) / L_b is s_i times the coefficient below."""
+    on = mask > 0
+    zero = torch.zeros_like(logprobs)
+    names, seq = torch.unique(sequence_ids, return_inverse=True)
+    lengths = torch.zeros(names.numel(), dtype=mask.dtype, device=mask.device).index_add_(0, seq, mask)
+
+    def seq_mean(x: torch.Tensor) -> torch.Tensor:
+        sums = torch.zeros_like(lengths).index_add_(0, seq, torch.where(on, x, zero))
+        return (sums / lengths.clamp(min=1.0))[seq]
+
+    if clip is None:
+        weighted = seq_mean(logprobs - behavior).exp()
+        w = weighted.clamp(max=rho)
+        return -w * adv, -w * adv * logprobs, weighted, None
+    old = logprobs if old is None else old
+    weighted = seq_mean(old - behavior).exp()
+    w = weighted.clamp(max=rho)
+    q = seq_mean(logprobs - old).exp()
+    clipped = ((adv > 0) & (q > 1.0 + clip[1])) | ((adv < 0) & (q < 1.0 - clip[0]))
+    surrogate = torch.minimum(q * adv, q.clamp(1.0 - clip[0], 1.0 + clip[1]) * adv)
+    return -w * q * seq_mean(torch.where(clipped, zero, adv)), -w * surrogate, weighted, clipped
+
+
+def _loss_and_metrics(logprobs, entropy, behavior, adv, mask, scale, ref, old, clip, rho, kl_coef, entropy_coef,
+                      policy=None):
+    """Loss value (Σ s_i ℓ_i) and metrics (token means) from the per-row fp32 vectors (cheap [N] arithmetic);
+    ``policy``: ``_sequence_policy``'s terms in place of the per-token ones."""
     tokens = mask.sum()
     denom = tokens.clamp(min=1.0)
     on = mask > 0
@@ -223,7 +267,11 @@ def _loss_and_metrics(logprobs, entropy, behavior, adv, mask, scale, ref, old, c
     log_ratio = logprobs - behavior
     ratio = log_ratio.exp()
     metrics = {}
-    if clip is None:
+    if policy is not None:
+        _, per_row, weighted_ratio, clipped = policy
+        if clip is not None:
+            metrics["clip_frac"] = mean(clipped.float())
+    elif clip is None:
         weighted_ratio = ratio
         per_row = -ratio.clamp(max=rho) * adv * logprobs
     else:
@@ -256,14 +304,18 @@ class _FusedAIPOLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, behavior, adv, mask, scale, ref, old, clip, rho, temperature,
-                kl_coef, entropy_coef, chunk_size):
+                kl_coef, entropy_coef, chunk_size, sequence_ids):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        policy = None
+        if sequence_ids is not None:  # level="sequence": a first pass for logπ, whose sequences set the weights
+            first, _ = fused_logprobs(hidden, weight, targets, temperature, chunk_size=chunk_size)
+            policy = _sequence_policy(first, behavior, adv, mask, old, clip, rho, sequence_ids)
         logprobs, entropy, grad_h, grad_w = _run_chunks(
             hidden, weight, targets, behavior, adv, scale, ref, old, clip, rho, temperature, kl_coef,
-            entropy_coef, chunk_size, need_h, need_w,
+            entropy_coef, chunk_size, need_h, need_w, coef=None if policy is None else policy[0],
         )
         loss, metrics = _loss_and_metrics(logprobs, entropy, behavior, adv, mask, scale, ref, old, clip, rho,
-                                          kl_coef, entropy_coef)
+                                          kl_coef, entropy_coef, policy)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.backward_done = False
         packed = torch.stack([metrics[k] for k in _metric_keys(ref is not None, clip is not None)])
@@ -284,7 +336,7 @@ class _FusedAIPOLoss(torch.autograd.Function):
             grad_h.mul_(grad_loss)
         if grad_w is not None:
             grad_w.mul_(grad_loss)
-        return (grad_h, grad_w) + (None,) * 13
+        return (grad_h, grad_w) + (None,) * 14
 
 
 def _metric_keys(has_ref: bool, has_clip: bool) -> tuple[str, ...]:
@@ -311,6 +363,7 @@ def fused_aipo_loss(
     norm_constant: float | None = None,
     old_logprobs: torch.Tensor | None = None,
     clip: tuple[float, float] | None = None,
+    level: str = "token",
     chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """AIPO loss from ``hidden [N, D]`` and lm_head ``weight [V, D]``; see the module docstring.
@@ -321,6 +374,8 @@ def fused_aipo_loss(
     sequence, in any order), as ``llamarl.algorithms.aipo_loss(norm="sequence")`` does on [B, T] inputs.
     ``norm="constant"`` divides the sum by ``norm_constant`` (Dr. GRPO).
     ``clip=(ε_low, ε_high)`` selects the decoupled PPO form, with ``old_logprobs [N]`` (default: logπ).
+    ``level="sequence"`` takes the ratios per sequence of ``sequence_ids`` (module docstring; one more
+    pass over the logits, without gradients, for the sequences' logπ).
     Differentiable in ``hidden`` and ``weight``. Returns ``(loss, metrics)`` with a 0-d fp32 loss.
     ``chunk_size`` overrides the rows per chunk (default: ``LOGITS_CHUNK_BYTES`` of logits).
     """
@@ -339,12 +394,14 @@ def fused_aipo_loss(
         raise ValueError(f"{where}: old_logprobs is only read with clip=(eps_low, eps_high); pass clip too, "
                          "or drop old_logprobs")
     check_norm(where, norm, norm_constant)
+    if level not in ("token", "sequence"):
+        raise ValueError(f"{where}: level must be 'token' or 'sequence', got {level!r}")
     n_rows, device = hidden.shape[0], hidden.device
-    if norm == "sequence":
+    if norm == "sequence" or level == "sequence":
         sequence_ids = _sequence_ids(where, sequence_ids, n_rows, device)
     elif sequence_ids is not None:
-        raise ValueError(f"{where}: sequence_ids is only read with norm='sequence' (norm is {norm!r}); "
-                         "drop it or pass norm='sequence'")
+        raise ValueError(f"{where}: sequence_ids is only read with norm='sequence' or level='sequence' (norm is "
+                         f"{norm!r}, level {level!r}); drop it or pass one of them")
     chunk_rows(n_rows, weight.shape[0], hidden.dtype, chunk_size)  # validates chunk_size early
     behavior = _row_vector(where, "behavior_logprobs", behavior_logprobs, n_rows, device)
     adv = _row_vector(where, "advantages", advantages, n_rows, device)
@@ -358,7 +415,7 @@ def fused_aipo_loss(
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         loss, packed = _FusedAIPOLoss.apply(
             hidden, weight, targets, behavior, adv, mask_f, scale, ref, old, clip, rho, temperature, kl_coef,
-            entropy_coef, chunk_size,
+            entropy_coef, chunk_size, sequence_ids if level == "sequence" else None,
         )
         return loss, dict(zip(_metric_keys(ref is not None, clip is not None), packed.unbind()))
     with torch.no_grad():
@@ -366,5 +423,7 @@ def fused_aipo_loss(
             hidden, weight, targets, behavior, adv, scale, ref, old, clip, rho, temperature, kl_coef,
             entropy_coef, chunk_size, False, False,
         )
+        policy = None if level == "token" else _sequence_policy(logprobs, behavior, adv, mask_f, old, clip, rho,
+                                                                 sequence_ids)
         return _loss_and_metrics(logprobs, entropy, behavior, adv, mask_f, scale, ref, old, clip, rho, kl_coef,
-                                 entropy_coef)
+                                 entropy_coef, policy)

@@ -92,10 +92,11 @@ def aipo_loss_from_hidden_ref(
     norm_constant: "float | None" = None,
     old_logprobs: "torch.Tensor | None" = None,
     clip: "tuple[float, float] | None" = None,
+    level: str = "token",
 ) -> "tuple[torch.Tensor, dict[str, torch.Tensor]]":
     """AIPO loss (differentiable in hidden and weight) and its metrics, as in the header; with
-    norm="sequence", rows with equal ``sequence_ids`` form one sequence; with ``clip``, the decoupled
-    PPO policy term."""
+    norm="sequence" or level="sequence", rows with equal ``sequence_ids`` form one sequence; with ``clip``,
+    the decoupled PPO policy term; with level="sequence", the ratios are the sequences' geometric means."""
     logprobs, entropy = logprobs_from_hidden_ref(hidden, weight, targets, temperature)
     dtype = logprobs.dtype
     m = mask.to(dtype)
@@ -105,18 +106,29 @@ def aipo_loss_from_hidden_ref(
     def mean(x: "torch.Tensor") -> "torch.Tensor":
         return torch.where(on, x, torch.zeros_like(x)).sum() / tokens.clamp(min=1.0)
 
+    def odds(x: "torch.Tensor") -> "torch.Tensor":  # per row, or its sequence's mean over its masked rows
+        x = torch.where(on, x, torch.zeros_like(x))
+        if level == "token":
+            return x
+        out = torch.zeros_like(x)
+        for b in sequence_ids.unique():
+            rows = sequence_ids == b
+            out = torch.where(rows, x[rows].sum() / m[rows].sum().clamp(min=1.0), out)
+        return out
+
     log_ratio = logprobs.detach() - behavior_logprobs.to(dtype)
     ratio = log_ratio.exp()
     adv = advantages.to(dtype)
     metrics = {}
     if clip is None:
-        truncated = ratio > rho
-        per_token = -ratio.clamp(max=rho) * adv * logprobs
+        weighted = odds(log_ratio).exp()
+        truncated = weighted > rho
+        per_token = -weighted.clamp(max=rho) * adv * logprobs
     else:
         old = logprobs.detach() if old_logprobs is None else old_logprobs.to(dtype)
-        old_ratio = (old - behavior_logprobs.to(dtype)).exp()
+        old_ratio = odds(old - behavior_logprobs.to(dtype)).exp()
         truncated = old_ratio > rho
-        q = torch.where(on, logprobs - old, torch.zeros_like(old)).exp()  # masked rows: exp(0), never inf
+        q = odds(logprobs - old).exp()  # masked rows: exp(0), never inf
         per_token = -old_ratio.clamp(max=rho) * torch.minimum(q * adv, q.clamp(1 - clip[0], 1 + clip[1]) * adv)
         clipped = ((adv > 0) & (q.detach() > 1 + clip[1])) | ((adv < 0) & (q.detach() < 1 - clip[0]))
         metrics["clip_frac"] = mean(clipped.to(dtype))

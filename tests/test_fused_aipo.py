@@ -210,6 +210,82 @@ def test_decoupled_clip_matches_fp64(norm, with_old, temperature):
         assert torch.equal(gh, unclipped[2]) and torch.equal(gw, unclipped[3])
 
 
+@pytest.mark.parametrize("norm, clip, with_old", [("token", None, False), ("sequence", None, False),
+                                                  ("constant", (0.2, 0.28), True), ("token", (0.2, 0.28), False)])
+def test_sequence_level_ratios_match_fp64(norm, clip, with_old):
+    """level="sequence" (GSPO's ratio): each sequence's geometric-mean ratio weights, truncates and clips all
+    its rows. The kernel (a first pass for logπ, then per-row coefficients) against the fp64 reference and
+    the [B, T] specification, with sequences interleaved, KL and entropy terms, sequence ratios on both sides
+    of ρ, and with old_logprobs sequence ratios π/π_old below, inside and above the clip range."""
+    b, t = 6, 7
+    case = make_case(b * t, 24, 700, 0.9, seed=29, with_ref=True)
+    case["behavior_logprobs"] += torch.tensor([-1.5, 0.0, 1.0, -0.3, 0.2, -2.0]).repeat_interleave(t)  # π/μ by row
+    case["mask"][2 * t + 3:3 * t] = False  # a shorter sequence
+    perm = torch.randperm(b * t, generator=torch.Generator().manual_seed(5))
+    old = None
+    if with_old:
+        lp, _ = logprobs_from_hidden_ref(case["hidden"].double(), case["weight"].double(), case["targets"], 0.9)
+        old = (lp - torch.tensor([-0.5, 0.0, 0.4], dtype=torch.float64).repeat(2).repeat_interleave(t)).float()
+    shuffled = {k: (v[perm] if isinstance(v, torch.Tensor) and v.shape[:1] == (b * t,) else v)
+                for k, v in case.items()}
+    seq_ids = (torch.arange(b * t) // t)[perm]
+    opts = dict(rho=RHO, temperature=0.9, kl_coef=0.1, entropy_coef=0.02, norm=norm, sequence_ids=seq_ids,
+                norm_constant=100.0 if norm == "constant" else None, clip=clip, level="sequence",
+                old_logprobs=None if old is None else old[perm])
+    loss, metrics, gh, gw = run(fused_aipo_loss, shuffled, chunk_size=16, **opts)
+    eager = run(aipo_loss_from_hidden_ref, shuffled, **opts)
+    exact = run(aipo_loss_from_hidden_ref, shuffled, dtype=torch.float64, **opts)
+    assert_within_2x_eager(loss, eager[0], exact[0], "loss", scale=float(exact[0].detach().abs()) + 1e-3)
+    assert_within_2x_eager(gh, eager[2], exact[2], "grad hidden")
+    assert_within_2x_eager(gw, eager[3], exact[3], "grad weight")
+    keys = METRICS + ("kl_ref",) + (("clip_frac",) if clip else ())
+    for key in keys:
+        assert_within_2x_eager(metrics[key], eager[1][key], exact[1][key], key, ulps=16)
+    assert 0.0 < metrics["truncated_frac"].item() < 1.0  # some sequences truncated at rho, some not
+    if with_old:
+        assert 0.0 < metrics["clip_frac"].item() < 1.0
+
+    # the [B, T] specification (llamarl.algorithms.aipo_loss) agrees with the reference in fp64
+    h64 = case["hidden"].double().requires_grad_()
+    lp, ent = token_logprobs(h64 @ case["weight"].double().t(), case["targets"], 0.9)
+    spec, spec_metrics = aipo_loss(
+        lp.view(b, t), case["behavior_logprobs"].double().view(b, t), case["advantages"].double().view(b, t),
+        case["mask"].view(b, t), RHO, norm=norm, norm_constant=opts["norm_constant"],
+        ref_logprobs=case["ref_logprobs"].double().view(b, t), kl_coef=0.1, entropy=ent.view(b, t),
+        entropy_coef=0.02, clip=clip, old_logprobs=None if old is None else old.double().view(b, t),
+        level="sequence")
+    spec.backward()
+    assert spec.item() == pytest.approx(exact[0].item(), rel=1e-10, abs=1e-12)
+    torch.testing.assert_close(exact[2][torch.argsort(perm)], h64.grad, rtol=1e-9, atol=1e-12)
+    for key in keys:
+        assert spec_metrics[key].item() == pytest.approx(exact[1][key].item(), rel=1e-10, abs=1e-12)
+    token_level = run(fused_aipo_loss, shuffled, chunk_size=16,
+                      **dict(opts, level="token", sequence_ids=seq_ids if norm == "sequence" else None))
+    assert (token_level[2] - gh).abs().max() > 1e-3 * gh.abs().max()  # the levels really differ here
+
+
+def test_sequence_level_gradient_is_the_sequence_weight_times_the_token_gradients():
+    """Without clip, ∇loss = −Σ_b w_b A_b Σ_t s_t ∇logπ_bt with w_b = min(exp(mean_t log π/μ), ρ): checked
+    against that formula written out, so the specification itself is pinned, not only the kernel."""
+    b, t = 4, 5
+    logp = (-2.0 + 0.3 * torch.randn(b, t, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))
+    logp.requires_grad_()
+    behavior = logp.detach() + torch.tensor([[-1.0], [0.5], [0.0], [-0.2]], dtype=torch.float64)
+    mask = torch.ones(b, t, dtype=torch.bool)
+    mask[3, 2:] = False
+    adv = torch.tensor([1.0, -0.5, 2.0, 0.7], dtype=torch.float64)
+    loss, metrics = aipo_loss(logp, behavior, adv, mask, 2.0, level="sequence")
+    loss.backward()
+    lengths = mask.sum(1, keepdim=True).double()
+    w = (((logp.detach() - behavior) * mask).sum(1, keepdim=True) / lengths).exp().clamp(max=2.0)
+    torch.testing.assert_close(logp.grad, -(w * adv[:, None]) * mask / mask.sum(), rtol=1e-12, atol=0)
+    assert metrics["truncated_frac"].item() == pytest.approx(5 / mask.sum().item())  # row 0: e^1 > 2
+    with pytest.raises(ValueError, match="level='sequence' needs"):
+        aipo_loss(logp.view(-1), behavior.view(-1), adv.repeat_interleave(t), mask.view(-1), level="sequence")
+    with pytest.raises(ValueError, match="level must be one of"):
+        aipo_loss(logp, behavior, adv, mask, level="seq")
+
+
 def test_constant_norm_matches_fp64():
     """norm="constant" (Dr. GRPO): Σ m ℓ / C against the fp64 reference; the same step as the token mean
     rescaled by M / C (M the masked-in rows), which the kernel must not apply twice."""
@@ -301,12 +377,14 @@ def test_bad_input(args, match):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, norm, clip", [(torch.bfloat16, "token", False), (torch.float32, "token", False),
-                                               (torch.bfloat16, "sequence", False), (torch.bfloat16, "token", True)])
-def test_gpu_matches_fp64(dtype, norm, clip):
+@pytest.mark.parametrize("dtype, norm, clip, level",
+                         [(torch.bfloat16, "token", False, "token"), (torch.float32, "token", False, "token"),
+                          (torch.bfloat16, "sequence", False, "token"), (torch.bfloat16, "token", True, "token"),
+                          (torch.bfloat16, "token", True, "sequence")])
+def test_gpu_matches_fp64(dtype, norm, clip, level):
     case = make_case(1500, 512, 32011, 0.9, seed=3, device="cuda", with_ref=True)
-    opts = dict(rho=RHO, temperature=0.9, kl_coef=0.05, entropy_coef=0.01)
-    if norm == "sequence":  # 15 sequences of 100 rows
+    opts = dict(rho=RHO, temperature=0.9, kl_coef=0.05, entropy_coef=0.01, level=level)
+    if "sequence" in (norm, level):  # 15 sequences of 100 rows
         opts.update(norm=norm, sequence_ids=torch.arange(1500, device="cuda") // 100)
     if clip:  # π/π_old of e^-0.5, 1 and e^0.4 by row, as in test_decoupled_clip_matches_fp64
         lp, _ = logprobs_from_hidden_ref(case["hidden"].double(), case["weight"].double(), case["targets"], 0.9)
@@ -327,17 +405,20 @@ _SM90_SCRIPT = r"""
 import llamarl_kernels.aipo_loss as A
 
 fn = A._aipo_rows_kernel
-for clip in (False, True):  # the AIPO row and the decoupled-clip row
+for clip, coef in ((False, False), (True, False), (False, True)):  # AIPO, decoupled clip, sequence-level rows
     sig = {n: "i32" for n in fn.arg_names}
     sig.update(logits_ptr="*bf16", targets_ptr="*i64", temperature="fp32", rho="fp32", kl_coef="fp32",
                entropy_coef="fp32", clip_lo="fp32", clip_hi="fp32")
-    for n in ("behavior_ptr", "adv_ptr", "scale_ptr", "ref_ptr", "old_ptr", "logprobs_ptr", "entropy_ptr"):
+    for n in ("behavior_ptr", "adv_ptr", "scale_ptr", "ref_ptr", "old_ptr", "coef_ptr", "logprobs_ptr",
+              "entropy_ptr"):
         sig[n] = "*fp32"
-    consts = dict(HAS_REF=True, CLIP=clip, HAS_OLD=clip, WRITE_GRAD=True, ENTROPY_GRAD=True, BLOCK_V=4096)
+    consts = dict(HAS_REF=True, CLIP=clip, HAS_OLD=clip, HAS_COEF=coef, WRITE_GRAD=True, ENTROPY_GRAD=True,
+                  BLOCK_V=4096)
     sig.update({k: "constexpr" for k in consts})
     # V = 128256 and its row stride are multiples of 16, which Triton specializes on at launch
     ptx = build(fn, sig, consts, ["logits_ptr", "stride_row", "V", "targets_ptr", "behavior_ptr", "adv_ptr",
-                                  "scale_ptr", "ref_ptr", "old_ptr", "logprobs_ptr", "entropy_ptr"], num_warps=8)
+                                  "scale_ptr", "ref_ptr", "old_ptr", "coef_ptr", "logprobs_ptr", "entropy_ptr"],
+                num_warps=8)
     stats, grad = loops(ptx)
     # the online-softmax pass: one cross-warp reduction (the block max) per block of the row, 16-byte loads
     assert stats.count("bar.sync") <= 3, f"{stats.count('bar.sync')} barriers per block in the softmax pass"

@@ -86,6 +86,23 @@ def test_fused_loss_step_equals_the_reference_step(tmp_path, norm, share_prompts
     assert_same_step(fused_stats, fused_w, ref_stats, ref_w, atol=2e-5)
 
 
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_sequence_level_ratios_step_the_same_in_micro_batches_and_in_the_fused_kernel(tmp_path, share_prompts):
+    """trainer.ratio_level=sequence: a sequence never spans micro-batches, so the micro-batched step equals
+    the whole batch's, and the fused kernel's step equals the reference loss's; the step is not the
+    token-level one."""
+    random_model(CFG).save_pretrained(tmp_path / "model")
+    batch = collate(_batch_rollouts(), ADV, 0, share_prompts=share_prompts)
+    cfg = dict(TRAINER, ratio_level="sequence", norm="sequence")
+    whole = single_process_train_step(tmp_path / "model", CFG, batch, dict(cfg, micro_batch_size=len(ADV)))
+    split = single_process_train_step(tmp_path / "model", CFG, batch, cfg)
+    assert_same_step(*split, *whole, atol=4e-6)  # measured 0.3e-6 flat, 2.6e-6 shared (token level: 1.2e-6, 2.5e-6)
+    fused = single_process_train_step(tmp_path / "model", CFG, batch, dict(cfg, loss="fused"))
+    assert_same_step(*fused, *whole, atol=2e-5)
+    token = single_process_train_step(tmp_path / "model", CFG, batch, dict(cfg, ratio_level="token"))
+    assert max(float((token[1][n] - w).abs().max()) for n, w in whole[1].items()) > 1e-5
+
+
 def test_the_uncorrected_ablation_keeps_the_kl_term(tmp_path):
     """correction="none" is AIPO with μ := π. On samples of the current policy (μ = π: every ratio is 1)
     it is the corrected loss exactly, including the KL to a reference policy that differs from π."""

@@ -41,6 +41,18 @@ and q_t < 1 − ε_low). ``old_logprobs`` defaults to logπ detached (the first 
 differs (−w_t A_t instead of −w_t A_t logπ_t; both are surrogates whose gradients matter). 0 ≤ ε_low < 1,
 ε_high ≥ 0 (DAPO's clip-higher sets ε_high > ε_low).
 
+Sequence-level ratios (``level="sequence"``: TRL's importance_sampling_level="sequence", GSPO's ratio):
+the ratios are geometric means over each sequence b's masked tokens (L_b of them), shared by its tokens,
+
+    w_b = min(exp(Σ_t m_bt (logπ_bt − logμ_bt) / L_b), ρ)                         (detached)
+    ℓ_bt = − w_b · A · logπ_bt                                                     (no clip)
+    q_b = exp(Σ_t m_bt (logπ_bt − logπ_old,bt) / L_b),  ℓ_bt = − w_b · min(q_b A, clip(q_b, ..) A)   (clip)
+
+with w_b at π_old under ``clip``. One token's odds no longer scale its own gradient, so a sequence is
+weighted (and truncated, and clipped) as a whole; with clip, ∇ℓ_bt = −w_b A q_b Σ_t' m_bt' ∇logπ_bt' / L_b.
+Needs [B, T] inputs. The metrics ratio_mean, ratio_max and mismatch_kl stay per token (they measure the
+rollout/trainer mismatch); truncated_frac and clip_frac count the tokens of truncated / clipped sequences.
+
 Layouts: ``logprobs``, ``behavior_logprobs``, ``mask``, ``ref_logprobs``, ``entropy`` are all ``[B, T]``
 (or all ``[N]`` flat: token or constant normalisation); ``advantages`` is ``[B, T]`` per token or ``[B]`` per
 sequence (broadcast over T), or ``[N]`` with flat inputs. Arithmetic runs in float32 (float64 inputs
@@ -72,6 +84,7 @@ import torch
 
 from llamarl_kernels.shapes import check_clip, check_norm
 ENTROPY_MODES = ("grad", "detached", "none")
+LEVELS = ("token", "sequence")  # where the importance ratios are taken
 
 
 def token_logprobs(
@@ -132,6 +145,7 @@ def aipo_loss(
     entropy_coef: float = 0.0,
     old_logprobs: torch.Tensor | None = None,
     clip: tuple[float, float] | None = None,
+    level: str = "token",
     validate: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The AIPO loss (see the module docstring) and its metrics.
@@ -140,10 +154,15 @@ def aipo_loss(
     weight, ``behavior_logprobs``, ``advantages``, ``ref_logprobs`` and ``old_logprobs`` are treated as
     constants. ``clip=(ε_low, ε_high)`` selects the decoupled PPO form, with ``old_logprobs`` (same
     shape as ``logprobs``; default ``logprobs`` detached) the log-probs under the step's starting policy.
-    ``validate=False`` skips the data-dependent checks that need a device sync (finite values, mask
-    in {0, 1}); shape, device and option checks always run.
+    ``level="sequence"`` takes the ratios per sequence (module docstring). ``validate=False`` skips the
+    data-dependent checks that need a device sync (finite values, mask in {0, 1}); shape, device and option
+    checks always run.
     """
     check_norm("aipo_loss", norm, norm_constant)
+    if level not in LEVELS:
+        raise ValueError(f"aipo_loss: level must be one of {LEVELS}, got {level!r}")
+    if level == "sequence" and logprobs.dim() != 2:
+        raise ValueError("aipo_loss: level='sequence' needs [B, T] inputs; flat [N] inputs have no sequences")
     _check_inputs(logprobs, behavior_logprobs, advantages, mask, rho, norm, ref_logprobs, kl_coef,
                   entropy, entropy_coef, old_logprobs, clip, validate)
     compute = torch.promote_types(logprobs.dtype, torch.float32)
@@ -159,18 +178,27 @@ def aipo_loss(
     log_ratio = logp.detach() - behavior
     ratio = log_ratio.exp()
     metrics: dict[str, torch.Tensor] = {}
+
+    def per_level(log_odds: torch.Tensor) -> torch.Tensor:
+        """Per token, or the mean over each sequence's masked tokens broadcast to them (level="sequence");
+        masked entries are selected out (0), so an overflowing masked value cannot reach the mean."""
+        log_odds = torch.where(live, log_odds, zero)
+        if level == "token":
+            return log_odds
+        return (log_odds.sum(dim=-1, keepdim=True) / m.sum(dim=-1, keepdim=True).clamp(min=1.0)).expand_as(logp)
+
     if clip is None:
-        weighted_ratio = ratio
+        weighted_ratio = ratio if level == "token" else per_level(log_ratio).exp()
         # w_t = min(r_t, rho), a constant for autograd; 0 where masked, so that a masked ratio that
         # overflows (rho = inf) cannot turn the zero gradient there into inf * 0 = NaN
-        weight = torch.where(live, ratio.clamp(max=rho), zero)
+        weight = torch.where(live, weighted_ratio.clamp(max=rho), zero)
         per_token = -weight * adv * logp
     else:
         old = logp.detach() if old_logprobs is None else old_logprobs.detach().to(compute)
-        weighted_ratio = (old - behavior).exp()
+        weighted_ratio = per_level(old - behavior).exp()
         weight = torch.where(live, weighted_ratio.clamp(max=rho), zero)
-        # q_t = π/π_old, exp() of 0 where masked (no overflow into the graph)
-        q = torch.where(live, logp - old, zero).exp()
+        # q_t = π/π_old (or its sequence's geometric mean), exp() of 0 where masked (no overflow into the graph)
+        q = per_level(logp - old).exp()
         surrogate = torch.minimum(q * adv, q.clamp(1.0 - clip[0], 1.0 + clip[1]) * adv)
         per_token = -weight * surrogate
         clipped = ((adv > 0) & (q.detach() > 1.0 + clip[1])) | ((adv < 0) & (q.detach() < 1.0 - clip[0]))

@@ -452,7 +452,7 @@ class TrainerExecutor:
         """The loss options for ``part``, the same for the eager loss and the fused kernel."""
         c = self.cfg
         return dict(rho=c["rho"], norm=c["norm"], norm_constant=self._norm_constant(part), kl_coef=c["kl_coef"],
-                    entropy_coef=c["entropy_coef"], clip=self._clip)
+                    entropy_coef=c["entropy_coef"], clip=self._clip, level=c["ratio_level"])
 
     def _loss(self, part: dict[str, torch.Tensor]):
         adv = part["advantages"][:, None].expand_as(part["mask"])
@@ -472,7 +472,8 @@ class TrainerExecutor:
             return fused_aipo_loss(pick(hidden), self.model.lm_head_weight, pick(part["targets"]),
                                    pick(part["behavior_logprobs"]), pick(adv), pick(part["mask"]),
                                    temperature=self.temperature, ref_logprobs=pick(ref), old_logprobs=pick(old),
-                                   sequence_ids=idx // width if self.cfg["norm"] == "sequence" else None,
+                                   sequence_ids=idx // width if "sequence" in (self.cfg["norm"],
+                                                                               self.cfg["ratio_level"]) else None,
                                    **self._loss_options(part))
         logprobs, entropy = token_logprobs(_logits(self.model, part), part["targets"], self.temperature,
                                            entropy=self._entropy_mode)
