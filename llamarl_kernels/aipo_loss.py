@@ -16,9 +16,9 @@ step's starting policy, default logπ_i detached):
     policy term −w_i · min(q_i A_i, clip(q_i, 1 − ε_l, 1 + ε_h) A_i)   in place of −w_i A_i logπ_i
 
 or, with ``level="sequence"`` (GSPO's ratio), the same terms with the ratios replaced by their geometric
-means over each sequence b's masked rows (L_b of them): w_b = min(exp(Σ_{i∈b} m_i (logπ_i − logμ_i) / L_b), ρ)
-and q_b likewise, one weight and one clip decision per sequence. Then a row's dloss/dlogπ depends on the
-other rows of its sequence, so a first pass (``fused_logprobs``, no gradients) computes logπ, and the policy
+means over each sequence b's masked rows (L_b of them): w_b = min(exp(Σ_{i∈b} m_i (logπ_i − logμ_i) / L_b),
+ρ) and q_b likewise: one weight per sequence, and a row clipped where A_i (q_b − 1) leaves the range.
+Then a row's dloss/dlogπ depends on the other rows of its sequence, so a first pass (``fused_logprobs``, no gradients) computes logπ, and the policy
 term's coefficient of each row (``_sequence_policy``) is handed to the kernel instead of computed in it:
 about one GEMM more, no [N, V] memory more.
 
@@ -101,10 +101,10 @@ def _aipo_rows_kernel(
     tl.store(entropy_ptr + row, entropy)
     if WRITE_GRAD:
         s = tl.load(scale_ptr + row)  # the row's weight s_i in the loss; 0 for masked rows
-        a = tl.load(adv_ptr + row)
         if HAS_COEF:
             c = tl.load(coef_ptr + row)
         elif CLIP:  # decoupled PPO: w at π_old, gradient of the clipped surrogate (0 where the clip holds)
+            a = tl.load(adv_ptr + row)
             old = logprob
             if HAS_OLD:
                 old = tl.load(old_ptr + row)
@@ -114,7 +114,7 @@ def _aipo_rows_kernel(
             c = tl.where(clipped, 0.0, -w * a * q)
         else:
             w = tl.minimum(tl.exp(logprob - tl.load(behavior_ptr + row)), rho)
-            c = -w * a
+            c = -w * tl.load(adv_ptr + row)
         if HAS_REF:
             c += kl_coef * (1.0 - tl.exp(tl.load(ref_ptr + row) - logprob))
         c = tl.where(s > 0, c * s, 0.0)  # dloss/dlogπ; masked rows get exactly 0
@@ -157,9 +157,9 @@ def _row_vector(where: str, name: str, t: torch.Tensor, n_rows: int, device: tor
     return t.detach().to(torch.float32).contiguous()
 
 
-def _sequence_ids(where: str, ids, n_rows: int, device: torch.device) -> torch.Tensor:
+def _sequence_ids(where: str, ids, n_rows: int, device: torch.device, why: str) -> torch.Tensor:
     if not isinstance(ids, torch.Tensor):
-        raise ValueError(f"{where}: norm='sequence' needs sequence_ids, an integer tensor [N] naming the "
+        raise ValueError(f"{where}: {why} needs sequence_ids, an integer tensor [N] naming the "
                          f"sequence of each row (e.g. the batch row the token came from); got {type(ids).__name__}")
     _check_row_shape(where, "sequence_ids", ids, n_rows, device)
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
@@ -398,7 +398,8 @@ def fused_aipo_loss(
         raise ValueError(f"{where}: level must be 'token' or 'sequence', got {level!r}")
     n_rows, device = hidden.shape[0], hidden.device
     if norm == "sequence" or level == "sequence":
-        sequence_ids = _sequence_ids(where, sequence_ids, n_rows, device)
+        why = "norm='sequence'" if norm == "sequence" else "level='sequence'"
+        sequence_ids = _sequence_ids(where, sequence_ids, n_rows, device, why)
     elif sequence_ids is not None:
         raise ValueError(f"{where}: sequence_ids is only read with norm='sequence' or level='sequence' (norm is "
                          f"{norm!r}, level {level!r}); drop it or pass one of them")

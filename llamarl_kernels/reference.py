@@ -134,7 +134,7 @@ def aipo_loss_from_hidden_ref(
         metrics["clip_frac"] = mean(clipped.to(dtype))
     per_token = per_token - entropy_coef * entropy
     if ref_logprobs is not None:
-        ref_diff = ref_logprobs.to(dtype) - logprobs
+        ref_diff = torch.where(on, ref_logprobs.to(dtype) - logprobs, torch.zeros_like(logprobs))  # masked: 0
         k3 = ref_diff.exp() - ref_diff - 1.0
         per_token = per_token + kl_coef * k3
         metrics["kl_ref"] = mean(k3.detach())

@@ -45,13 +45,16 @@ Sequence-level ratios (``level="sequence"``: TRL's importance_sampling_level="se
 the ratios are geometric means over each sequence b's masked tokens (L_b of them), shared by its tokens,
 
     w_b = min(exp(Σ_t m_bt (logπ_bt − logμ_bt) / L_b), ρ)                         (detached)
-    ℓ_bt = − w_b · A · logπ_bt                                                     (no clip)
-    q_b = exp(Σ_t m_bt (logπ_bt − logπ_old,bt) / L_b),  ℓ_bt = − w_b · min(q_b A, clip(q_b, ..) A)   (clip)
+    ℓ_bt = − w_b · A_bt · logπ_bt                                                  (no clip)
+    q_b = exp(Σ_t m_bt (logπ_bt − logπ_old,bt) / L_b)
+    ℓ_bt = − w_b · min(q_b A_bt, clip(q_b, 1 − ε_low, 1 + ε_high) A_bt)            (clip)
 
-with w_b at π_old under ``clip``. One token's odds no longer scale its own gradient, so a sequence is
-weighted (and truncated, and clipped) as a whole; with clip, ∇ℓ_bt = −w_b A q_b Σ_t' m_bt' ∇logπ_bt' / L_b.
-Needs [B, T] inputs. The metrics ratio_mean, ratio_max and mismatch_kl stay per token (they measure the
-rollout/trainer mismatch); truncated_frac and clip_frac count the tokens of truncated / clipped sequences.
+with w_b at π_old under ``clip``. One token's odds no longer scale its own gradient: a sequence is weighted
+and truncated as a whole, and clipped wherever A_bt (q_b − 1) leaves the range (with one advantage per
+sequence, as the trainer has, that is the whole sequence); with clip, ∇ℓ_bt = −w_b A_bt q_b Σ_t' m_bt'
+∇logπ_bt' / L_b, or 0 where token t is clipped. Needs [B, T] inputs. The metrics ratio_mean, ratio_max and
+mismatch_kl stay per token (they measure the rollout/trainer mismatch); truncated_frac and clip_frac count
+the tokens truncated (of truncated sequences) and clipped.
 
 Layouts: ``logprobs``, ``behavior_logprobs``, ``mask``, ``ref_logprobs``, ``entropy`` are all ``[B, T]``
 (or all ``[N]`` flat: token or constant normalisation); ``advantages`` is ``[B, T]`` per token or ``[B]`` per
