@@ -18,9 +18,9 @@ step's starting policy, default logπ_i detached):
 or, with ``level="sequence"`` (GSPO's ratio), the same terms with the ratios replaced by their geometric
 means over each sequence b's masked rows (L_b of them): w_b = min(exp(Σ_{i∈b} m_i (logπ_i − logμ_i) / L_b),
 ρ) and q_b likewise: one weight per sequence, and a row clipped where A_i (q_b − 1) leaves the range.
-Then a row's dloss/dlogπ depends on the other rows of its sequence, so a first pass (``fused_logprobs``, no gradients) computes logπ, and the policy
-term's coefficient of each row (``_sequence_policy``) is handed to the kernel instead of computed in it:
-about one GEMM more, no [N, V] memory more.
+Then a row's dloss/dlogπ depends on the other rows of its sequence, so a first pass (``fused_logprobs``,
+no gradients) computes logπ, and the policy term's coefficient of each row (``_sequence_policy``) is
+handed to the kernel instead of computed in it: about one GEMM more, no [N, V] memory more.
 
 with the row weights s_i of the normalisation (all 0 when no row is masked in):
 
