@@ -17,7 +17,8 @@ GEMMs were all the work), extra peak memory, speed-up vs eager, % of the 3-GEMM 
 
     python -m benchmarks.aipo_loss            # full: N = 2048, 4096, 16384, D = 4096, V = 128256, bf16 (GPU)
     python -m benchmarks.aipo_loss --quick    # tiny fp32 shapes; on CPU the kernel runs interpreted (< 1 min)
-    options: --sizes N [N ...], --iters K, --no-compile, --no-liger, --compile (also compile on CPU: minutes)
+    options: --sizes N [N ...], --iters K, --no-compile, --no-liger, --compile (also compile on CPU: minutes),
+             --sequence-level (also ours with level="sequence")
 
 On CPU the Triton kernel runs in the interpreter, so --quick timings only show that everything runs;
 speed figures come from GPU runs.
@@ -52,6 +53,16 @@ def eager_loss(hidden, weight, targets, behavior, advantages, mask):
 def fused_loss(hidden, weight, targets, behavior, advantages, mask):
     loss, _ = fused_aipo_loss(hidden, weight, targets, behavior, advantages, mask, RHO, TEMPERATURE)
     return loss
+
+
+def fused_sequence_level_loss(seq_len: int):
+    """ours with level="sequence" (GSPO's ratio; one more no-grad pass over the logits), sequences of seq_len."""
+    def loss_fn(hidden, weight, targets, behavior, advantages, mask):
+        ids = torch.arange(hidden.shape[0], device=hidden.device) // seq_len
+        loss, _ = fused_aipo_loss(hidden, weight, targets, behavior, advantages, mask, RHO, TEMPERATURE,
+                                  level="sequence", sequence_ids=ids)
+        return loss
+    return loss_fn
 
 
 def liger_loss_fn(seq_len: int):
@@ -119,6 +130,8 @@ def main() -> None:
     parser.add_argument("--no-liger", action="store_true",
                         help="skip the Liger-Kernel baseline (about a second per call at N=16384 on an H200)")
     parser.add_argument("--iters", type=positive_int, default=None)
+    parser.add_argument("--sequence-level", action="store_true",
+                        help="also time ours with level='sequence' (GSPO's ratio: one more pass over the logits)")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -161,6 +174,8 @@ def main() -> None:
         if liger_fn is not None:
             methods.append(("liger", liger_fn))
         methods.append(("ours (fused)", fused_loss))
+        if args.sequence_level:
+            methods.append(("ours, sequence-level ratios", fused_sequence_level_loss(seq_len)))
         eager_ms, eager_loss_value = None, None
         for name, fn in methods:
             losses: list = []
@@ -177,7 +192,8 @@ def main() -> None:
             report.add(method=name, N=n, median_ms=m.median_ms, p20_ms=m.p20_s * 1e3, p80_ms=m.p80_s * 1e3,
                        TFLOPs=flops / m.median_s / 1e12, extra_peak_GiB=m.peak_mem_bytes / 2**30, speedup_vs_eager=eager_ms / m.median_ms,
                        floor_pct=100.0 * floor.median_ms / m.median_ms,
-                       loss_diff=abs(loss_value - eager_loss_value) if name != "liger" else "n/a (other loss)")
+                       loss_diff=("n/a (other loss)" if name == "liger" else "n/a (other ratios)"
+                                  if name.startswith("ours, sequence") else abs(loss_value - eager_loss_value)))
         del inputs
         if cuda:
             torch.cuda.empty_cache()
