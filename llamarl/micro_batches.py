@@ -86,9 +86,14 @@ def _min_width(batch: dict[str, torch.Tensor]) -> int:
     return min(2, batch["targets"].shape[1]) if "prompt_ids" in batch else 1
 
 
-def idle_part(batch: dict[str, torch.Tensor], row: int) -> dict[str, torch.Tensor]:
-    """Row ``row`` cut to its fewest columns, with no trained token: the cheapest forward/backward a rank can run
-    when a collective needs it to take part (FSDP ranks that planned fewer micro-batches than others)."""
+def idle_part(batch: dict[str, torch.Tensor], rows: Sequence[int]) -> dict[str, torch.Tensor]:
+    """One of ``rows`` (with shared prompts, one with the shortest prompt) cut to its fewest columns, with no
+    trained token: the cheapest forward/backward a rank can run when a collective needs it to take part
+    (FSDP ranks that planned fewer micro-batches than others)."""
+    row = rows[0]
+    if "prompt_ids" in batch:  # the prompt that starts last is the shortest
+        start, group = batch["prompt_start"].tolist(), batch["group"].tolist()
+        row = max(rows, key=lambda r: start[group[r]])
     part = take_rows(batch, [row], ext=[0] * batch["mask"].shape[0])
     part["mask"] = torch.zeros_like(part["mask"])
     return part

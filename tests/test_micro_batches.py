@@ -76,8 +76,12 @@ def test_take_rows_cuts_each_part_to_its_longest_row_and_keeps_its_logprobs(tmp_
     mask = part["mask"] > 0
     torch.testing.assert_close(cut[mask], full[:, :width][mask], rtol=0, atol=1e-5)
 
-    idle = idle_part(batch, 4)  # shared prompts: two columns, so its forward makes both passes as others do
+    idle = idle_part(batch, range(3, 9))  # shared prompts: two columns, so its forward makes both passes
     assert idle["mask"].shape == (1, 2 if share_prompts else 1) and not idle["mask"].any()
+    if share_prompts:  # a row of the shorter prompt: prompt 1 has 5 tokens, prompt 2 has 3
+        assert idle["prompt_ids"].shape == (1, 3)
+    else:
+        assert torch.equal(idle["input_ids"], batch["input_ids"][3:4, :2])
     if share_prompts:
         assert take_rows(batch, [5])["targets"].shape == (1, 2)  # one trained token, two columns
 

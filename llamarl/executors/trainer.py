@@ -258,7 +258,7 @@ class TrainerExecutor:
         if self.sharded and self.cfg["micro_batch_tokens"]:
             count = torch.tensor([len(parts)], device=self.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
-            parts += [(None, idle_part(batch, lo))] * (int(count) - len(parts))
+            parts += [(None, idle_part(batch, range(lo, hi)))] * (int(count) - len(parts))
         return parts
 
     def _logprobs(self, model: Llama, part: dict[str, torch.Tensor]) -> torch.Tensor:
