@@ -174,7 +174,8 @@ def _split(facts: _Rows, order: list[int], rows_per: int, token_budget: int,
     groups: set[int] = set()
     for r in order:
         g = facts.group[r] if facts.shared else 0
-        w, f = max(width, facts.ext[r]), min(first, facts.start[g]) if facts.shared else 0
+        w = max(width, facts.ext[r])
+        f = min(first, facts.start[g]) if facts.shared else 0
         n = len(groups) + (g not in groups)
         if parts and (max_rows is None or len(parts[-1]) < max_rows) \
                 and facts.cost(len(parts[-1]) + 1, w, n, f) <= token_budget:
