@@ -167,17 +167,24 @@ def _sequence_ids(where: str, ids, n_rows: int, device: torch.device, why: str) 
     return ids
 
 
-def _row_weights(mask: torch.Tensor, norm: str = "token", sequence_ids: torch.Tensor | None = None,
+def _sequences(sequence_ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seq [N], lengths [S]): each row's sequence as an index in [0, S), and each sequence's masked rows
+    L_b; found once per call, for the norm and the level alike."""
+    names, seq = torch.unique(sequence_ids, return_inverse=True)
+    return seq, torch.zeros(names.numel(), dtype=mask.dtype, device=mask.device).index_add_(0, seq, mask)
+
+
+def _row_weights(mask: torch.Tensor, norm: str = "token", sequences: tuple[torch.Tensor, torch.Tensor] | None = None,
                  constant: float | None = None) -> torch.Tensor:
-    """The weights s_i of the module docstring (fp32 [N]): loss = Σ_i s_i ℓ_i; all 0 if no row is masked in."""
+    """The weights s_i of the module docstring (fp32 [N]): loss = Σ_i s_i ℓ_i; all 0 if no row is masked in.
+    ``sequences``: ``_sequences`` of the rows (norm="sequence")."""
     if norm == "token":
         return mask / mask.sum().clamp(min=1.0)
     if norm == "constant":
         return mask / constant
-    names, seq = torch.unique(sequence_ids, return_inverse=True)
-    lengths = torch.zeros(names.numel(), dtype=mask.dtype, device=mask.device).index_add_(0, seq, mask)
-    sequences = (lengths > 0).sum().clamp(min=1).to(mask.dtype)
-    return mask / (lengths[seq].clamp(min=1.0) * sequences)
+    seq, lengths = sequences
+    count = (lengths > 0).sum().clamp(min=1).to(mask.dtype)  # S, the sequences with a trained row
+    return mask / (lengths[seq].clamp(min=1.0) * count)
 
 
 def _run_chunks(hidden, weight, targets, behavior, adv, scale, ref, old, clip, rho, temperature, kl_coef,
@@ -223,7 +230,7 @@ def _run_chunks(hidden, weight, targets, behavior, adv, scale, ref, old, clip, r
     return logprobs, entropy, grad_hidden, grad_weight
 
 
-def _sequence_policy(logprobs, behavior, adv, mask, old, clip, rho, sequence_ids):
+def _sequence_policy(logprobs, behavior, adv, mask, old, clip, rho, sequences):
     """level="sequence" (module docstring), from logπ [N] of a first pass: per row (the policy term's
     dloss/dlogπ before s_i, its loss value, the ratio its weight truncates, clipped or None).
 
@@ -232,8 +239,7 @@ def _sequence_policy(logprobs, behavior, adv, mask, old, clip, rho, sequence_ids
     dloss/dlogπ_i = −w_b q_b Σ_{t∈b} s_t A_t 1(t not clipped) / L_b is s_i times the coefficient below."""
     on = mask > 0
     zero = torch.zeros_like(logprobs)
-    names, seq = torch.unique(sequence_ids, return_inverse=True)
-    lengths = torch.zeros(names.numel(), dtype=mask.dtype, device=mask.device).index_add_(0, seq, mask)
+    seq, lengths = sequences  # ``_sequences`` of the rows
 
     def seq_mean(x: torch.Tensor) -> torch.Tensor:
         sums = torch.zeros_like(lengths).index_add_(0, seq, torch.where(on, x, zero))
@@ -304,12 +310,12 @@ class _FusedAIPOLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, behavior, adv, mask, scale, ref, old, clip, rho, temperature,
-                kl_coef, entropy_coef, chunk_size, sequence_ids):
+                kl_coef, entropy_coef, chunk_size, sequences):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         policy = None
-        if sequence_ids is not None:  # level="sequence": a first pass for logπ, whose sequences set the weights
+        if sequences is not None:  # level="sequence": a first pass for logπ, whose sequences set the weights
             first, _ = fused_logprobs(hidden, weight, targets, temperature, chunk_size=chunk_size)
-            policy = _sequence_policy(first, behavior, adv, mask, old, clip, rho, sequence_ids)
+            policy = _sequence_policy(first, behavior, adv, mask, old, clip, rho, sequences)
         logprobs, entropy, grad_h, grad_w = _run_chunks(
             hidden, weight, targets, behavior, adv, scale, ref, old, clip, rho, temperature, kl_coef,
             entropy_coef, chunk_size, need_h, need_w, coef=None if policy is None else policy[0],
@@ -411,12 +417,13 @@ def fused_aipo_loss(
     old = None if old_logprobs is None else _row_vector(where, "old_logprobs", old_logprobs, n_rows, device)
     clip = None if clip is None else (float(clip[0]), float(clip[1]))
     targets = targets.contiguous()
-    scale = _row_weights(mask_f, norm, sequence_ids, None if norm_constant is None else float(norm_constant))
+    sequences = None if sequence_ids is None else _sequences(sequence_ids, mask_f)
+    scale = _row_weights(mask_f, norm, sequences, None if norm_constant is None else float(norm_constant))
 
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         loss, packed = _FusedAIPOLoss.apply(
             hidden, weight, targets, behavior, adv, mask_f, scale, ref, old, clip, rho, temperature, kl_coef,
-            entropy_coef, chunk_size, sequence_ids if level == "sequence" else None,
+            entropy_coef, chunk_size, sequences if level == "sequence" else None,
         )
         return loss, dict(zip(_metric_keys(ref is not None, clip is not None), packed.unbind()))
     with torch.no_grad():
@@ -425,6 +432,6 @@ def fused_aipo_loss(
             entropy_coef, chunk_size, False, False,
         )
         policy = None if level == "token" else _sequence_policy(logprobs, behavior, adv, mask_f, old, clip, rho,
-                                                                 sequence_ids)
+                                                                 sequences)
         return _loss_and_metrics(logprobs, entropy, behavior, adv, mask_f, scale, ref, old, clip, rho, kl_coef,
                                  entropy_coef, policy)
