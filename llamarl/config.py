@@ -100,10 +100,13 @@ class GeneratorConfig(_Section):
     samples_per_prompt: int = 8
     max_new_tokens: int = 8
     temperature: float = 1.0
-    # top-k / nucleus sampling (0 / 1: off); the log-probs mu stay the full softmax's, so the AIPO weights do not
-    # correct for the truncation (a warning at start; llamarl.generation.sampling)
+    # top-k / nucleus sampling (0 / 1: off)
     top_k: int = 0
     top_p: float = 1.0
+    # the behaviour log-probs mu with top-k/top-p: "processed" (the truncated distribution the tokens are drawn
+    # from, so the AIPO weight pi/mu is exact) or "raw" (the untruncated softmax(z / T); the weights then do not
+    # correct for the truncation, and the run warns); vLLM's logprobs_mode, llamarl.generation.sampling
+    logprobs_mode: Literal["processed", "raw"] = "processed"
     quantization: Literal["none", "int8", "fp8"] = "none"
     # stop strings: a completion ends at the first token whose text holds one (kept; llamarl.generation.stop),
     # e.g. ["\nQuestion:"] for few-shot prompts "Question: {prompt}\nAnswer: " (examples are joined by a newline)

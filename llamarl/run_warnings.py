@@ -17,11 +17,11 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
     """Settings that are valid but likely not what was meant; printed when a run starts."""
     out = []
     g = cfg.generator
-    if g.top_p < 1.0 or g.top_k > 0:
+    if (g.top_p < 1.0 or g.top_k > 0) and g.logprobs_mode == "raw":
         what = f"generator.top_p={g.top_p}" if g.top_p < 1.0 else f"generator.top_k={g.top_k}"
-        out.append(f"{what} samples from the truncated distribution, but the log-probs (mu) and the trainer's pi "
-                   "are the full softmax's (llamarl.generation.sampling), so the AIPO importance weights do not "
-                   "correct for the truncation; top_p=1 and top_k=0 keep mu exactly the sampler's")
+        out.append(f"{what} samples from the truncated distribution, but generator.logprobs_mode=raw reports the log-"
+                   "probs (mu) of the full softmax (llamarl.generation.sampling), so the AIPO importance weights do "
+                   "not correct for the truncation; logprobs_mode=processed reports the sampler's own mu")
     if cfg.trainer.lr_warmup_steps >= cfg.run.max_steps:
         out.append(f"trainer.lr_warmup_steps={cfg.trainer.lr_warmup_steps} >= run.max_steps={cfg.run.max_steps}: "
                    "the learning rate never reaches trainer.lr")

@@ -174,6 +174,7 @@ def _messages(tmp_path):
         (["--set", "generator.tp=0"], r"generator.tp: must be > 0"),
         (["--set", "generator.max_sample_batches=0"], r"generator.max_sample_batches: must be > 0"),
         (["--set", "generator.top_k=-1"], r"generator.top_k: must be >= 0"),
+        (["--set", "generator.logprobs_mode=raw_logprobs"], r"generator.logprobs_mode: must be one of"),
         (["--set", "trainer.ranks=3"], r"trainer.ranks: the step's 16x8=128 sequences must split evenly"),
         (["--set", "trainer.parallel=none", "--set", "trainer.ranks=2"], r"trainer.parallel: 'none' needs"),
         (["--set", "trainer.betas=0.9,1.2"], r"trainer.betas: both must be in \[0, 1\)"),

@@ -4,6 +4,7 @@ sampler draws from the right distribution, stops/lengths/n/seed/policy versions 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -34,12 +35,28 @@ def models(tmp_path_factory):
     return hf, Llama.from_pretrained(path)
 
 
-def recompute_logprobs(model, prompt, tokens, temperature):
+def truncated_probs(p, top_k, top_p):
+    """Probabilities p [..., V] cut to the top_k largest, then to the smallest most-likely prefix whose mass
+    reaches top_p, renormalised (float64, written independently of llamarl.generation.sampling)."""
+    if top_k:
+        p = torch.where(p >= p.topk(top_k, dim=-1).values[..., -1:], p, 0.0)
+    if top_p < 1.0:
+        srt, order = p.sort(dim=-1, descending=True)
+        keep = (srt.cumsum(-1) - srt) < top_p * srt.sum(-1, keepdim=True)
+        p = torch.zeros_like(p).scatter(-1, order, srt * keep)
+    return p / p.sum(-1, keepdim=True)
+
+
+def recompute_logprobs(model, prompt, tokens, params):
+    """float64 log-probs of ``tokens`` after ``prompt`` under the distribution ``params`` says they come from."""
     seq = torch.tensor([list(prompt) + list(tokens)])
     with torch.no_grad():
         logits = model(seq)[0, len(prompt) - 1 : -1].double()
-    t = temperature if temperature > 0 else 1.0
-    return torch.log_softmax(logits / t, dim=-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+    t = params.temperature if params.temperature > 0 else 1.0
+    p = torch.softmax(logits / t, dim=-1)
+    if params.temperature > 0 and params.logprobs_mode == "processed":
+        p = truncated_probs(p, params.top_k, params.top_p)
+    return p.log().gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
 
 
 def test_greedy_matches_transformers_generate(models):
@@ -65,6 +82,8 @@ def test_greedy_matches_transformers_generate(models):
         SamplingParams(max_new_tokens=10, temperature=0.7, n=2, seed=3),
         SamplingParams(max_new_tokens=10, temperature=1.3, top_k=5, seed=4),
         SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.8, seed=5),
+        SamplingParams(max_new_tokens=10, temperature=1.3, top_k=5, seed=4, logprobs_mode="raw"),
+        SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.8, seed=5, logprobs_mode="raw"),
     ],
 )
 def test_logprobs_equal_fp32_recomputation(models, params):
@@ -74,7 +93,7 @@ def test_logprobs_equal_fp32_recomputation(models, params):
     worst = 0.0
     for o in outs:
         assert len(o.logprobs) == len(o.token_ids) == len(o.policy_versions) == 10
-        ref = recompute_logprobs(model, o.prompt_token_ids, o.token_ids, params.temperature)
+        ref = recompute_logprobs(model, o.prompt_token_ids, o.token_ids, params)
         worst = max(worst, (ref - torch.tensor(o.logprobs, dtype=torch.float64)).abs().max().item())
     print(f"max |logprob - fp32 recompute| = {worst:.2e}")
     assert worst < 5e-5
@@ -109,19 +128,16 @@ def test_sampler_draws_from_the_truncated_distribution():
         g = torch.Generator().manual_seed(params.seed)
         tokens, lps = sample_tokens(z.expand(rows, 8).clone(), params, g)
         scaled = z.double() / params.temperature
-        p = torch.softmax(scaled, -1)
-        if params.top_k:
-            p = torch.where(p >= p.topk(params.top_k).values[-1], p, 0.0)
-        if params.top_p < 1.0:
-            srt, order = p.sort(descending=True)
-            keep = (srt.cumsum(0) - srt) < params.top_p
-            p = torch.zeros_like(p).scatter(0, order, srt * keep)
-        p = p / p.sum()
+        p = truncated_probs(torch.softmax(scaled, -1), params.top_k, params.top_p)
         freq = torch.bincount(tokens, minlength=8).double() / rows
         assert (freq[p == 0] == 0).all()  # never outside the top-k / top-p set
         assert 0.5 * (freq - p).abs().sum().item() < 0.015
-        # reported log-prob is the untruncated, temperature-scaled one
-        torch.testing.assert_close(lps.double(), torch.log_softmax(scaled, -1)[tokens], rtol=0, atol=1e-5)
+        # the reported log-prob is the sampler's own (processed); "raw" is the untruncated temperature-scaled one
+        torch.testing.assert_close(lps.double(), p.log()[tokens], rtol=0, atol=1e-5)
+        raw = dataclasses.replace(params, logprobs_mode="raw")
+        tokens_raw, lps_raw = sample_tokens(z.expand(rows, 8).clone(), raw, torch.Generator().manual_seed(params.seed))
+        assert torch.equal(tokens_raw, tokens)
+        torch.testing.assert_close(lps_raw.double(), torch.log_softmax(scaled, -1)[tokens], rtol=0, atol=1e-5)
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy(models):
@@ -168,7 +184,7 @@ def test_stops_and_compaction_match_single_prompt_runs(models, monkeypatch):
         cut = next((j + 1 for j, t in enumerate(ref) if t in stops), len(ref))
         assert o.token_ids == ref[:cut]
         assert o.finish_reason == ("stop" if cut < len(ref) or ref[-1] in stops else "length")
-        ref_lp = recompute_logprobs(model, o.prompt_token_ids, o.token_ids, 0.0)
+        ref_lp = recompute_logprobs(model, o.prompt_token_ids, o.token_ids, params)
         assert (ref_lp - torch.tensor(o.logprobs, dtype=torch.float64)).abs().max().item() < 5e-5
     assert batched[0].finish_reason == "stop" and len(batched[0].token_ids) == 2
     assert compactions[0] == 2  # rows 0 and 2 stopped first: the batch shrank from 4 to 2 rows
@@ -232,6 +248,7 @@ def test_tiny_preset_bf16_generation():
         (dict(top_k=-1), "top_k"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
+        (dict(logprobs_mode="processed_logprobs"), "logprobs_mode must be one of"),
         (dict(n=0), "n"),
         (dict(stop_token_ids=["a"]), "stop_token_ids"),
         (dict(stop_token_ids="12"), "stop_token_ids must be a sequence of token ids, got '12'"),

@@ -178,13 +178,16 @@ def test_a_stop_string_with_a_literal_backslash_n_is_warned_about():
     assert not any("backslash" in w for w in newline), newline
 
 
-def test_truncated_sampling_is_warned_about_since_mu_is_the_full_softmax():
+def test_truncated_sampling_with_raw_logprobs_is_warned_about_since_mu_is_then_the_full_softmax():
     from llamarl.run_warnings import config_warnings
 
+    raw = ["--set", "generator.logprobs_mode=raw"]
     for flag, name in (("generator.top_p=0.9", "generator.top_p=0.9"), ("generator.top_k=20", "generator.top_k=20")):
-        warned = config_warnings(load_config(SMOKE + ["--set", flag]))
+        warned = config_warnings(load_config(SMOKE + raw + ["--set", flag]))
         assert any(w.startswith(f"{name} samples from the truncated distribution") for w in warned), warned
-    assert not any("truncated" in w for w in config_warnings(load_config(SMOKE)))
+        processed = config_warnings(load_config(SMOKE + ["--set", flag]))  # the default: mu is the sampler's
+        assert not any("truncated" in w for w in processed), processed
+    assert not any("truncated" in w for w in config_warnings(load_config(SMOKE + raw)))
 
 
 def test_a_stop_string_that_looks_like_a_list_is_warned_about():

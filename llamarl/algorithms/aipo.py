@@ -64,7 +64,9 @@ stay float64); the loss is a 0-d tensor of that dtype.
 Log-prob convention, shared with the generation engine and the fused kernels in ``llamarl_kernels``:
 ``logπ_t = log_softmax(logits_t.float() / T)[y_t]`` over the full vocabulary, T the sampling
 temperature (1.0 for greedy). ``token_logprobs`` computes exactly this, plus the entropy of that
-distribution.
+distribution. π is always the full softmax; μ is whatever the sampler drew from: with top-k/top-p the engine
+reports the truncated distribution's log-prob (llamarl.generation.sampling), so r_t = π/μ is the exact
+importance weight of the sample.
 
 Metrics (detached 0-d tensors, always token means over the masked tokens, whatever ``norm`` is):
 ``ratio_mean``, ``ratio_max`` (of r_t, before truncation), ``truncated_frac`` (fraction whose weight

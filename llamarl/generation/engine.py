@@ -4,9 +4,9 @@ Log-prob convention (shared with AIPO; μ is the generator's policy):
 
     logprob_t = log_softmax(logits_t.float() / T)[y_t],   T = temperature if temperature > 0 else 1,
 
-over the full vocabulary, in fp32, computed from the logits that produced y_t, BEFORE top-k/top-p
-truncation. With top-k/top-p the returned μ is thus the pre-truncation distribution (AIPO runs use
-neither, so there μ is exactly the distribution sampled from). ``policy_versions[t]`` is
+over the full vocabulary, in fp32, computed from the logits that produced y_t. With top-k/top-p it is the
+log-prob of the truncated, renormalised distribution y_t was drawn from (``logprobs_mode="processed"``, the
+default), or the one above (``"raw"``): llamarl.generation.sampling. ``policy_versions[t]`` is
 ``model.policy_version`` read just before the forward pass whose logits gave y_t.
 
 Algorithm for one batch of prompts (``generate`` splits larger inputs into batches of at most

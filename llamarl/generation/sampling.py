@@ -5,11 +5,14 @@ Given fp32 logits z [N, V] for the next token and temperature T:
     greedy (T == 0):  y = argmax z;                          logprob = log_softmax(z)[y]
     sampling (T > 0): p = softmax(z / T), truncated to the top_k largest entries (if top_k > 0), then to
                       the smallest prefix (in decreasing probability) whose mass reaches top_p, then
-                      renormalised;  y ~ p;                  logprob = log_softmax(z / T)[y]
+                      renormalised;  y ~ p;                  logprob = log p[y]
 
-The returned log-prob is therefore always under the *untruncated* temperature-scaled distribution μ
-(the convention AIPO uses; its training runs leave top_k = 0, top_p = 1 so that μ is exactly the
-sampling distribution). With top-k/top-p the reported μ is the pre-truncation one.
+The returned log-prob is the one of the distribution the token was drawn from (μ, what AIPO's importance
+weight π/μ needs; vLLM's ``logprobs_mode="processed_logprobs"``): with top-k/top-p, log p[y] =
+log_softmax(z / T)[y] − log(mass kept), so π/μ is the exact weight of a sample from the truncated sampler
+(tokens outside the kept set are never drawn, so their part of the objective is not estimated).
+``logprobs_mode="raw"`` reports log_softmax(z / T)[y], the untruncated temperature-scaled distribution,
+instead (vLLM's ``raw_logprobs``); without top-k/top-p the two are the same.
 
 Drawing y ~ p: on CUDA, y = argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. (P[y = i] = p_i, since
 E_i / p_i are independent exponentials of rate p_i and the smallest wins), which needs no host
@@ -42,6 +45,7 @@ from llamarl._native import native
 from llamarl.generation.stop import check_stop_strings
 
 NATIVE_CPU = os.environ.get("LLAMARL_FUSED_OPS", "1") != "0"
+LOGPROBS_MODES = ("processed", "raw")  # the module docstring
 MIN_TEMPERATURE = 1e-4  # smallest sampling temperature (0 is greedy); below it z / T overflows fp32 for large z
 
 
@@ -57,6 +61,7 @@ class SamplingParams:
     # stop strings (vLLM's ``stop``): a sample ends at the first token whose text holds one (generation/stop.py);
     # the engine then needs the tokenizer's ``decode``
     stop: Sequence[str] = ()
+    logprobs_mode: str = "processed"  # "processed": log-probs of the truncated sampler; "raw": of softmax(z / T)
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "top_k", "n"):
@@ -75,6 +80,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1] (1 = disabled), got {self.top_p!r}")
         if self.n < 1:
             raise ValueError(f"SamplingParams.n (samples per prompt) must be an int >= 1, got {self.n!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"SamplingParams.logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         object.__setattr__(self, "stop_token_ids", token_ids("SamplingParams.stop_token_ids", self.stop_token_ids))
         object.__setattr__(self, "stop", check_stop_strings("SamplingParams.stop", self.stop))
         if self.seed is not None:
@@ -152,10 +159,12 @@ def sample_tokens(
         logp = torch.log_softmax(logits, dim=-1)
     else:
         scaled = logits / params.temperature
-        logp = torch.log_softmax(scaled, dim=-1)
         if params.top_k > 0 or params.top_p < 1.0:
-            probs = torch.softmax(truncate_logits(scaled, params.top_k, params.top_p), dim=-1)
+            truncated = torch.log_softmax(truncate_logits(scaled, params.top_k, params.top_p), dim=-1)
+            probs = truncated.exp()
+            logp = truncated if params.logprobs_mode == "processed" else torch.log_softmax(scaled, dim=-1)
         else:
+            logp = torch.log_softmax(scaled, dim=-1)
             probs = logp.exp()
         if probs.is_cuda:
             noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
