@@ -58,7 +58,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from llamarl._procs import sigint_blocked
 from llamarl.runtime import server, starting
-from llamarl.runtime.futures import first_result, gather_ranks, retrieve, settle
+from llamarl.runtime.futures import awaitable, first_result, gather_ranks, settle
 from llamarl.runtime.links import RankLink, check_spawn_args, child_environment, disconnect, kill_all
 from llamarl.runtime.net import free_port
 from llamarl.runtime.rpc import (
@@ -75,7 +75,6 @@ from llamarl.runtime.rpc import (
     RemoteFailure,
     Reply,
     describe_exit,
-    is_shut_down,
     shut_down_error,
 )
 
@@ -259,13 +258,13 @@ class ExecutorGroup:
         return self._submit(method, [(tuple(a), kwargs) for a in per_rank_args], range(self.world_size))
 
     def acall(self, method: str, *args: Any, **kwargs: Any) -> asyncio.Future:
-        return _awaitable(self.call(method, *args, **kwargs))
+        return awaitable(self.call(method, *args, **kwargs))
 
     def acall_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> asyncio.Future:
-        return _awaitable(self.call_rank(rank, method, *args, **kwargs))
+        return awaitable(self.call_rank(rank, method, *args, **kwargs))
 
     def acall_each(self, method: str, per_rank_args: Sequence[Sequence[Any]], **kwargs: Any) -> asyncio.Future:
-        return _awaitable(self.call_each(method, per_rank_args, **kwargs))
+        return awaitable(self.call_each(method, per_rank_args, **kwargs))
 
     def add_failure_callback(self, callback: FailureCallback) -> None:
         """Call ``callback(group, ExecutorDied)`` once if a rank of this group dies (now, if it already has)."""
@@ -575,25 +574,6 @@ class ExecutorGroup:
     def __repr__(self) -> str:
         state = "dead" if self._death else "closed" if self._closed else "alive"
         return f"ExecutorGroup({self.name!r}, world_size={self.world_size}, {state})"
-
-
-# -------------------------------------------------------------------- helpers
-def _awaitable(fut: Future) -> asyncio.Future:
-    """``fut`` as an asyncio future of the running loop. If a shutdown abandons the call, its error counts
-    as retrieved: the controller that would await it was typically cancelled by the failure that stopped
-    the run, and asyncio would log "Future exception was never retrieved" after that real error."""
-    afut = asyncio.wrap_future(fut)
-    loop = afut.get_loop()
-
-    def mark_abandoned(f: Future) -> None:  # runs after wrap_future's own callback: queued behind it
-        if not f.cancelled() and is_shut_down(f.exception()):
-            try:
-                loop.call_soon_threadsafe(retrieve, afut)
-            except RuntimeError:
-                pass  # the loop has closed: the asyncio future never got the error
-
-    fut.add_done_callback(mark_abandoned)
-    return afut
 
 
 @atexit.register

@@ -4,11 +4,12 @@
 lowest rank's error (naming the other failed ranks), a rank's own error before a ``ShutDown`` (a rank
 stopped by the shutdown another rank's failure caused is not the cause); ``first_result`` unwraps a one-rank
 call; ``settle`` completes a future that may already be done (cancelled by its caller, or failed by a death
-first); ``retrieve`` marks a done future's error as seen.
+first); ``retrieve`` marks a done future's error as seen; ``awaitable`` hands a command's future to asyncio.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, Sequence
@@ -75,3 +76,21 @@ def first_result(fut: Future) -> Future:
 
     fut.add_done_callback(done)
     return out
+
+
+def awaitable(fut: Future) -> asyncio.Future:
+    """``fut`` as an asyncio future of the running loop. If a shutdown abandons the call, its error counts
+    as retrieved: the controller that would await it was typically cancelled by the failure that stopped
+    the run, and asyncio would log "Future exception was never retrieved" after that real error."""
+    afut = asyncio.wrap_future(fut)
+    loop = afut.get_loop()
+
+    def mark_abandoned(f: Future) -> None:  # runs after wrap_future's own callback: queued behind it
+        if not f.cancelled() and is_shut_down(f.exception()):
+            try:
+                loop.call_soon_threadsafe(retrieve, afut)
+            except RuntimeError:
+                pass  # the loop has closed: the asyncio future never got the error
+
+    fut.add_done_callback(mark_abandoned)
+    return afut
