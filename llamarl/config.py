@@ -47,8 +47,9 @@ from llamarl.runtime.placement import GeneratorSpec, Layout, LayoutError, Reward
 # llamarl.rewards.BUILTIN_REWARDS, llamarl.data): validating a command line must stay cheap.
 BUILTIN_MODELS = ("tiny",)  # more names are looked up in LLAMA_CONFIGS when needed
 SYNTHETIC_DATASETS = ("arithmetic",)  # "synthetic:arithmetic[:options]"
-REWARD_NAMES = ("exact", "gsm8k", "math")  # the built-in verifiers
-FORMAT_REWARD_NAMES = ("format_exact", "format_gsm8k", "format_math")  # built-in extra terms (rewards.format)
+REWARD_NAMES = ("exact", "gsm8k", "math", "code")  # the built-in verifiers
+# the built-in extra terms (llamarl.rewards.format)
+FORMAT_REWARD_NAMES = ("format_exact", "format_gsm8k", "format_math", "format_code")
 DATASET_SUFFIXES = (".jsonl", ".parquet")
 
 

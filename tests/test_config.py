@@ -200,7 +200,7 @@ def _messages(tmp_path):
         (["--model", f"{t}/missing"], r"policy.model: is neither a built-in model \(tiny, .*\) nor an existing"),
         (["--model", f"{t}/model"], r"policy.model: directory has no config.json"),
         (["--set", f"policy.tokenizer={t}/tok.json"], r"policy.tokenizer: no such file"),
-        (["--reward", "best"], r"reward.reward: must be one of exact, gsm8k, math, 'module:function' or"),
+        (["--reward", "best"], r"reward.reward: must be one of exact, gsm8k, math, code, 'module:function' or"),
         (["--reward", "os.path:no_such_fn"], r"reward.reward: reward spec 'os.path:no_such_fn': .*no attribute"),
         (["--reward", f"{t}/missing.py:fn"], r"reward.reward: reward spec .*missing.py:fn.* does not exist"),
         (["--resume", f"{t}/missing"], r"run.resume: no such directory"),

@@ -101,7 +101,7 @@ def test_the_configuration_of_the_terms(tmp_path, terms_file):
     for text in ("[format_exact, 'format_math']", "format_exact, format_math"):  # YAML list or commas
         assert load_config(["--set", f"reward.extra={text}"]).reward.extra == ("format_exact", "format_math")
     for kwargs, pattern in [
-        (dict(extra=("nope",)), r"reward.extra\[0\]: must be one of exact, gsm8k, math, format_exact"),
+        (dict(extra=("nope",)), r"reward.extra\[0\]: must be one of exact, gsm8k, math, code, format_exact"),
         (dict(extra=("format_exact",), weights=(1.0,)), r"reward.weights: needs one weight per reward function"),
         (dict(weights=(math.nan,)), r"reward.weights: must be finite"),
     ]:

@@ -4,7 +4,8 @@ Styles (``format_reward(completion, style)`` returns 1.0 or 0.0, never raises):
   * ``"gsm8k"``: the marker that declares the answer (the last ``####`` that is not a markdown heading, as
     ``gsm8k_reward`` reads it) is followed (after spaces and an optional ``$``) by a number;
   * ``"math"``:  the completion holds a closed, non-empty ``\\boxed{...}`` (see ``math.last_boxed``);
-  * ``"exact"``: the first line, stripped, is one signed integer or decimal (the synthetic task's answer).
+  * ``"exact"``: the first line, stripped, is one signed integer or decimal (the synthetic task's answer);
+  * ``"code"``:  the completion holds a closed fenced block tagged python/py/python3 or untagged, not empty.
 
 ``FORMAT_REWARDS["format_<style>"]`` is the check as a reward function ``(completion, answer) -> float`` (the
 built-in rewards ``format_gsm8k``, ``format_math``, ``format_exact``: extra reward terms, TRL's format reward).
@@ -21,6 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+from llamarl.rewards.code import closed_python_block
 from llamarl.rewards.exact import first_line
 from llamarl.rewards.gsm8k import marked_number
 from llamarl.rewards.math import last_boxed
@@ -45,6 +47,7 @@ FORMAT_STYLES: dict[str, Callable[[str], bool]] = {
     "gsm8k": _gsm8k_format,
     "math": _math_format,
     "exact": _exact_format,
+    "code": closed_python_block,
 }
 
 

@@ -1,6 +1,6 @@
 """Reward specs: a string names a reward function, so it can cross process boundaries as plain text.
 
-    "gsm8k" | "math" | "exact"            the built-in verifiers
+    "gsm8k" | "math" | "exact" | "code"   the built-in verifiers
     "format_gsm8k" | "format_math" | ...  the built-in format rewards (llamarl.rewards.format)
     "package.module:function"             a user function, imported with importlib
     "path/to/file.py:function"            a user function defined in a file (no package needed)
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from llamarl.rewards.code import code_reward
 from llamarl.rewards.exact import exact_reward
 from llamarl.rewards.format import FORMAT_REWARDS, FORMAT_STYLES, FormattedReward
 from llamarl.rewards.gsm8k import gsm8k_reward
@@ -41,6 +42,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "gsm8k": gsm8k_reward,
     "math": math_reward,
     "exact": exact_reward,
+    "code": code_reward,
     **FORMAT_REWARDS,  # format_gsm8k, format_math, format_exact: the form of the answer, not its correctness
 }
 _WARM_UPS: dict[str, Callable[[], None]] = {"math": _math_warm_up}
