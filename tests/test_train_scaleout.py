@@ -112,6 +112,9 @@ def test_budget_cases_plan_unequal_micro_batches():
 
     assert counts(_batch(False), 20) == [3, 2]
     assert counts(_batch(True), 16) == [4, 3]
+    # and without a budget: shared prompts pick by group or by row per rank (llamarl.micro_batches.plan)
+    by_rank = [len(plan(_batch(True, seed=5), range(lo, lo + ROWS // 2), rows_per=2)) for lo in (0, ROWS // 2)]
+    assert by_rank == [3, 2]
 
 
 def _bucket_bytes_match(handles, plan, weights: dict[str, torch.Tensor], version: int) -> list[str]:
@@ -137,28 +140,33 @@ def _bucket_bytes_match(handles, plan, weights: dict[str, torch.Tensor], version
     return bad
 
 
-@pytest.mark.parametrize("t_ranks, g_ranks, trainer_cfg, shared, empty",
-                         [(2, 2, TRAINER, False, ()), (2, 2, CHECKPOINTED, True, ()), (1, 3, TRAINER, False, ()),
-                          (2, 1, FUSED, True, ()), (2, 2, DDP, True, ()), (2, 1, TRAINER, False, (3,)),
-                          (2, 1, dict(TRAINER, mini_batches=2, epochs=2), True, ()),
-                          (2, 1, dict(TRAINER, norm="constant"), False, (3,)),
-                          (2, 1, dict(TRAINER, micro_batch_tokens=20), False, ()),
-                          (2, 1, dict(TRAINER, micro_batch_tokens=16, mini_batches=2, epochs=2), True, ())],
+@pytest.mark.parametrize("t_ranks, g_ranks, trainer_cfg, shared, empty, seed",
+                         [(2, 2, TRAINER, False, (), 7), (2, 2, CHECKPOINTED, True, (), 7),
+                          (1, 3, TRAINER, False, (), 7),
+                          (2, 1, FUSED, True, (), 7), (2, 2, DDP, True, (), 7), (2, 1, TRAINER, False, (3,), 7),
+                          (2, 1, dict(TRAINER, mini_batches=2, epochs=2), True, (), 7),
+                          (2, 1, dict(TRAINER, norm="constant"), False, (3,), 7),
+                          (2, 1, dict(TRAINER, micro_batch_tokens=20), False, (), 7),
+                          (2, 1, dict(TRAINER, micro_batch_tokens=16, mini_batches=2, epochs=2), True, (), 7),
+                          (2, 1, dict(TRAINER, micro_batch_size=2), True, (), 5)],
                          ids=["2+2", "2+2-shared-prompts-checkpointed", "1+3", "2+1-fused-shared-prompts",
                               "2+2-ddp-shared-prompts", "2+1-a-micro-batch-without-tokens-on-one-rank",
                               "2+1-two-mini-batches-two-epochs", "2+1-constant-norm",
                               "2+1-token-budget-3-and-2-micro-batches",
-                              "2+1-token-budget-shared-prompts-two-mini-batches-4-and-3-micro-batches"])
-def test_sharded_trainer_and_tp_generator_match_one_process(tmp_path, t_ranks, g_ranks, trainer_cfg, shared, empty):
+                              "2+1-token-budget-shared-prompts-two-mini-batches-4-and-3-micro-batches",
+                              "2+1-shared-prompts-3-and-2-micro-batches-without-a-budget"])
+def test_sharded_trainer_and_tp_generator_match_one_process(tmp_path, t_ranks, g_ranks, trainer_cfg, shared, empty,
+                                                            seed):
     """The shared-prompt cases check that layout's forward (llamarl.models.shared_prefix) under FSDP, which
     runs every layer twice per micro-batch (prompts, then completions); tests/test_shared_prefix.py checks
     the layout itself against the flat one. With row 3 empty, rank 0's second micro-batch has no tokens
     while rank 1's has: the ranks must still run the same collectives (the KL reference's forward too).
-    Under a token budget the ranks plan different numbers of micro-batches (test_budget_cases_plan_unequal_
-    micro_batches): the one with fewer adds idle ones, in the update and in the logπ_old forward."""
+    Under a token budget, or with shared prompts, the ranks may plan different numbers of micro-batches
+    (test_budget_cases_plan_unequal_micro_batches): the one with fewer adds idle ones, in the update and in
+    the logπ_old forward."""
     model_dir = tmp_path / "model"
     random_model(CFG).save_pretrained(model_dir)
-    batch = _batch(shared, empty)
+    batch = _batch(shared, empty, seed=seed)
     if trainer_cfg["mini_batches"] > 1:  # the step's updates: one per mini-batch, per epoch
         batch = [batch] + [_batch(shared, empty, seed=8 + i) for i in range(trainer_cfg["mini_batches"] - 1)]
     ref_stats, ref_weights = single_process_train_step(model_dir, CFG, batch, trainer_cfg, max_new_tokens=8)

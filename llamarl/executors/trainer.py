@@ -43,8 +43,8 @@ shards. Protocol of one command (the controller calls every rank with the same a
                   rounding, the single-process gradient of the whole batch Σ_r Σ_m (units_rm / units) ∇L_rm,
                   exactly the gradient of the batch's AIPO loss under either normalisation.
                   Every rank runs the same number of forward/backward passes (FSDP's all-gathers are
-                  collectives); a micro-batch without tokens still runs, with weight 0, and under a token
-                  budget a rank that planned fewer micro-batches adds idle ones. The gradient norm
+                  collectives); a micro-batch without tokens still runs, with weight 0, and a rank that
+                  planned fewer micro-batches (token budget, shared prompts) adds idle ones. The gradient norm
                   is global (``clip_grad_norm_``: identical on every rank); per-rank loss and metrics are
                   all-gathered and combined, so the skip decision (non-finite loss or norm) and every
                   returned number are the same on all ranks.
@@ -247,15 +247,16 @@ class TrainerExecutor:
         """This rank's micro-batches of ``batch`` as (rows, part) pairs (llamarl.micro_batches: rows ordered
         by length when ``trainer.length_grouping``, ``micro_batch_size`` rows or ``micro_batch_tokens``
         padded positions each, every part cut to the columns it needs). FSDP ranks run the same number of
-        forwards (each gathers the shards): under a token budget a rank that planned fewer adds idle parts
-        (rows None: a row cut to its fewest columns, untrained)."""
+        forwards (each gathers the shards), but may plan different numbers of parts (under a token budget; with
+        shared prompts, where each rank orders its rows by group or by row): a rank that planned fewer adds idle
+        parts (rows None: a row cut to its fewest columns, untrained)."""
         lo, hi = self._my_rows(batch["targets"].shape[0])
         ext = extents(batch)
         groups = plan(batch, range(lo, hi), rows_per=self.cfg["micro_batch_size"], ext=ext,
                       token_budget=self.cfg["micro_batch_tokens"], by_length=self.cfg["length_grouping"])
         parts: list[tuple[list[int] | None, dict[str, torch.Tensor]]] = [(g, take_rows(batch, g, ext=ext))
                                                                           for g in groups]
-        if self.sharded and self.cfg["micro_batch_tokens"]:
+        if self.sharded:
             count = torch.tensor([len(parts)], device=self.device)
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
             parts += [(None, idle_part(batch, range(lo, hi)))] * (int(count) - len(parts))
