@@ -393,7 +393,9 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
             "sync_s_mean": sum(r["sync_s"] for r in rows) / max(1, len(rows)),
             "max_staleness_seen": max((r["staleness"] for r in rows), default=0),
             "tokens_per_s": sum(r["tokens"] for r in rows) / max(1e-9, sum(r["generate_s"] for r in rows)),
-            "reward_errors": reward_stats.errors, "reward_timeouts": reward_stats.timeouts,
+            # training samples whose reward failed, over the whole run (the rows); timeouts and worker deaths
+            # are this process's pool's (since a resume; evaluations included)
+            "reward_errors": sum(r["reward_errors"] for r in rows), "reward_timeouts": reward_stats.timeouts,
             "reward_worker_deaths": reward_stats.worker_deaths,
             "skipped_updates": sum(not r["applied"] for r in rows), "policy_version": ctrl.version,
             "plot": str(plot) if plot else None, "out": str(out),

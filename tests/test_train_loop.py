@@ -477,8 +477,13 @@ def test_a_resumed_run_continues_exactly_like_the_uninterrupted_one(tmp_path):
     timing decides when the generator picks up the newest weights."""
     from safetensors.torch import load_file
 
+    flaky = tmp_path / "flaky.py"  # an extra reward term that fails on a fixed fifth of the training samples
+    flaky.write_text("import zlib\n\ndef some_fail(completion, answer, sample_id):\n"
+                     "    if zlib.crc32(sample_id.encode()) % 5 == 0:\n        raise ValueError(sample_id)\n"
+                     "    return 0.0\n")
     for mode in ("sync", "async"):
-        args = RESUMABLE + ["--mode", mode] + (["--max-staleness", "1"] if mode == "async" else [])
+        args = RESUMABLE + ["--mode", mode, "--set", f"reward.extra=[{flaky}:some_fail]"] + (
+            ["--max-staleness", "1"] if mode == "async" else [])
         whole, cut = tmp_path / f"{mode}-whole", tmp_path / f"{mode}-cut"
         train(load_config(args + ["--max-steps", "6", "--out", str(whole)]))
         train(load_config(args + ["--max-steps", "3", "--out", str(cut)]))
@@ -489,8 +494,9 @@ def test_a_resumed_run_continues_exactly_like_the_uninterrupted_one(tmp_path):
         same = 6 if mode == "sync" else 4
         assert [_deterministic(r) for r in b[:same]] == [_deterministic(r) for r in a[:same]], mode
         summaries = [json.loads((d / "summary.json").read_text()) for d in (whole, cut)]
-        for key in ("steps", "accuracy_before", "skipped_updates", "max_staleness_seen"):  # the whole run's
-            assert summaries[1][key] == summaries[0][key], (mode, key)
+        for key in ("steps", "accuracy_before", "skipped_updates", "max_staleness_seen", "reward_errors"):
+            assert summaries[1][key] == summaries[0][key], (mode, key)  # the whole run's
+        assert summaries[0]["reward_errors"] == sum(r["reward_errors"] for r in a) > 0
         assert summaries[1]["resumed_from_step"] == 3 and summaries[0]["resumed_from_step"] is None
         if mode == "async":
             assert a[3]["staleness"] == b[3]["staleness"] == 0
