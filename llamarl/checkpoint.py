@@ -22,7 +22,9 @@ set plus the complete new one; never a half-written ``step_*``. Readers trust th
 pointer: ``load_latest`` returns the highest-step checkpoint whose manifest matches its files (sizes,
 and the SHA-256 of every file for the one it loads: a flipped byte is not loaded silently) and whose
 state parses, falling back to the next older one with a warning; so a crash between the rename and the
-pointer update still resumes from the newest complete state.
+pointer update still resumes from the newest complete state. Re-saving an existing step moves the old copy
+aside (``.old-…``) for the rename and deletes it after; if the rename fails it is put back, and if the writer
+dies in between, the next save or load puts it back.
 Temporary directories left by dead writers on this host are removed by the next save or load; old
 checkpoints beyond ``keep`` are renamed away (atomic) and then deleted. History is linear: committing step N
 first removes checkpoints with a step above N (left by a continuation abandoned when resuming from an older
@@ -67,7 +69,7 @@ OPTIMIZER = "optimizer.pt"
 POLICY = "policy"
 LATEST = "latest"
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
-_TMP_RE = re.compile(r"^\.(?:tmp|trash)-.*-(?P<host>[^-]+)-(?P<pid>\d+)-[0-9a-f]+$")
+_TMP_RE = re.compile(r"^\.(?P<kind>tmp|trash|old)-(?P<name>.*)-(?P<host>[^-]+)-(?P<pid>\d+)-[0-9a-f]+$")
 
 
 class CheckpointError(RuntimeError):
@@ -365,11 +367,15 @@ class CheckpointWriter:
             # an abandoned continuation: gone before this step becomes the newest (the pointer follows the rename)
             discard_newer(self.run_dir, self.step, point_latest=False)
             final = self.root / self.name
-            if final.exists():  # re-saving a step (e.g. after resuming from an older checkpoint)
-                trash = self.root / _scratch_name("trash", self.name)
-                os.replace(final, trash)
-                os.replace(self.path, final)
-                shutil.rmtree(trash, ignore_errors=True)
+            if final.exists():  # re-saving a step: the old copy steps aside ("old") until the new one is in place
+                old = self.root / _scratch_name("old", self.name)
+                os.replace(final, old)
+                try:
+                    os.replace(self.path, final)
+                except BaseException:
+                    os.replace(old, final)  # put it back (a crash right here: _clean_stale puts it back)
+                    raise
+                shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(self.path, final)
         except BaseException:
@@ -446,8 +452,8 @@ def _host() -> str:
 
 
 def _scratch_name(kind: str, name: str) -> str:
-    """The name of this process's temporary ("tmp") or doomed ("trash") copy of ``name``, unique, in the
-    form ``_TMP_RE`` matches, so ``_clean_stale`` removes what a dead writer left."""
+    """The name of this process's temporary ("tmp"), doomed ("trash") or replaced ("old") copy of ``name``,
+    unique, in the form ``_TMP_RE`` matches, so ``_clean_stale`` removes (or puts back) what a dead writer left."""
     return f".{kind}-{name}-{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
@@ -469,7 +475,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _clean_stale(root: Path) -> None:
-    """Remove trash, and temp files/dirs whose writer (a process on this host) no longer exists."""
+    """Remove trash, and temp files/dirs whose writer (a process on this host) no longer exists. An "old"
+    copy (a step being re-saved) whose writer died before the new copy took its name is put back."""
     if not root.is_dir():
         return
     for entry in root.iterdir():
@@ -477,8 +484,14 @@ def _clean_stale(root: Path) -> None:
         if not m or m.group("host") != _host():
             continue
         pid = int(m.group("pid"))
-        if entry.name.startswith(".tmp") and (pid == os.getpid() or _pid_alive(pid)):
+        if m.group("kind") == "tmp" and (pid == os.getpid() or _pid_alive(pid)):
             continue  # a writer that may still be working
+        if m.group("kind") == "old":
+            if pid != os.getpid() and _pid_alive(pid):
+                continue  # a re-save in progress
+            if not (root / m.group("name")).exists():
+                os.replace(entry, root / m.group("name"))
+                continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)
         else:

@@ -164,6 +164,48 @@ def test_crash_between_rename_and_pointer_update_resumes_from_newest(tmp_path, m
     assert load_latest(tmp_path).step == 2  # complete by its manifest, so it wins over the stale pointer
 
 
+def test_re_saving_a_step_never_loses_it(tmp_path, monkeypatch):
+    """The old copy of a re-saved step steps aside for the rename: put back if the rename fails, and by the next
+    load if the writer dies between the two renames (a subprocess killed right there)."""
+    save(tmp_path, 1)
+    save(tmp_path, 2)
+    real = os.replace
+
+    def failing_second_rename(src, dst):
+        if Path(src).name.startswith(".tmp-step_000002"):
+            raise OSError("I/O error")
+        real(src, dst)
+
+    monkeypatch.setattr(ckpt_mod.os, "replace", failing_second_rename)
+    with pytest.raises(CheckpointError, match="the earlier checkpoints are intact"):
+        save(tmp_path, 2, policy_version=7)
+    monkeypatch.undo()
+    assert entries(tmp_path) == ["latest", "step_000001", "step_000002"]
+    assert load_latest(tmp_path).policy_version == 2
+
+    script = textwrap.dedent(f"""
+        import os
+        from pathlib import Path
+        import torch
+        from llamarl import checkpoint
+        real = os.replace
+        def dying(src, dst):
+            if Path(src).name.startswith(".tmp-step_000002"):
+                os._exit(9)  # the old copy is aside, the new one not yet in place
+            real(src, dst)
+        checkpoint.os.replace = dying
+        checkpoint.save_checkpoint({str(tmp_path)!r}, 2, policy_state=None, policy_version=7, data_cursor=0)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 9, proc.stderr
+    names = entries(tmp_path)
+    assert "step_000002" not in names and any(n.startswith(".old-step_000002") for n in names), names
+    ck = load_latest(tmp_path)
+    assert (ck.step, ck.policy_version) == (2, 2)  # put back, and the dead writer's temp dir cleaned
+    assert entries(tmp_path) == ["latest", "step_000001", "step_000002"]
+
+
 def test_torn_or_tampered_step_dirs_are_ignored(tmp_path):
     save(tmp_path, 1)
     root = tmp_path / "checkpoints"
