@@ -135,6 +135,35 @@ def test_a_stop_is_found_however_it_is_tokenized(byte_level):
     assert TailScanner(euro, rows=1).scan([ids[:k]], [0], [False]) == [0]
 
 
+def test_the_scanner_sees_a_stop_that_a_later_stray_byte_masks():
+    """A ByteFallback decoder writes U+FFFD for a whole run of byte tokens that is not valid UTF-8: "é" (C3 A9)
+    followed, before the next scan, by a lone lead byte C3 decodes as three U+FFFD. The scanner must still stop
+    the row (the tokens kept were always right: first_end; this is about when the row stops costing compute)."""
+    byte = {100: 0xC3, 101: 0xA9}
+
+    def decode(ids):
+        out, run = [], []
+        for t in [*ids, None]:
+            if t in byte:
+                run.append(byte[t])
+                continue
+            if run:
+                try:
+                    out.append(bytes(run).decode("utf-8"))
+                except UnicodeDecodeError:
+                    out.append("\ufffd" * len(run))
+                run.clear()
+            if t is not None:
+                out.append("abcdefghijklmnop"[t % 16])
+        return "".join(out)
+
+    ss = StopStrings(["é"], decode)
+    ids = [1, 2, 100, 101, 100, 3]
+    assert decode(ids[:4]) == "bcé" and decode(ids[:5]) == "bc\ufffd\ufffd\ufffd"
+    assert ss.first_end(ids) == 4
+    assert TailScanner(ss, rows=1).scan([ids[:5]], [0], [False]) == [0]
+
+
 def test_a_completion_cut_inside_a_character_is_settled_by_a_few_decodes():
     """A long completion without a stop whose budget ends inside a byte-spelled character: its text ends in
     U+FFFD, and first_end steps back over the cut character instead of decoding every candidate's prefix."""

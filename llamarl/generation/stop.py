@@ -25,7 +25,8 @@ costs a decode of each candidate's prefix, O(m) each.
 Early exit (``TailScanner``, used by the generation engine at its host synchronisations). Checking only at
 the end would be exact but would let a stopped row decode to its budget. The scanner keeps each row's
 tokens on the host and, when a new token could complete a stop, decodes the row's last ``window`` tokens;
-a stop in that text is only a hint, confirmed by ``first_end``. So early exit never changes which tokens
+a stop in that text (or, when it holds U+FFFD, in the text of one of its prefixes: bounded by the window)
+is only a hint, confirmed by ``first_end``. So early exit never changes which tokens
 a completion keeps (the engine applies ``first_end`` to every finished row), only when a stopped row stops
 costing compute (with sampling, earlier compaction changes which random numbers the other rows draw, never
 their distribution: llamarl.generation.engine). A token can complete a stop only if the text it adds
@@ -126,6 +127,10 @@ class TailScanner:
             if done[i] or not any(stops.could_end(t) for t in new):
                 continue
             tail = toks[-(stops.window + len(new)):]
-            if stops.contains_stop(stops.decode(tail)) and stops.first_end(toks) is not None:
+            text = stops.decode(tail)
+            # a stop in the tail's text; or, when the text has U+FFFD (a ByteFallback decoder masks a whole
+            # run of byte tokens once a stray byte follows the stop's), in one of the tail's prefixes
+            hint = stops.contains_stop(text) or (REPLACEMENT_CHAR in text and stops.first_end(tail) is not None)
+            if hint and stops.first_end(toks) is not None:
                 hits.append(i)
         return hits
