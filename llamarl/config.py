@@ -173,6 +173,9 @@ class TrainerConfig(_Section):
     loss: Literal["auto", "fused", "reference"] = "auto"  # auto: fused Triton kernel where it runs
     rho: float = 2.0  # AIPO one-sided truncation of pi/mu
     kl_coef: float = 0.0
+    # the KL-to-reference term's estimator: k3 (GRPO's; its gradient is that of KL(pi_ref||pi)) or k2
+    # (1/2 (log pi - log pi_ref)^2, veRL's "mse": the gradient of KL(pi||pi_ref) on-policy); llamarl.algorithms.aipo
+    kl_estimator: Literal["k3", "k2"] = "k3"
     entropy_coef: float = 0.0
     advantage: Literal["mean", "grpo", "rloo", "reinforce_baseline"] = "mean"  # llamarl.algorithms.advantages
     # the loss's mean: over tokens, over sequences (of their token means), or Dr. GRPO's "constant"

@@ -8,6 +8,7 @@ p_i = softmax(z_i / T), lse_i its log-normaliser:
     w_i    = min(exp(logπ_i − logμ_i), ρ)                                    (detached)
     loss   = Σ_i s_i [ −w_i A_i logπ_i + β·k3_i − γ·H_i ],
              k3_i = exp(logπ_ref,i − logπ_i) − (logπ_ref,i − logπ_i) − 1       (β, ref optional)
+             (k2_i = ½ (logπ_i − logπ_ref,i)² in place of k3_i with ``kl_estimator="k2"``)
 
 or, with ``clip=(ε_l, ε_h)`` (the decoupled PPO form of ``llamarl.algorithms.aipo_loss``; logπ_old,i the
 step's starting policy, default logπ_i detached):
@@ -32,6 +33,7 @@ with the row weights s_i of the normalisation (all 0 when no row is masked in):
 Because w is detached, dloss/dlogπ_i is a per-row scalar known in the forward pass:
 
     c_i = s_i · ( −w_i A_i [· q_i · 1(not clipped), with clip] + β (1 − exp(logπ_ref,i − logπ_i)) )
+          (the KL part β (logπ_i − logπ_ref,i) with k2)
     e_i = s_i · γ
     ∂loss/∂z_ij = ( c_i (1[j = y_i] − p_ij) + e_i p_ij (log p_ij + H_i) ) / T      =: g_ij
 
@@ -89,7 +91,7 @@ def _aipo_rows_kernel(
     logprobs_ptr, entropy_ptr,
     V, temperature, rho, kl_coef, entropy_coef, clip_lo, clip_hi,
     HAS_REF: tl.constexpr, CLIP: tl.constexpr, HAS_OLD: tl.constexpr, HAS_COEF: tl.constexpr,
-    WRITE_GRAD: tl.constexpr, ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    KL_K2: tl.constexpr, WRITE_GRAD: tl.constexpr, ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Per row: logπ and H into the [N] outputs; with WRITE_GRAD, overwrite the logits row by g. HAS_COEF:
     the policy term's dloss/dlogπ (before s_i) is given per row (sequence-level ratios), not computed here."""
@@ -116,7 +118,10 @@ def _aipo_rows_kernel(
             w = tl.minimum(tl.exp(logprob - tl.load(behavior_ptr + row)), rho)
             c = -w * tl.load(adv_ptr + row)
         if HAS_REF:
-            c += kl_coef * (1.0 - tl.exp(tl.load(ref_ptr + row) - logprob))
+            if KL_K2:
+                c += kl_coef * (logprob - tl.load(ref_ptr + row))
+            else:
+                c += kl_coef * (1.0 - tl.exp(tl.load(ref_ptr + row) - logprob))
         c = tl.where(s > 0, c * s, 0.0)  # dloss/dlogπ; masked rows get exactly 0
         e = s * entropy_coef
         offs = tl.arange(0, BLOCK_V)
@@ -188,7 +193,7 @@ def _row_weights(mask: torch.Tensor, norm: str = "token", sequences: tuple[torch
 
 
 def _run_chunks(hidden, weight, targets, behavior, adv, scale, ref, old, clip, rho, temperature, kl_coef,
-                entropy_coef, chunk_size, need_grad_hidden, need_grad_weight, coef=None):
+                entropy_coef, chunk_size, need_grad_hidden, need_grad_weight, coef=None, kl_estimator="k3"):
     """The chunk loop: returns logπ [N], H [N] (fp32) and grad_hidden / grad_weight (or None). ``coef`` [N]:
     the policy term's per-row dloss/dlogπ before s_i (``_sequence_policy``), else computed per row."""
     n_rows, vocab = hidden.shape[0], weight.shape[0]
@@ -217,8 +222,8 @@ def _run_chunks(hidden, weight, targets, behavior, adv, scale, ref, old, clip, r
             scale[start:stop], ref_arg[start:stop], old_arg[start:stop], coef_arg[start:stop], logprobs[start:stop],
             entropy[start:stop], vocab, float(temperature), float(rho), float(kl_coef), float(entropy_coef),
             float(clip_lo), float(clip_hi), HAS_REF=ref is not None, CLIP=clip is not None, HAS_OLD=old is not None,
-            HAS_COEF=coef is not None, WRITE_GRAD=write_grad, ENTROPY_GRAD=entropy_coef != 0.0,
-            BLOCK_V=launch.block_v, num_warps=launch.num_warps,
+            HAS_COEF=coef is not None, KL_K2=kl_estimator == "k2", WRITE_GRAD=write_grad,
+            ENTROPY_GRAD=entropy_coef != 0.0, BLOCK_V=launch.block_v, num_warps=launch.num_warps,
         )
         if need_grad_hidden:
             torch.matmul(logits, weight, out=grad_hidden[start:stop])
@@ -259,7 +264,7 @@ def _sequence_policy(logprobs, behavior, adv, mask, old, clip, rho, sequences):
 
 
 def _loss_and_metrics(logprobs, entropy, behavior, adv, mask, scale, ref, old, clip, rho, kl_coef, entropy_coef,
-                      policy=None):
+                      policy=None, kl_estimator="k3"):
     """Loss value (Σ s_i ℓ_i) and metrics (token means) from the per-row fp32 vectors (cheap [N] arithmetic);
     ``policy``: ``_sequence_policy``'s terms in place of the per-token ones."""
     tokens = mask.sum()
@@ -291,7 +296,7 @@ def _loss_and_metrics(logprobs, entropy, behavior, adv, mask, scale, ref, old, c
     if ref is not None:
         ref_diff = ref - logprobs
         k3 = ref_diff.exp() - ref_diff - 1.0
-        per_row = per_row + kl_coef * k3
+        per_row = per_row + kl_coef * (k3 if kl_estimator == "k3" else 0.5 * ref_diff.square())
         metrics["kl_ref"] = mean(k3)
     loss = torch.where(on, per_row * scale, zero).sum()
     metrics.update(
@@ -310,7 +315,7 @@ class _FusedAIPOLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, behavior, adv, mask, scale, ref, old, clip, rho, temperature,
-                kl_coef, entropy_coef, chunk_size, sequences):
+                kl_coef, entropy_coef, chunk_size, sequences, kl_estimator):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         policy = None
         if sequences is not None:  # level="sequence": a first pass for logπ, whose sequences set the weights
@@ -319,9 +324,10 @@ class _FusedAIPOLoss(torch.autograd.Function):
         logprobs, entropy, grad_h, grad_w = _run_chunks(
             hidden, weight, targets, behavior, adv, scale, ref, old, clip, rho, temperature, kl_coef,
             entropy_coef, chunk_size, need_h, need_w, coef=None if policy is None else policy[0],
+            kl_estimator=kl_estimator,
         )
         loss, metrics = _loss_and_metrics(logprobs, entropy, behavior, adv, mask, scale, ref, old, clip, rho,
-                                          kl_coef, entropy_coef, policy)
+                                          kl_coef, entropy_coef, policy, kl_estimator)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.backward_done = False
         packed = torch.stack([metrics[k] for k in _metric_keys(ref is not None, clip is not None)])
@@ -342,7 +348,7 @@ class _FusedAIPOLoss(torch.autograd.Function):
             grad_h.mul_(grad_loss)
         if grad_w is not None:
             grad_w.mul_(grad_loss)
-        return (grad_h, grad_w) + (None,) * 14
+        return (grad_h, grad_w) + (None,) * 15
 
 
 def _metric_keys(has_ref: bool, has_clip: bool) -> tuple[str, ...]:
@@ -370,6 +376,7 @@ def fused_aipo_loss(
     old_logprobs: torch.Tensor | None = None,
     clip: tuple[float, float] | None = None,
     level: str = "token",
+    kl_estimator: str = "k3",
     chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """AIPO loss from ``hidden [N, D]`` and lm_head ``weight [V, D]``; see the module docstring.
@@ -381,7 +388,8 @@ def fused_aipo_loss(
     ``norm="constant"`` divides the sum by ``norm_constant`` (Dr. GRPO).
     ``clip=(ε_low, ε_high)`` selects the decoupled PPO form, with ``old_logprobs [N]`` (default: logπ).
     ``level="sequence"`` takes the ratios per sequence of ``sequence_ids`` (module docstring; one more
-    pass over the logits, without gradients, for the sequences' logπ).
+    pass over the logits, without gradients, for the sequences' logπ). ``kl_estimator="k2"``: the KL term is
+    β · ½ (logπ − logπ_ref)² instead of k3 (``llamarl.algorithms.aipo_loss``).
     Differentiable in ``hidden`` and ``weight``. Returns ``(loss, metrics)`` with a 0-d fp32 loss.
     ``chunk_size`` overrides the rows per chunk (default: ``LOGITS_CHUNK_BYTES`` of logits).
     """
@@ -402,6 +410,8 @@ def fused_aipo_loss(
     check_norm(where, norm, norm_constant)
     if level not in ("token", "sequence"):
         raise ValueError(f"{where}: level must be 'token' or 'sequence', got {level!r}")
+    if kl_estimator not in ("k3", "k2"):
+        raise ValueError(f"{where}: kl_estimator must be 'k3' or 'k2', got {kl_estimator!r}")
     n_rows, device = hidden.shape[0], hidden.device
     if norm == "sequence" or level == "sequence":
         why = "norm='sequence'" if norm == "sequence" else "level='sequence'"
@@ -423,15 +433,15 @@ def fused_aipo_loss(
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         loss, packed = _FusedAIPOLoss.apply(
             hidden, weight, targets, behavior, adv, mask_f, scale, ref, old, clip, rho, temperature, kl_coef,
-            entropy_coef, chunk_size, sequences if level == "sequence" else None,
+            entropy_coef, chunk_size, sequences if level == "sequence" else None, kl_estimator,
         )
         return loss, dict(zip(_metric_keys(ref is not None, clip is not None), packed.unbind()))
     with torch.no_grad():
         logprobs, entropy, _, _ = _run_chunks(
             hidden, weight, targets, behavior, adv, scale, ref, old, clip, rho, temperature, kl_coef,
-            entropy_coef, chunk_size, False, False,
+            entropy_coef, chunk_size, False, False, kl_estimator=kl_estimator,
         )
         policy = None if level == "token" else _sequence_policy(logprobs, behavior, adv, mask_f, old, clip, rho,
                                                                  sequences)
         return _loss_and_metrics(logprobs, entropy, behavior, adv, mask_f, scale, ref, old, clip, rho, kl_coef,
-                                 entropy_coef, policy)
+                                 entropy_coef, policy, kl_estimator)

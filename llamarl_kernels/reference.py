@@ -93,10 +93,12 @@ def aipo_loss_from_hidden_ref(
     old_logprobs: "torch.Tensor | None" = None,
     clip: "tuple[float, float] | None" = None,
     level: str = "token",
+    kl_estimator: str = "k3",
 ) -> "tuple[torch.Tensor, dict[str, torch.Tensor]]":
     """AIPO loss (differentiable in hidden and weight) and its metrics, as in the header; with
     norm="sequence" or level="sequence", rows with equal ``sequence_ids`` form one sequence; with ``clip``,
-    the decoupled PPO policy term; with level="sequence", the ratios are the sequences' geometric means."""
+    the decoupled PPO policy term; with level="sequence", the ratios are the sequences' geometric means;
+    kl_estimator="k2": the KL term is β · ½ (logπ − logπ_ref)² (the metric kl_ref stays k3)."""
     logprobs, entropy = logprobs_from_hidden_ref(hidden, weight, targets, temperature)
     dtype = logprobs.dtype
     m = mask.to(dtype)
@@ -136,7 +138,7 @@ def aipo_loss_from_hidden_ref(
     if ref_logprobs is not None:
         ref_diff = torch.where(on, ref_logprobs.to(dtype) - logprobs, torch.zeros_like(logprobs))  # masked: 0
         k3 = ref_diff.exp() - ref_diff - 1.0
-        per_token = per_token + kl_coef * k3
+        per_token = per_token + kl_coef * (k3 if kl_estimator == "k3" else 0.5 * ref_diff**2)
         metrics["kl_ref"] = mean(k3.detach())
     if norm == "token":
         loss = (per_token * m).sum() / tokens.clamp(min=1.0)

@@ -137,6 +137,26 @@ def test_kl_to_reference_and_entropy_bonus():
                                                       dtype=torch.float64), rtol=1e-12, atol=0)
 
 
+def test_k2_kl_estimator_loss_and_gradient():
+    """kl_estimator="k2": the term β ½ (logπ − logπ_ref)², gradient β (logπ − logπ_ref); kl_ref stays k3."""
+    lp, blp, adv, mask = _flat_inputs()
+    ref = torch.tensor([-1.2, -1.7, -0.9, -2.0, -0.2], dtype=torch.float64)
+    beta = 0.3
+    loss, metrics = aipo_loss(lp, blp, adv, mask, RHO, ref_logprobs=ref, kl_coef=beta, kl_estimator="k2")
+    base, _ = aipo_loss(lp.detach(), blp, adv, mask, RHO)
+    on = [i for i in range(5) if MASK[i]]
+    k2 = sum(0.5 * (LP[i] - ref[i].item()) ** 2 for i in on) / 4
+    k3 = sum(math.exp(ref[i].item() - LP[i]) - (ref[i].item() - LP[i]) - 1 for i in on) / 4
+    assert loss.item() == pytest.approx(base.item() + beta * k2, rel=1e-12)
+    assert metrics["kl_ref"].item() == pytest.approx(k3, rel=1e-12)
+    loss.backward()
+    grad_lp = [(-min(math.exp(LP[i] - BLP[i]), RHO) * ADV[i] + beta * (LP[i] - ref[i].item())) / 4 if MASK[i] else 0.0
+               for i in range(5)]
+    torch.testing.assert_close(lp.grad, torch.tensor(grad_lp, dtype=torch.float64), rtol=1e-12, atol=1e-15)
+    with pytest.raises(ValueError, match=r"kl_estimator must be one of \('k3', 'k2'\), got 'k1'"):
+        aipo_loss(lp, blp, adv, mask, RHO, ref_logprobs=ref, kl_coef=beta, kl_estimator="k1")
+
+
 def test_sequence_norm_skips_empty_rows_and_broadcasts_sequence_advantages():
     lp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.4, -0.6], [-1.5, -0.2, -0.7]], dtype=torch.float64)
     blp = lp - 0.1

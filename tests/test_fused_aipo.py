@@ -114,6 +114,32 @@ def test_loss_metrics_and_grads_match_fp64(n, d, v, chunk, temperature, with_ref
         assert spec_metrics[key].item() == pytest.approx(exact[1][key].item(), rel=1e-10, abs=1e-12)
 
 
+@pytest.mark.parametrize("clip", [None, (0.2, 0.28)])
+def test_k2_kl_estimator_matches_fp64(clip):
+    """kl_estimator="k2" (the kernel's KL_K2 branch): loss, gradients and metrics against the fp64 reference,
+    which agrees with the eager specification; the KL term really differs from k3's."""
+    case = make_case(37, 48, 1031, 0.7, seed=5, with_ref=True)
+    old = None if clip is None else (case["behavior_logprobs"] + 0.1).float()
+    opts = dict(rho=RHO, temperature=0.7, kl_coef=0.5, entropy_coef=0.0, clip=clip, old_logprobs=old)
+    loss, metrics, gh, gw = run(fused_aipo_loss, case, chunk_size=16, kl_estimator="k2", **opts)
+    eager = run(aipo_loss_from_hidden_ref, case, kl_estimator="k2", **opts)
+    exact = run(aipo_loss_from_hidden_ref, case, dtype=torch.float64, kl_estimator="k2", **opts)
+    k3 = run(aipo_loss_from_hidden_ref, case, dtype=torch.float64, **opts)
+    assert abs(exact[0].item() - k3[0].item()) > 1e-4  # the estimators differ on this case (k2 - k3 is cubic
+    assert (exact[2] - k3[2]).abs().max().item() > 1e-4  # in log π_ref/π, whose spread here is 0.3)
+    assert_within_2x_eager(loss, eager[0], exact[0], "loss", scale=loss_term_scale(case, **opts) + 0.5)
+    assert_within_2x_eager(gh, eager[2], exact[2], "grad hidden")
+    assert_within_2x_eager(gw, eager[3], exact[3], "grad weight")
+    for key in METRICS + ("kl_ref",):
+        assert_within_2x_eager(metrics[key], eager[1][key], exact[1][key], key, ulps=16)
+    h64, w64 = case["hidden"].double(), case["weight"].double()
+    lp, _ = token_logprobs(h64 @ w64.t(), case["targets"], 0.7)
+    spec_loss, _ = aipo_loss(lp, case["behavior_logprobs"].double(), case["advantages"].double(), case["mask"], RHO,
+                             ref_logprobs=case["ref_logprobs"].double(), kl_coef=0.5, kl_estimator="k2", clip=clip,
+                             old_logprobs=None if old is None else old.double())
+    assert spec_loss.item() == pytest.approx(exact[0].item(), rel=1e-10, abs=1e-12)
+
+
 @pytest.mark.parametrize("temperature, entropy_coef, with_ref", [(1.0, 0.0, False), (0.8, 0.03, True)])
 def test_sequence_norm_matches_the_2d_specification_in_fp64(temperature, entropy_coef, with_ref):
     """norm="sequence" on flat rows, sequences interleaved and one fully masked, against
@@ -405,15 +431,17 @@ _SM90_SCRIPT = r"""
 import llamarl_kernels.aipo_loss as A
 
 fn = A._aipo_rows_kernel
-for clip, coef in ((False, False), (True, False), (False, True)):  # AIPO, decoupled clip, sequence-level rows
+# AIPO, decoupled clip, sequence-level rows, k2 KL estimator
+for clip, coef, k2 in ((False, False, False), (True, False, False), (False, True, False), (False, False, True)):
     sig = {n: "i32" for n in fn.arg_names}
     sig.update(logits_ptr="*bf16", targets_ptr="*i64", temperature="fp32", rho="fp32", kl_coef="fp32",
                entropy_coef="fp32", clip_lo="fp32", clip_hi="fp32")
     for n in ("behavior_ptr", "adv_ptr", "scale_ptr", "ref_ptr", "old_ptr", "coef_ptr", "logprobs_ptr",
               "entropy_ptr"):
         sig[n] = "*fp32"
-    consts = dict(HAS_REF=True, CLIP=clip, HAS_OLD=clip, HAS_COEF=coef, WRITE_GRAD=True, ENTROPY_GRAD=True,
-                  BLOCK_V=4096)
+    consts = dict(HAS_REF=True, CLIP=clip, HAS_OLD=clip, HAS_COEF=coef, KL_K2=k2, WRITE_GRAD=True,
+                  ENTROPY_GRAD=True, BLOCK_V=4096)
+    assert set(consts) == {p.name for p in fn.params if p.is_constexpr}, "a constexpr of the kernel is not set"
     sig.update({k: "constexpr" for k in consts})
     # V = 128256 and its row stride are multiples of 16, which Triton specializes on at launch
     ptx = build(fn, sig, consts, ["logits_ptr", "stride_row", "V", "targets_ptr", "behavior_ptr", "adv_ptr",

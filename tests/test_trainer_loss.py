@@ -103,9 +103,10 @@ def test_sequence_level_ratios_step_the_same_in_micro_batches_and_in_the_fused_k
     assert max(float((token[1][n] - w).abs().max()) for n, w in whole[1].items()) > 1e-5
 
 
-def test_the_uncorrected_ablation_keeps_the_kl_term(tmp_path):
+def test_the_uncorrected_ablation_keeps_the_kl_term_and_the_kl_estimator_reaches_the_loss(tmp_path):
     """correction="none" is AIPO with μ := π. On samples of the current policy (μ = π: every ratio is 1)
-    it is the corrected loss exactly, including the KL to a reference policy that differs from π."""
+    it is the corrected loss exactly, including the KL to a reference policy that differs from π.
+    trainer.kl_estimator=k2 swaps the KL term's k3 for ½ (log π − log π_ref)² (token mean, kl_coef 0.5)."""
     from llamarl.executors.trainer import TrainerExecutor
     from llamarl.runtime import RankInfo
     from llamarl.weight_sync import GeneratorBuckets, GeneratorLayout, TrainerLayout, llama_param_specs, plan_sync
@@ -133,6 +134,15 @@ def test_the_uncorrected_ablation_keeps_the_kl_term(tmp_path):
         assert results["aipo"][1]["kl_ref"] > 1e-3  # the KL term is really there
         assert results["none"][0] == pytest.approx(results["aipo"][0], rel=1e-6)
         assert results["none"][1] == pytest.approx(results["aipo"][1], rel=1e-6)
+        ex.cfg = dict(ex.cfg, correction="aipo", kl_estimator="k2")
+        loss_k2, metrics_k2 = ex._loss(part)
+        with torch.no_grad():
+            ref, _ = token_logprobs(ex.ref(batch["input_ids"])[:, :-1], batch["targets"], 1.0)
+        d = (pi - ref).double()[batch["mask"] > 0]
+        k2, k3 = (0.5 * d**2).mean().item(), (torch.exp(-d) + d - 1).mean().item()
+        assert float(metrics_k2["kl_ref"]) == pytest.approx(k3, rel=1e-4)  # the metric stays k3
+        assert float(loss_k2.detach()) - results["aipo"][0] == pytest.approx(0.5 * (k2 - k3), rel=1e-3)
+        assert abs(k2 - k3) > 1e-2 * k3
     finally:
         ex.close()
         buckets.close()

@@ -8,6 +8,7 @@ an advantage A_t and a mask m_t ∈ {0, 1} (1 = a generated token that is traine
     w_t   = min(r_t, ρ)                               one-sided truncation, detached (no gradient)
     ℓ_t   = − w_t · A_t · logπ_t                      so ∇ℓ_t = − w_t · A_t · ∇logπ_t
           + β · k3_t,   k3_t = exp(logπ_ref,t − logπ_t) − (logπ_ref,t − logπ_t) − 1   (optional KL)
+            (or β · k2_t, k2_t = ½ (logπ_t − logπ_ref,t)²,  with ``kl_estimator="k2"``)
           − γ · H_t                                   (optional entropy bonus, H_t = entropy of π at t)
     loss  = Σ_t m_t ℓ_t / Σ_t m_t                                     norm="token"  (default)
           = mean over non-empty rows b of Σ_t m_bt ℓ_bt / Σ_t m_bt      norm="sequence"
@@ -23,6 +24,10 @@ k3 (Schulman's estimator) is a non-negative estimate of KL(π‖π_ref), unbiase
 is its value under μ ≈ π; and its gradient is not that of KL(π‖π_ref): differentiated through logπ
 at the sampled tokens, E_π[∇k3] = −E_π[(π_ref/π) ∇logπ] = ∇KL(π_ref‖π), the reverse KL. Both pull π
 toward π_ref; the reverse KL penalises π missing π_ref's mass rather than putting mass where π_ref has little.
+``kl_estimator="k2"`` (veRL's "mse") differentiates to (logπ_t − logπ_ref,t) ∇logπ_t, whose expectation under π
+is ∇KL(π‖π_ref) itself (E_π[∇logπ] = 0 removes the +1 of ∇ log(π/π_ref)): the forward KL's gradient, exact
+for tokens sampled from π. ``kl_ref`` stays the k3 estimate of the value either way (non-negative, low
+variance). (k1 = logπ − logπ_ref has E_π[∇k1] = 0: no use as a loss term, so it is not offered.)
 ``rho`` may be ``math.inf`` (no truncation); β ≥ 0; γ is any finite number.
 
 Several updates per batch (decoupled PPO clip, ``clip=(ε_low, ε_high)``). When one batch of samples
@@ -90,6 +95,7 @@ import torch
 from llamarl_kernels.shapes import check_clip, check_norm
 ENTROPY_MODES = ("grad", "detached", "none")
 LEVELS = ("token", "sequence")  # where the importance ratios are taken
+KL_ESTIMATORS = ("k3", "k2")  # the KL term's estimator (module docstring)
 
 
 def token_logprobs(
@@ -151,6 +157,7 @@ def aipo_loss(
     old_logprobs: torch.Tensor | None = None,
     clip: tuple[float, float] | None = None,
     level: str = "token",
+    kl_estimator: str = "k3",
     validate: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The AIPO loss (see the module docstring) and its metrics.
@@ -159,13 +166,16 @@ def aipo_loss(
     weight, ``behavior_logprobs``, ``advantages``, ``ref_logprobs`` and ``old_logprobs`` are treated as
     constants. ``clip=(ε_low, ε_high)`` selects the decoupled PPO form, with ``old_logprobs`` (same
     shape as ``logprobs``; default ``logprobs`` detached) the log-probs under the step's starting policy.
-    ``level="sequence"`` takes the ratios per sequence (module docstring). ``validate=False`` skips the
+    ``level="sequence"`` takes the ratios per sequence, ``kl_estimator`` ("k3" or "k2") picks the KL term's
+    estimator (module docstring). ``validate=False`` skips the
     data-dependent checks that need a device sync (finite values, mask in {0, 1}); shape, device and option
     checks always run.
     """
     check_norm("aipo_loss", norm, norm_constant)
     if level not in LEVELS:
         raise ValueError(f"aipo_loss: level must be one of {LEVELS}, got {level!r}")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"aipo_loss: kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
     if level == "sequence" and logprobs.dim() != 2:
         raise ValueError("aipo_loss: level='sequence' needs [B, T] inputs; flat [N] inputs have no sequences")
     _check_inputs(logprobs, behavior_logprobs, advantages, mask, rho, norm, ref_logprobs, kl_coef,
@@ -213,7 +223,7 @@ def aipo_loss(
         ref_diff = torch.where(live, ref_logprobs.detach().to(compute) - logp, zero)  # exp() stays finite where masked
         k3_ref = ref_diff.exp() - ref_diff - 1.0
         if kl_coef != 0.0:
-            per_token = per_token + kl_coef * k3_ref
+            per_token = per_token + kl_coef * (k3_ref if kl_estimator == "k3" else 0.5 * ref_diff.square())
         metrics["kl_ref"] = _token_mean(k3_ref.detach(), m)
     if entropy is not None:
         ent = entropy.to(compute)

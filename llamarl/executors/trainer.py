@@ -453,7 +453,8 @@ class TrainerExecutor:
         """The loss options for ``part``, the same for the eager loss and the fused kernel."""
         c = self.cfg
         return dict(rho=c["rho"], norm=c["norm"], norm_constant=self._norm_constant(part), kl_coef=c["kl_coef"],
-                    entropy_coef=c["entropy_coef"], clip=self._clip, level=c["ratio_level"])
+                    entropy_coef=c["entropy_coef"], clip=self._clip, level=c["ratio_level"],
+                    kl_estimator=c["kl_estimator"])
 
     def _loss(self, part: dict[str, torch.Tensor]):
         adv = part["advantages"][:, None].expand_as(part["mask"])
