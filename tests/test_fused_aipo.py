@@ -403,13 +403,14 @@ def test_bad_input(args, match):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, norm, clip, level",
-                         [(torch.bfloat16, "token", False, "token"), (torch.float32, "token", False, "token"),
-                          (torch.bfloat16, "sequence", False, "token"), (torch.bfloat16, "token", True, "token"),
-                          (torch.bfloat16, "token", True, "sequence")])
-def test_gpu_matches_fp64(dtype, norm, clip, level):
+@pytest.mark.parametrize("dtype, norm, clip, level, kl",
+                         [(torch.bfloat16, "token", False, "token", "k3"), (torch.float32, "token", False, "token", "k3"),
+                          (torch.bfloat16, "sequence", False, "token", "k2"),
+                          (torch.bfloat16, "token", True, "token", "k3"),
+                          (torch.bfloat16, "token", True, "sequence", "k3")])
+def test_gpu_matches_fp64(dtype, norm, clip, level, kl):
     case = make_case(1500, 512, 32011, 0.9, seed=3, device="cuda", with_ref=True)
-    opts = dict(rho=RHO, temperature=0.9, kl_coef=0.05, entropy_coef=0.01, level=level)
+    opts = dict(rho=RHO, temperature=0.9, kl_coef=0.05, entropy_coef=0.01, level=level, kl_estimator=kl)
     if "sequence" in (norm, level):  # 15 sequences of 100 rows
         opts.update(norm=norm, sequence_ids=torch.arange(1500, device="cuda") // 100)
     if clip:  # π/π_old of e^-0.5, 1 and e^0.4 by row, as in test_decoupled_clip_matches_fp64
