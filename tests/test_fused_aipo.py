@@ -404,7 +404,8 @@ def test_bad_input(args, match):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, norm, clip, level, kl",
-                         [(torch.bfloat16, "token", False, "token", "k3"), (torch.float32, "token", False, "token", "k3"),
+                         [(torch.bfloat16, "token", False, "token", "k3"),
+                          (torch.float32, "token", False, "token", "k3"),
                           (torch.bfloat16, "sequence", False, "token", "k2"),
                           (torch.bfloat16, "token", True, "token", "k3"),
                           (torch.bfloat16, "token", True, "sequence", "k3")])
