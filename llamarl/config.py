@@ -192,6 +192,9 @@ class TrainerConfig(_Section):
     # so the update is the same with less work; applies only where that is exact (kl_coef = entropy_coef = 0,
     # either norm), see llamarl.rollouts. AIPO metrics then cover the trained tokens.
     skip_zero_advantage: bool = True
+    # train on no token of a completion cut by generator.max_new_tokens (its reward still counts in its group's
+    # baseline): TRL's mask_truncated_completions, DAPO's overlong filtering; llamarl.rollouts.without_truncated
+    mask_truncated: bool = False
     # run each prompt once for its samples_per_prompt completions instead of once per sample (exact up to
     # float reassociation; llamarl.models.shared_prefix); False: one flat right-padded row per sample
     share_prompts: bool = True

@@ -49,7 +49,7 @@ from llamarl.config import TrainConfig
 from llamarl.generation import SamplingParams
 from llamarl.rewards import RewardPool, RewardPoolError
 from llamarl.rewards.terms import overlong_penalty, term_names
-from llamarl.rollouts import Rollout, RolloutBatch, choose_groups, collate, is_flat
+from llamarl.rollouts import Rollout, RolloutBatch, choose_groups, collate, is_flat, without_truncated
 from llamarl.runlog import RunLog
 from llamarl.runtime import ExecutorGroup
 from llamarl.train_data import TrainData
@@ -257,6 +257,9 @@ class Controller:
         # a sample whose verifier failed (raised, timed out) has no reward: it takes no part in its group
         scored_ok = torch.tensor([r.reward_error is None for r in rollouts])
         advantages = group_advantages(batch.rewards(), n, method=self.cfg.trainer.advantage, valid=scored_ok)
+        trained = rollouts
+        if self.cfg.trainer.mask_truncated:  # after the baselines, which still count these rewards
+            trained, advantages = without_truncated(rollouts, advantages)
         batch.meta["samples"] = [
             {"step": step + 1, "sample_id": r.sample_id,
              "prompt": self.tok.decode(r.prompt_ids, skip_special_tokens=False), "completion": r.text,
@@ -267,7 +270,7 @@ class Controller:
         t = self.cfg.trainer
         exact = t.kl_coef == 0 and t.entropy_coef == 0  # A = 0 rows add nothing; see llamarl.rollouts
         size = len(rollouts) // t.mini_batches  # whole prompt groups (the config checks that they divide)
-        parts = [collate(rollouts[lo:lo + size], advantages[lo:lo + size], self.tok.pad_id,
+        parts = [collate(trained[lo:lo + size], advantages[lo:lo + size], self.tok.pad_id,
                          drop_zero_advantage=t.skip_zero_advantage and exact, row_multiple=t.ranks,
                          share_prompts=t.share_prompts) for lo in range(0, len(rollouts), size)]
         batch.meta["tensors"] = parts[0] if len(parts) == 1 else parts

@@ -25,7 +25,8 @@ the batch once, and the completions against it, so the trainer runs a prompt onc
     mask, behavior, advantages   as above, over the C completion positions
 
 Both layouts have ``targets`` [rows, positions], ``mask``, ``behavior_logprobs`` and ``advantages``;
-llamarl.micro_batches cuts either into micro-batches.
+llamarl.micro_batches cuts either into micro-batches. A batch without any completion token (every completion
+truncated away, below) is laid out flat, whatever ``share_prompts`` says: it trains nothing either way.
 
 Zero-advantage rows (``drop_zero_advantage=True``): a sample with A = 0 adds exactly nothing to the
 policy-gradient term  −Σ_t m_t·w_t·A·log π_t / Σ_t m_t  (every factor of its gradient is multiplied by
@@ -38,12 +39,18 @@ exact for the policy-gradient loss without KL and entropy terms (those do not va
 caller decides when it applies. When the batch size is a multiple of ``row_multiple`` (the caller's
 duty), at least ``row_multiple`` rows are kept (zero-advantage ones first in batch order) and the number
 kept is a multiple of it, so a sharded trainer can split them evenly.
+
+Truncated completions (``without_truncated``, TRL's ``mask_truncated_completions``): a completion cut by the
+length limit (finish_reason "length") has no final answer, so its reward says little about its tokens. Its
+reward still counts in its group's baseline (the advantages are computed first), then it is trained as an
+empty completion with advantage 0: none of its tokens is in the loss or in ``total_tokens`` /
+``total_sequences``, it still counts in ``total_rows`` (Dr. GRPO's constant: completions x length limit).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
@@ -150,6 +157,13 @@ def choose_groups(groups: Sequence[Sequence[Rollout]], size: int) -> list[int]:
     return sorted(informative + flat[:size - len(informative)])
 
 
+def without_truncated(rollouts: Sequence[Rollout], advantages: torch.Tensor) -> tuple[list[Rollout], torch.Tensor]:
+    """The rollouts with each length-capped completion emptied and its advantage zeroed (module docstring)."""
+    cut = [r.finish_reason == "length" for r in rollouts]
+    out = [replace(r, completion_ids=[], logprobs=[], versions=[]) if c else r for r, c in zip(rollouts, cut)]
+    return out, torch.where(torch.tensor(cut, dtype=torch.bool), torch.zeros_like(advantages), advantages)
+
+
 def collate(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_id: int, *,
             drop_zero_advantage: bool = False, row_multiple: int = 1,
             share_prompts: bool = False) -> dict[str, torch.Tensor]:
@@ -169,8 +183,8 @@ def collate(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_id: int, 
         want = min(len(rollouts), max(row_multiple, -(-len(keep) // row_multiple) * row_multiple))
         keep = sorted(keep + zeros[: want - len(keep)])
         rollouts, advantages = [rollouts[i] for i in keep], advantages[keep]
-    if share_prompts:
-        return {**_collate_shared(rollouts, advantages, pad_id), **totals}
+    if share_prompts and any(r.completion_ids for r in rollouts):  # (no completion at all: the flat layout,
+        return {**_collate_shared(rollouts, advantages, pad_id), **totals}  # trained as no update)
     length = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
     if length < 2:
         raise ValueError("every rollout is shorter than two tokens: nothing to predict")

@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from llamarl.config import DataConfig, GeneratorConfig, RewardConfig, RunConfig, TrainConfig
+from llamarl.config import DataConfig, GeneratorConfig, RewardConfig, RunConfig, TrainConfig, TrainerConfig
 from llamarl.controller import Controller, Executors
 from llamarl.models import CharTokenizer
 from llamarl.rewards import RewardPoolError, RewardResult
@@ -36,9 +36,9 @@ class _Serial:
 
 
 class FakeGenerator(_Serial):
-    def __init__(self, world, delay=0.01, eval_delay=0.01, slow_steps=(), slow_delay=0.5):
+    def __init__(self, world, delay=0.01, eval_delay=0.01, slow_steps=(), slow_delay=0.5, finish="stop"):
         super().__init__()
-        self.world, self.delay, self.eval_delay = world, delay, eval_delay
+        self.world, self.delay, self.eval_delay, self.finish = world, delay, eval_delay, finish
         self.slow_steps, self.slow_delay = set(slow_steps), slow_delay
         self.params = []  # the SamplingParams of every call
 
@@ -50,7 +50,7 @@ class FakeGenerator(_Serial):
         seconds = self.eval_delay if greedy else self.slow_delay if step in self.slow_steps else self.delay
         await asyncio.sleep(seconds)
         samples = [{"token_ids": [5, 6], "logprobs": [-1.0, -1.0], "policy_versions": [version, version],
-                    "finish_reason": "stop"} for _ in prompts for _ in range(params.n)]
+                    "finish_reason": self.finish} for _ in prompts for _ in range(params.n)]
         return [{"samples": samples, "seconds": seconds}]  # one TP rank
 
 
@@ -58,8 +58,10 @@ class FakeTrainer(_Serial):
     def __init__(self, world, delay=0.1):
         super().__init__()
         self.world, self.delay = world, delay
+        self.batches = []  # the tensors of every step
 
     async def train_step(self, tensors, push=False, step=None):
+        self.batches.append(tensors)
         await asyncio.sleep(self.delay)
         self.world["published"] += 1
         return [{"applied": True, "loss": 0.0, "version": self.world["published"], "sync": {"seconds": 0.0}}]
@@ -85,10 +87,11 @@ class FakeRewards:
 
 def _run(run: dict, *, generator: dict = None, trainer_delay: float = 0.1, fail_every: int = 0,
          rewards: FakeRewards | None = None, reward: RewardConfig = RewardConfig(), sampling: dict = None,
-         controller: list | None = None) -> RunLog:
+         controller: list | None = None, trainer: dict | None = None) -> RunLog:
     cfg = TrainConfig(generator=GeneratorConfig(prompts_per_step=2, samples_per_prompt=2, max_new_tokens=4,
                                                 **(sampling or {})),
-                      data=DataConfig(eval_size=4), run=RunConfig(checkpoint_every=0, **run), reward=reward)
+                      data=DataConfig(eval_size=4), run=RunConfig(checkpoint_every=0, **run), reward=reward,
+                      trainer=TrainerConfig(**(trainer or {})))
     tok = CharTokenizer()
     world = {"published": 0}
     log = RunLog(None, cfg.run.max_steps, progress=False)
@@ -196,6 +199,18 @@ def test_dynamic_sampling_trains_on_groups_whose_rewards_differ(mode, staleness)
     log = _run(dict(mode=mode, max_staleness=staleness, max_steps=2, eval_every=0), trainer_delay=0.0,
                rewards=PromptRewards())
     assert [r["sample_batches"] for r in log.rows] == [1, 1] and [r["zero_std_frac"] for r in log.rows] == [0.5, 0.5]
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_mask_truncated_trains_no_token_of_a_length_capped_completion(mask):
+    ctrl = []
+    _run(dict(mode="sync", max_staleness=0, max_steps=2, eval_every=0), generator=dict(finish="length"),
+         trainer=dict(mask_truncated=mask, skip_zero_advantage=False), controller=ctrl)
+    batches = ctrl[0].ex.trainer.batches
+    assert len(batches) == 2
+    for b in batches:
+        assert float(b["total_rows"]) == 4  # the completions still count as rows
+        assert float(b["mask"].sum()) == (0 if mask else 8) == float(b["total_tokens"])  # 4 completions x 2 tokens
 
 
 def test_overlong_punishment_top_k_and_logprobs_mode_reach_the_rollouts():

@@ -74,3 +74,32 @@ def test_trainer_update_is_the_same_without_zero_advantage_rows(tmp_path, norm):
         torch.testing.assert_close(kept_w[n], w, rtol=0, atol=2e-6, msg=n)
     # and the update is not trivially zero: the weights moved
     assert any(not torch.equal(w, full_w[n]) for n, w in random_model(CFG).named_parameters())
+
+
+@pytest.mark.parametrize("norm", ["token", "sequence"])
+def test_masked_truncated_completions_train_like_a_batch_without_them(tmp_path, norm):
+    """trainer.mask_truncated: the update equals the one on the batch of the other completions alone, with the
+    advantages they had in the full batch; the truncated ones only count in total_rows."""
+    from llamarl.rollouts import without_truncated
+
+    random_model(CFG).save_pretrained(tmp_path / "model")
+    rollouts = [dataclasses.replace(r, finish_reason="stop" if i % 3 else "length")
+                for i, r in enumerate(_rollouts(len(ADV)))]
+    adv = torch.linspace(-1.0, 1.0, len(ADV))
+    masked, masked_adv = without_truncated(rollouts, adv)
+    cut = [i for i, r in enumerate(rollouts) if r.finish_reason == "length"]
+    assert cut == [0, 3, 6, 9] and all(masked[i].completion_ids == [] for i in cut)
+    assert masked_adv.tolist() == [0.0 if i in cut else a for i, a in enumerate(adv.tolist())]
+    assert [masked[i] for i in range(len(ADV)) if i not in cut] == [r for i, r in enumerate(rollouts) if i not in cut]
+    kept = [i for i in range(len(ADV)) if i not in cut]
+    batch = collate(masked, masked_adv, 0)
+    alone = collate([rollouts[i] for i in kept], adv[kept], 0)
+    assert float(batch["total_tokens"]) == float(alone["total_tokens"]) == sum(len(rollouts[i].completion_ids)
+                                                                                for i in kept)
+    assert float(batch["total_rows"]) == len(ADV)
+    cfg = dict(TRAINER, norm=norm)
+    stats, weights = single_process_train_step(tmp_path / "model", CFG, batch, cfg)
+    ref_stats, ref_weights = single_process_train_step(tmp_path / "model", CFG, alone, cfg)
+    assert stats["loss"] == pytest.approx(ref_stats["loss"], rel=1e-5, abs=1e-7)
+    for n, w in ref_weights.items():
+        torch.testing.assert_close(weights[n], w, rtol=0, atol=2e-6, msg=n)
