@@ -219,7 +219,8 @@ def test_overlong_punishment_top_k_and_logprobs_mode_reach_the_rollouts():
     logprobs_mode reach the generator."""
     ctrl = []
     log = _run(dict(mode="sync", max_staleness=0, max_steps=3, eval_every=1), trainer_delay=0.0,
-               reward=RewardConfig(overlong_buffer=3, overlong_penalty=0.6), sampling=dict(top_k=5, logprobs_mode="raw"),
+               reward=RewardConfig(overlong_buffer=3, overlong_penalty=0.6),
+               sampling=dict(top_k=5, logprobs_mode="raw"),
                controller=ctrl)
     row = log.rows[0]
     assert row["reward/exact"] == 1.0 and row["reward/overlong"] == pytest.approx(-0.2)
