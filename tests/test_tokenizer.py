@@ -187,6 +187,23 @@ def test_chat_template_variables_match_transformers(hf_dir):
     assert got == "[<|end_of_text|>|<|begin_of_text|>|]user:hi;<yo>tool:;"
 
 
+def test_a_special_token_the_tokenizer_lacks_is_undefined_in_templates_as_in_transformers(hf_dir):
+    """No bos_token anywhere: transformers leaves it undefined, so a Llama-2 style ``bos_token + '[INST] '``
+    fails instead of rendering a prompt without its BOS; printed alone it renders empty, in both."""
+    transformers = pytest.importorskip("transformers")
+    import jinja2
+
+    _with_config(hf_dir, bos_token=None, chat_template="{{ bos_token + '[INST] ' + messages[0]['content'] }}")
+    ref = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    with pytest.raises(jinja2.UndefinedError):
+        ref.apply_chat_template(MESSAGES[:1], tokenize=False)
+    with pytest.raises(ValueError, match=r"chat template uses 'bos_token' is undefined.*tokenizer_config.json"):
+        load_tokenizer(hf_dir).apply_chat_template(MESSAGES[:1])
+    _with_config(hf_dir, chat_template="[{{ bos_token }}]{{ messages[0]['content'] }}")
+    assert load_tokenizer(hf_dir).apply_chat_template(MESSAGES[:1]) == ref.__class__.from_pretrained(
+        str(hf_dir)).apply_chat_template(MESSAGES[:1], tokenize=False) == "[]" + MESSAGES[0]["content"]
+
+
 def test_special_tokens_map_fills_what_tokenizer_config_lacks(hf_dir):
     transformers = pytest.importorskip("transformers")
     _with_config(hf_dir, bos_token=None, eos_token=None)

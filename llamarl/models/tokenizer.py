@@ -24,8 +24,8 @@ it is turned off, as transformers does per call) and the special tokens and chat
 from ``chat_template.jinja`` first, and of named templates only the one named ``default``). Templates are
 rendered with jinja2 in a sandbox (compiled once per template text), with the same conventions as
 transformers (``trim_blocks``, ``lstrip_blocks``, ``raise_exception``, ``strftime_now``, a ``tojson`` that
-does not HTML-escape, ``{% generation %}`` blocks, ``tools`` and ``documents`` defined as none, every
-special token defined). A checkpoint without a pad
+does not HTML-escape, ``{% generation %}`` blocks, ``tools`` and ``documents`` defined as none, the special
+tokens the checkpoint has defined, the others not). A checkpoint without a pad
 token gets ``pad_id = eos_id`` (padding is always masked, the id only has to be valid). Its
 ``prefix_ids`` are what the post-processor of ``tokenizer.json`` puts before a single text, as
 transformers' ``tokenizer(text)`` (``add_special_tokens=True``) does: ``<s>`` for Llama 2,
@@ -90,9 +90,15 @@ def render_chat_template(
 ) -> str:
     """Render a Hugging Face style chat template with jinja2 (sandboxed)."""
     # what transformers always defines, so ``is defined`` / ``is not none`` tests behave the same
+    import jinja2
+
     context = {"tools": None, "documents": None, **variables}
-    return _compiled(template).render(messages=_check_messages(messages), add_generation_prompt=add_generation_prompt,
-                                      **context)
+    try:
+        return _compiled(template).render(messages=_check_messages(messages),
+                                          add_generation_prompt=add_generation_prompt, **context)
+    except jinja2.UndefinedError as e:
+        raise ValueError(f"chat template uses {e.message}: the tokenizer does not define it (a special token belongs "
+                         f"in {TOKENIZER_CONFIG} or special_tokens_map.json)") from e
 
 
 def _raise_exception(message: str) -> None:
@@ -308,11 +314,11 @@ class HFTokenizer:
             self.chat_template,
             messages,
             add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            pad_token=self.pad_token or "",
-            unk_token=self.unk_token or "",
             additional_special_tokens=self.additional_special_tokens,
+            # the checkpoint's special tokens; one it does not have stays undefined, as in transformers (a
+            # template that uses it in an expression then fails, instead of rendering without it)
+            **{k: v for k, v in dict(bos_token=self.bos_token, eos_token=self.eos_token, pad_token=self.pad_token,
+                                     unk_token=self.unk_token).items() if v},
         )
 
     @classmethod
