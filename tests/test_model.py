@@ -202,6 +202,22 @@ def test_config_hf_dict_roundtrip_and_transformers_agrees(tmp_path):
     assert ours.num_key_value_heads == 2 and ours.head_dim == 8
 
 
+def test_rope_scaling_wins_over_rope_parameters_as_in_transformers():
+    """A config.json holding both dialects (a hand- or tool-merged one) that disagree: transformers takes
+    rope_scaling with the top-level rope_theta; so must we, or the logits differ silently."""
+    d = {"model_type": "llama", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+         "num_attention_heads": 4, "max_position_embeddings": 256, "rope_theta": 500000.0,
+         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 128},
+         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    ours, hf = LlamaConfig.from_hf_dict(d), transformers.LlamaConfig(**d)
+    want = dict(hf.rope_parameters)
+    assert ours.rope_theta == want.pop("rope_theta") == 500000.0
+    assert ours.rope_scaling == want and want["rope_type"] == "llama3"
+    with pytest.raises(ValueError, match="'rope_parameters' must be a mapping"):
+        LlamaConfig.from_hf_dict({**d, "rope_scaling": None, "rope_parameters": [1.0]})
+
+
 @pytest.mark.parametrize(
     "special",
     [{}, {"bos_token_id": None, "eos_token_id": None}, {"bos_token_id": 5}, {"eos_token_id": [7, 9]},

@@ -172,20 +172,16 @@ class LlamaConfig:
         if missing:
             raise ValueError(f"config is missing required field(s) {missing}")
 
-        rope_params = d.get("rope_parameters")
-        if isinstance(rope_params, Mapping) and rope_params:
-            rope_params = dict(rope_params)
-            rope_theta = float(rope_params.pop("rope_theta", d.get("rope_theta", 10000.0)))
-            scaling: dict | None = rope_params
-        else:
-            rope_theta = float(d.get("rope_theta", 10000.0))
-            raw = d.get("rope_scaling")
-            if raw and not isinstance(raw, Mapping):
-                raise ValueError(f"config field 'rope_scaling' must be a mapping such as {{'rope_type': 'llama3', "
-                                 f"'factor': 8.0, ...}}, got {raw!r}")
-            scaling = dict(raw) if raw else None
+        # as transformers reads them: 4.x's rope_scaling (+ rope_theta) first, else 5.x's rope_parameters (its
+        # rope_theta inside, else the top-level one)
+        for key in ("rope_scaling", "rope_parameters"):
+            if d.get(key) and not isinstance(d[key], Mapping):
+                raise ValueError(f"config field {key!r} must be a mapping such as {{'rope_type': 'llama3', "
+                                 f"'factor': 8.0, ...}}, got {d[key]!r}")
+        rope_params = d.get("rope_scaling") or d.get("rope_parameters")
+        scaling: dict | None = dict(rope_params) if rope_params else None
+        rope_theta = float((scaling or {}).pop("rope_theta", d.get("rope_theta", 10000.0)))
         if scaling is not None:
-            scaling.pop("rope_theta", None)
             rtype = scaling.get("rope_type", scaling.get("type", "default"))
             if rtype == "default":
                 scaling = None
