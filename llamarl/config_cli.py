@@ -232,7 +232,7 @@ def _apply_mode_rule(data: dict, explicit: set[str], preset: TrainConfig) -> Non
     run = data["run"]
     mode_set, stale_set = "run.mode" in explicit, "run.max_staleness" in explicit
     if mode_set and not stale_set:
-        mode = str(run["mode"])
+        mode = str(run["mode"]).strip()  # (the field's own parsing strips it too)
         run["max_staleness"] = 0 if mode == "sync" else max(1, preset.run.max_staleness)
     elif stale_set and not mode_set:
         try:

@@ -33,7 +33,7 @@ import math
 import os
 import sys
 import time
-import warnings
+import re
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -333,15 +333,18 @@ def _build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Python's string escapes (a \x, \u, \U or \N cut short is matched too, so that it is reported, not kept)
+_ESCAPE_RE = re.compile(r"\\(?:[\\'\"abfnrtv]|x[0-9a-fA-F]{0,2}|u[0-9a-fA-F]{0,4}|U[0-9a-fA-F]{0,8}"
+                        r"|N(?:\{[^}]*\})?|[0-7]{1,3})")
+
+
 def _stop_strings(stops: Sequence[str]) -> list[str]:
-    """``--stop`` values with their escapes read (``'\\n'`` is a newline); non-ASCII text and a backslash that
-    starts no escape (``'\\)'``) are kept as they are."""
+    """``--stop`` values with their escapes read (``'\\n'`` is a newline); any other text, a backslash that
+    starts no escape (``'\\)'``, ``'\\→'``) included, is kept as it is."""
     out = []
     for raw in stops:
         try:
-            with warnings.catch_warnings():  # an unknown escape stays as written; Python warns about it
-                warnings.simplefilter("ignore", DeprecationWarning)
-                text = codecs.decode(raw.encode("latin-1", "backslashreplace"), "unicode_escape")
+            text = _ESCAPE_RE.sub(lambda m: codecs.decode(m.group(0), "unicode_escape"), raw)
         except UnicodeDecodeError as e:
             raise ValueError(f"--stop {raw!r}: not a valid escape sequence ({e.reason}); write e.g. '\\n'") from None
         if not text:
@@ -382,12 +385,15 @@ def run(args: argparse.Namespace) -> EvalResult:
     synthetic = args.dataset.startswith(SYNTHETIC_PREFIX)
     if synthetic:
         task, count = parse_synthetic_spec(args.dataset)
-        samples = task.heldout_samples(count if args.limit is None else args.limit)
-        shot_pool = task.train_samples(max(args.few_shot * 10, 1)) if args.few_shot else []
+        samples = task.heldout_samples(count if args.limit is None else min(count, args.limit))
     else:
         samples = load_dataset(args.dataset, args.prompt_field, args.answer_field, id_field=args.id_field)
-        shot_pool = (load_dataset(args.few_shot_file, args.prompt_field, args.answer_field, id_field=args.id_field)
-                     if args.few_shot_file else samples)
+    if args.few_shot_file:
+        shot_pool = load_dataset(args.few_shot_file, args.prompt_field, args.answer_field, id_field=args.id_field)
+    elif synthetic:
+        shot_pool = task.train_samples(max(args.few_shot * 10, 1)) if args.few_shot else []
+    else:
+        shot_pool = samples
     shots = select_shots(shot_pool, args.few_shot, seed=args.seed) if args.few_shot else []
     if shots:  # a problem shown solved is not evaluated (shots from this file, or the same problem in another)
         used = {shot_key(s) for s in shots}
@@ -400,7 +406,12 @@ def run(args: argparse.Namespace) -> EvalResult:
     load_reward(reward_spec)  # a bad spec fails here, before the model is loaded
     args.reward = reward_spec
     n = args.n
-    ks = [int(x) for x in args.k.split(",")] if args.k else sorted({1, n})
+    if n < 1:
+        raise ValueError(f"-n must be >= 1 (completions per prompt), got {n}")
+    try:
+        ks = [int(x) for x in args.k.split(",")] if args.k else sorted({1, n})
+    except ValueError:
+        raise ValueError(f"-k {args.k!r}: must be comma-separated integers, e.g. -k 1,8") from None
     temperature = args.temperature if args.temperature is not None else (0.0 if n == 1 else 1.0)
     if n > 1 and temperature == 0.0:
         print(f"llamarl.eval: warning: -n {n} with --temperature 0 samples the same greedy completion {n} times; "

@@ -66,6 +66,7 @@ def test_yaml_round_trip(tmp_path):
 
 def test_mode_and_staleness_follow_each_other():
     assert load_config(["--mode", "sync"]).run.max_staleness == 0
+    assert load_config(["--mode", " sync"]).run.max_staleness == 0  # the field strips spaces; so does the rule
     assert load_config(["--max-staleness", "0"]).run.mode == "sync"
     assert load_config(["--max-staleness", "3"]).run.mode == "async"
     assert load_config(["--preset", "sync", "--mode", "async"]).run.max_staleness == 1

@@ -94,9 +94,10 @@ def test_load_errors_name_the_problem(tmp_path, lines, kwargs, message):
 def test_numeric_answers_become_the_text_a_verifier_compares(tmp_path):
     p = _write_lines(tmp_path / "n.jsonl", [json.dumps({"question": f"q{i}", "answer": a})
                                             for i, a in enumerate([72.0, 72, -3.0, 2.5, 1e21, 1e300, 0.1, 1e-05,
-                                                                   1.2345678901234566e25])])
+                                                                   1.2345678901234566e25, 9.5e15, 2.0**53])])
     assert [s.answer for s in load_dataset(p)] == ["72", "72", "-3", "2.5", "1" + "0" * 21, "1" + "0" * 300, "0.1",
-                                                   "0.00001", "12345678901234566000000000"]
+                                                   "0.00001", "12345678901234566000000000", "9500000000000000",
+                                                   "9007199254740992"]  # whole numbers never end in ".0"
     assert gsm8k_reward("#### 0.00001", "0.00001") == 1.0 and gsm8k_reward("#### 1", "0.00001") == 0.0
 
 

@@ -280,8 +280,40 @@ def test_cli_checks_lengths_counts_and_output_up_front(checkpoint, tmp_path, cap
         assert message in capsys.readouterr().err
     assert main(base + ["--dataset", "synthetic:arith"]) == 2
     assert "--dataset synthetic:arith: unknown synthetic dataset" in capsys.readouterr().err
+    for extra, message in [(["-k", "1,"], "-k '1,': must be comma-separated integers"),
+                           (["-n", "0"], "-n must be >= 1 (completions per prompt), got 0"),
+                           (["--few-shot", "1", "--few-shot-file", str(tmp_path / "no.jsonl")], "no.jsonl")]:
+        assert main(base + synthetic + extra) == 2  # (the few-shot file is read for the synthetic task too)
+        assert message in capsys.readouterr().err
     assert main(["--model", str(tmp_path / "nope")] + base[2:] + synthetic) == 2
     assert f"--model {tmp_path / 'nope'} does not exist" in capsys.readouterr().err
+
+
+def test_cli_limit_caps_the_synthetic_count_and_few_shot_examples_are_distinct_problems(checkpoint, tmp_path):
+    _, path = checkpoint
+    out = tmp_path / "o.jsonl"
+    base = ["--model", str(path), "--reward-workers", "1", "--no-progress", "--output", str(out),
+            "--max-new-tokens", "2"]
+    assert main(base + ["--dataset", "synthetic:arithmetic:n=5", "--limit", "12"]) == 0
+    assert len(out.read_text().splitlines()) == 5  # --limit caps n=5, it does not raise it
+    data = tmp_path / "dup.jsonl"  # "1+1=" twice: two shots must still be two problems
+    rows = [{"id": f"d{i}", "question": "1+1=" if i < 2 else f"{i}+{i}=", "answer": str(2 if i < 2 else 2 * i)}
+            for i in range(5)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for seed in range(6):
+        assert main(base + ["--dataset", str(data), "--reward", "exact", "--few-shot", "2", "--seed", str(seed)]) == 0
+        prompts = [json.loads(line)["prompt"] for line in out.read_text().splitlines()]
+        shown = prompts[0].split("\n")[:2]
+        assert len(set(shown)) == 2, (seed, prompts[0])
+
+
+def test_stop_escapes_are_read_and_other_backslashes_kept():
+    from llamarl.eval import _stop_strings
+
+    assert _stop_strings(["\\n", "a\\tb", "\\x41", "\\u2192", "\\\\n"]) == ["\n", "a\tb", "A", "\u2192", "\\n"]
+    assert _stop_strings(["\\)", "\\\u2192", "\\\u00e9", "\\q"]) == ["\\)", "\\\u2192", "\\\u00e9", "\\q"]
+    with pytest.raises(ValueError, match="not a valid escape sequence"):
+        _stop_strings(["\\x4"])
 
 
 def _long_prompt_case(tmp_path, path, rows):

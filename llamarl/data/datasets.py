@@ -140,7 +140,8 @@ def _as_text(value: Any, field: str, where: str, path: Path, *, numbers_ok: bool
         # positional notation, never scientific (which neither verifier reads: "1e+21" would be the number 1
         # followed by 21): 72.0 -> "72", 1e21 -> "1000000000000000000000", 1e-05 -> "0.00001", digits from
         # Python's shortest repr (no binary noise: 1.2345678901234566e25 -> "12345678901234566000000000")
-        return str(int(value)) if value.is_integer() and abs(value) < 2**53 else format(Decimal(repr(value)), "f")
+        exact = Decimal(repr(value))
+        return str(int(exact)) if value.is_integer() else format(exact, "f")
     kind = "a string or number" if numbers_ok else "a string"
     raise ValueError(f"{path} {where}: field {field!r} must be {kind}, got {type(value).__name__} {value!r:.80}")
 

@@ -72,12 +72,16 @@ def shot_key(sample: Sample) -> str:
 
 
 def select_shots(pool: Sequence[Sample], k: int, *, seed: int = 0, exclude: Sequence[Sample] = ()) -> list[Sample]:
-    """``k`` distinct examples drawn deterministically from ``pool``, never the problem of one in ``exclude``
-    (compared by ``shot_key``)."""
+    """``k`` examples of distinct problems drawn deterministically from ``pool`` (a problem the pool holds
+    twice counts once), never the problem of one in ``exclude`` (compared by ``shot_key``)."""
     if k < 0:
         raise ValueError(f"number of few-shot examples must be >= 0, got {k}")
     banned = {shot_key(s) for s in exclude}
-    candidates = [s for s in pool if shot_key(s) not in banned]
+    first: dict[str, Sample] = {}  # each problem's first sample in the pool, in pool order
+    for s in pool:
+        if shot_key(s) not in banned:
+            first.setdefault(shot_key(s), s)
+    candidates = list(first.values())
     if k > len(candidates):
         raise ValueError(f"asked for {k} few-shot examples but only {len(candidates)} candidates are available")
     return random.Random(f"few-shot:{seed}").sample(candidates, k)
