@@ -282,6 +282,40 @@ def test_no_segment_outlives_its_owner(how):
     assert not names & shm_names()
 
 
+def test_a_tp_peer_given_its_leaders_control_object_leaves_it_alone_on_close():
+    """control= accepts the leader's VersionControl itself (not only its handle): the peer does not own it."""
+    plan = plan_sync([ParamSpec("model.layers.0.mlp.up_proj.weight", (6, 4), torch.float32, 0)], TrainerLayout(1),
+                     GeneratorLayout(tp_size=2))
+    leader = GeneratorBuckets.create(plan, 0, storage="shm", slots=2)
+    try:
+        for control in (leader.control, leader.control_handle):
+            GeneratorBuckets.create(plan, 1, storage="shm", slots=2, control=control).close()
+            assert leader.control_handle.name in shm_names()
+            assert leader.control.snapshot()["latest_version"] == -1  # still mapped and usable
+    finally:
+        leader.close()
+    assert leader.control_handle.name not in shm_names()
+
+
+def test_a_forked_child_does_not_unlink_its_parents_segments(tiny_plan):
+    """A child made by os.fork inherits the owned names; its exit (atexit runs) must not unlink them."""
+    b = GeneratorBuckets.create(tiny_plan, 0, storage="shm", slots=1)
+    try:
+        names = set(b.handle().segments) | {b.control_handle.name}
+        assert names <= shm_names() and names <= cleanup.owned()
+        pid = os.fork()
+        if pid == 0:  # the child: a normal interpreter exit would run atexit; run it as sys.exit does
+            code = 0 if not cleanup.owned() else 3
+            cleanup._unlink_all()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0  # the child owned nothing
+        assert names <= shm_names()
+    finally:
+        b.close()
+    assert not names & shm_names()
+
+
 @pytest.mark.parametrize("mode", ["int8", "fp8"])
 def test_kernel_quantizes_whole_row_pieces_straight_into_the_buckets(mode):
     from llamarl_kernels import quantize

@@ -92,6 +92,21 @@ def w_dist_sync(state, args, version):
         s.wait()
 
 
+def w_dist_sync_failing_copy(state, args, version):
+    """``w_dist_sync`` with this worker's inbox copies failing: every receive must raise and give its claim up.
+    Returns the claims left in the inboxes' control blocks (-1: none)."""
+    from llamarl import _native
+
+    real = _native.copy_indexed
+    _native.copy_indexed = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected copy failure"))
+    try:
+        with pytest.raises(RuntimeError, match="injected copy failure"):
+            w_dist_sync(state, args, version)
+    finally:
+        _native.copy_indexed = real
+    return [b.control.snapshot()["claim_version"] for b in state.get("buckets", {}).values()]
+
+
 def w_verify(state, args, version):
     """Acquire the newest version on every owned generator rank and diff it against the reference."""
     from llamarl.weight_sync import WeightReceiver
@@ -279,6 +294,26 @@ def test_gloo_send_recv_sync_across_processes_is_byte_exact(workers, args):
             workers.run([(w, "w_dist_sync", dict(args=args, version=version)) for w in range(N_WORKERS)])
             problems = workers.run([(w, "w_verify", dict(args=args, version=version)) for w in range(1, N_WORKERS)])
             assert [p for ps in problems for p in ps] == []
+    finally:
+        leftovers = workers.run([(w, "w_close", {}) for w in range(N_WORKERS)])
+    assert leftovers == [[]] * N_WORKERS
+
+
+def test_a_receive_that_fails_after_its_claim_gives_it_up_and_the_next_version_arrives(workers):
+    from llamarl.weight_sync import GeneratorLayout, ParamSpec, TrainerLayout
+
+    args = dict(specs=[ParamSpec("model.layers.0.mlp.up_proj.weight", (6, 4), torch.float32, 0),
+                       ParamSpec("model.norm.weight", (4,), torch.float32, None)],
+                trainer=TrainerLayout(1), generator=GeneratorLayout(), slots=2, seed=5)
+    create_generators(workers, args, "local", owner_of=lambda g: 1)
+    try:
+        workers.run([(w, "w_dist_setup", dict(args=args, trainer_ranks=[0], generator_ranks=[1])) for w in (0, 1)])
+        workers.run([(w, "w_dist_sync", dict(args=args, version=1)) for w in (0, 1)])
+        sender, inbox = workers.run([(0, "w_dist_sync", dict(args=args, version=2)),
+                                     (1, "w_dist_sync_failing_copy", dict(args=args, version=2))])
+        assert inbox == [-1]  # the failed write's claim was given up, not left for the next version to hit
+        workers.run([(w, "w_dist_sync", dict(args=args, version=3)) for w in (0, 1)])
+        assert workers.run([(1, "w_verify", dict(args=args, version=3))]) == [[]]
     finally:
         leftovers = workers.run([(w, "w_close", {}) for w in range(N_WORKERS)])
     assert leftovers == [[]] * N_WORKERS

@@ -78,7 +78,7 @@ class GeneratorBuckets:
     """The flat buckets of one generator rank, owned by that rank's process."""
 
     def __init__(self, plan: SyncPlan, rank: int, storage: str, device: torch.device, nslots: int,
-                 mems: list, control: VersionControl):
+                 mems: list, control: VersionControl, owns_control: bool = True):
         self.plan = plan
         self.rank = rank
         self.storage = storage
@@ -86,6 +86,7 @@ class GeneratorBuckets:
         self.nslots = nslots
         self.layout = plan.buckets[rank]
         self.control = control
+        self._owns_control = owns_control  # created here, not a TP leader's block handed in
         self._mems = mems
         self._flat = [_native.as_tensor(m) if storage != "local" else m for m in mems]
         self._views: dict[int, dict[str, torch.Tensor]] = {}
@@ -157,7 +158,7 @@ class GeneratorBuckets:
             if control is None:
                 ctl.close()
             raise
-        return cls(plan, rank, storage, device, slots, mems, ctl)
+        return cls(plan, rank, storage, device, slots, mems, ctl, owns_control=control is None)
 
     # ---- addressing -------------------------------------------------------------------------------
     @property
@@ -226,7 +227,7 @@ class GeneratorBuckets:
                 cleanup.release(m.name)
         for h in [h for h, m in _LOCAL_CUDA.items() if any(m is x for x in self._mems)]:
             del _LOCAL_CUDA[h]
-        if self.control.owner:
+        if self.control.owner and self._owns_control:  # (a TP peer given its leader's block leaves it alone)
             self.control.close()
         self._views.clear()
         self._flat = []

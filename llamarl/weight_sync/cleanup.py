@@ -12,7 +12,7 @@ Every owned name is unlinked on each of these paths:
   kernel guarantees when the owner dies, however it dies (exception, SIGTERM, SIGKILL, OOM killer).
   The reaper runs in its own session, so a Ctrl-C to the job's process group cannot kill it first.
   Caveat: a child created with plain ``fork`` (not spawn) inherits the pipe and delays the reaper until it
-  exits too.
+  exits too. Such a child owns nothing (``os.register_at_fork``): its exit never unlinks the parent's names.
 * a *sweep* when a process first registers a segment: names of this PID namespace whose owner process
   no longer exists are unlinked (what is left when the owner and its reaper were killed together, e.g.
   ``pkill -9 python``). A live or reused PID keeps its segments (conservative: a leak, never a removal
@@ -157,6 +157,17 @@ def owned() -> frozenset[str]:
 
 def reaper_pid() -> int | None:
     return None if _reaper is None else _reaper.pid
+
+
+def _forget_in_child() -> None:
+    """After os.fork: the child owns no segment (the parent still uses them), so its exit unlinks nothing."""
+    global _lock, _reaper
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    _owned.clear()
+    _reaper = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @atexit.register

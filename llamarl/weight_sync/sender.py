@@ -42,7 +42,7 @@ from llamarl import _native
 from llamarl.weight_sync.buckets import AttachedBuckets, BucketHandle, describe_mismatch
 from llamarl.weight_sync.planner import SyncPlan
 from llamarl.weight_sync.quantize_on_sync import TrainerSources
-from llamarl.weight_sync.versioning import PeerDied, SyncTimeout, VersionControl
+from llamarl.weight_sync.versioning import SyncTimeout, VersionControl, try_abandon
 
 # How long a trainer rank whose previous sync failed waits, at its next sync, for the other trainer ranks
 # to finish that version so it can be abandoned. Finite even with timeout=inf: the others only copy, and
@@ -263,18 +263,7 @@ class WeightSender:
                 self._unfinished[r] = version
 
     def _try_abandon(self, r: int, version: int) -> bool:
-        """Abandon replica ``r``'s claim of ``version`` if it is still there; False while another live writer
-        has not finished it (``VersionControl.abandon`` refuses)."""
-        ctl = self.controls[r]
-        if ctl.snapshot()["claim_version"] != version:
-            return True  # abandoned by another failed writer already (it can never be published without us)
-        try:
-            ctl.abandon()
-        except RuntimeError as exc:
-            if isinstance(exc, PeerDied):
-                raise
-            return False  # "cannot abandon version v: writer rank k (pid p) is alive and still writing it"
-        return True
+        return try_abandon(self.controls[r], version)
 
     def _recover(self) -> None:
         """Before a sync: abandon what this rank's failed sync left claimed, once the other writers finished it."""

@@ -62,6 +62,21 @@ class ControlHandle:
     owner_pid: int
 
 
+def try_abandon(ctl: "VersionControl", version: int) -> bool:
+    """Give up the claim of ``version`` that a failed write left in ``ctl`` (its slot becomes FREE, never READY);
+    True when done or when it is no longer there (another failed writer gave it up already: it can never be
+    published without this one), False while another writer (alive) has not finished it. ``PeerDied`` raises."""
+    if ctl.snapshot()["claim_version"] != version:
+        return True
+    try:
+        ctl.abandon()
+    except RuntimeError as exc:
+        if isinstance(exc, PeerDied):
+            raise
+        return False  # "cannot abandon version v: writer rank k (pid p) is alive and still writing it"
+    return True
+
+
 class VersionControl:
     """A version control block: owned (``create``) or attached (``attach``)."""
 
