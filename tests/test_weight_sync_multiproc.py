@@ -52,12 +52,30 @@ def w_create(state, args, ranks, storage, controls):
     return out
 
 
-def w_senders(state, args, ranks, handles):
+def w_senders(state, args, ranks, handles, timeout=30):
     from llamarl.weight_sync import WeightSender
 
     plan = _plan(args)
-    state["senders"] = {t: WeightSender(plan, t, handles, num_threads=2, quantizer="torch", timeout=30)
+    state["senders"] = {t: WeightSender(plan, t, handles, num_threads=2, quantizer="torch", timeout=timeout)
                         for t in ranks}
+
+
+def w_hold(state, hold):
+    """Hold (acquire) the newest version of generator rank 0 as a reader, or release it."""
+    from llamarl.weight_sync import WeightReceiver
+
+    r = state.setdefault("receivers", {}).get(0) or WeightReceiver(state["buckets"][0])
+    state["receivers"][0] = r
+    if hold:
+        return r.acquire(timeout=30)
+    r.release()
+
+
+def w_sync_expecting_timeout(state, args, version):
+    from llamarl.weight_sync import SyncTimeout
+
+    with pytest.raises(SyncTimeout):
+        w_sync(state, args, version)
 
 
 def w_sync(state, args, version):
@@ -314,6 +332,29 @@ def test_a_receive_that_fails_after_its_claim_gives_it_up_and_the_next_version_a
         assert inbox == [-1]  # the failed write's claim was given up, not left for the next version to hit
         workers.run([(w, "w_dist_sync", dict(args=args, version=3)) for w in (0, 1)])
         assert workers.run([(1, "w_verify", dict(args=args, version=3))]) == [[]]
+    finally:
+        leftovers = workers.run([(w, "w_close", {}) for w in range(N_WORKERS)])
+    assert leftovers == [[]] * N_WORKERS
+
+
+def test_a_rank_whose_wait_for_the_claim_timed_out_gives_the_half_written_version_up_at_its_next_sync(workers):
+    """Two trainer ranks (in workers 0 and 1), one slot held by a reader: rank 1 times out waiting for rank 0's
+    claim of version 2; once the reader lets go, rank 0 claims it and writes its half (never published). Rank 1's
+    next sync must give version 2 up, or no version could ever be claimed again."""
+    from llamarl.weight_sync import GeneratorLayout, ParamSpec, TrainerLayout
+
+    args = dict(specs=[ParamSpec("model.layers.0.mlp.up_proj.weight", (6, 4), torch.float32, 0)],
+                trainer=TrainerLayout(2), generator=GeneratorLayout(), slots=1, seed=9)
+    handles = create_generators(workers, args, "shm", owner_of=lambda g: 2)
+    try:
+        workers.run([(w, "w_senders", dict(args=args, ranks=[w], handles=[handles[0]], timeout=2)) for w in (0, 1)])
+        workers.run([(w, "w_sync", dict(args=args, version=1)) for w in (0, 1)])
+        assert workers.run([(2, "w_hold", dict(hold=True))]) == [1]
+        workers.run([(1, "w_sync_expecting_timeout", dict(args=args, version=2))])
+        workers.run([(2, "w_hold", dict(hold=False))])
+        workers.run([(0, "w_sync", dict(args=args, version=2))])  # rank 0's half; rank 1 has given up
+        workers.run([(w, "w_sync", dict(args=args, version=3)) for w in (0, 1)])
+        assert workers.run([(2, "w_verify", dict(args=args, version=3))]) == [[]]
     finally:
         leftovers = workers.run([(w, "w_close", {}) for w in range(N_WORKERS)])
     assert leftovers == [[]] * N_WORKERS

@@ -22,7 +22,11 @@ A sync that fails once it holds slots (a copy error, a CUDA error surfacing at t
 unfinished writes up (``abandon``: the slot becomes FREE, never READY), so readers keep the last complete
 version (with 1 slot: wait for the next) and the next sync is not stuck behind a version nobody will
 finish. With several trainer ranks ``abandon`` must wait until every other live writer has finished that
-version; until then the failed rank retries it at the start of its next sync (``RECOVER_TIMEOUT_S``).
+version; until then the failed rank retries it at the start of its next sync (``RECOVER_TIMEOUT_S``). A rank
+whose wait for writer 0's claim timed out gives that version up at its next sync too, if writer 0 claimed it
+after all. Not handled: several ranks failing one sync while each holds a claim the others have not finished
+(each waits for the others): with finite timeouts that wedges the replica; the trainer's sender waits without
+a limit, and a restarted trainer calls ``abandon()``.
 No gather: each byte goes from the trainer rank that holds it straight into each replica's bucket. Only
 quantize-on-sync stages q/scale in trainer buffers, and not on its direct kernel path (quantize_on_sync.py).
 """
@@ -221,6 +225,9 @@ class WeightSender:
             published = self._write(shards, src, slots, version, finished)
         except BaseException:
             self._abandon({r: version for r in slots if r not in finished})
+            for r in range(len(self.controls)):  # not claimed by this rank (its wait timed out): writer 0 may
+                if r not in slots:  # still claim and half-write it; the next sync's _recover gives it up then
+                    self._unfinished.setdefault(r, version)
             raise
         t4 = time.perf_counter()
         return SyncStats(version=version, bytes=self.bytes_per_sync, seconds=t4 - t0,
