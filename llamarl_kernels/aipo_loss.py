@@ -69,6 +69,7 @@ Rows with m_i = 0 cost full compute: pass only the rows you train on (e.g. compl
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import triton
@@ -395,13 +396,13 @@ def fused_aipo_loss(
     """
     where = "fused_aipo_loss"
     check_hidden_weight_targets(where, hidden, weight, targets, temperature)
-    if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not (rho > 0):
+    if isinstance(rho, bool) or not isinstance(rho, numbers.Real) or not (rho > 0):
         raise ValueError(f"{where}: rho (the truncation of pi/mu) must be > 0, e.g. 2.0; got {rho!r}")
-    if not (isinstance(kl_coef, (int, float)) and math.isfinite(kl_coef) and kl_coef >= 0):
+    if not (isinstance(kl_coef, numbers.Real) and math.isfinite(kl_coef) and kl_coef >= 0):
         raise ValueError(f"{where}: kl_coef must be a finite number >= 0, got {kl_coef!r}")
     if kl_coef != 0.0 and ref_logprobs is None:
         raise ValueError(f"{where}: kl_coef={kl_coef} needs ref_logprobs (see fused_logprobs)")
-    if not (isinstance(entropy_coef, (int, float)) and math.isfinite(entropy_coef)):
+    if not (isinstance(entropy_coef, numbers.Real) and math.isfinite(entropy_coef)):
         raise ValueError(f"{where}: entropy_coef must be a finite number, got {entropy_coef!r}")
     check_clip(where, clip)
     if old_logprobs is not None and clip is None:

@@ -27,6 +27,7 @@ so block sizes are fixed (smaller when interpreting). CPU tests use fp32 inputs.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -118,7 +119,7 @@ def check_hidden_weight_targets(
     if lo < 0 or hi >= vocab:
         raise ValueError(f"{where}: targets must lie in [0, V={vocab}), got values in [{lo}, {hi}]; "
                          "give masked/padding rows any valid id")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+    if not (isinstance(temperature, numbers.Real) and math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"{where}: temperature must be a finite number > 0 (1.0 for greedy), got {temperature!r}")
 
 

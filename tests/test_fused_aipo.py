@@ -353,6 +353,11 @@ def test_frozen_weight_no_grad_mode_and_gradient_scaling():
     assert not loss_ng.requires_grad
     assert loss_ng.item() == loss.item()
     assert set(metrics_ng) == set(METRICS)
+    import numpy as np  # numpy scalars are numbers too (np.float32 is not a Python float)
+
+    numpy_args = dict(rho=np.float32(RHO), temperature=np.float32(0.9), entropy_coef=np.float32(0.0))
+    with torch.no_grad():
+        assert fused_aipo_loss(hidden, *args, chunk_size=8, **numpy_args)[0].item() == pytest.approx(loss.item())
 
 
 def test_second_backward_is_a_clear_error():
