@@ -131,6 +131,13 @@ def test_bad_commands_are_reported(group):
         group.call_rank(2, "echo")
     with pytest.raises(ValueError, match="one per rank"):
         group.call_each("echo", [(1,)])
+    # an exception whose str() fails, and sys.exit() in a command (a non-daemon thread alive): that call fails,
+    # the rank serves on
+    with pytest.raises(ExecutorError, match=r"raise_unprintable\(\) raised .*<str\(\) of the exception failed"):
+        group.call_rank(0, "raise_unprintable").result(timeout=30)
+    with pytest.raises(ExecutorError, match=r"exit_command\(\) raised SystemExit: 3"):
+        group.call_rank(1, "exit_command", 3).result(timeout=30)
+    assert group.call("echo").result(timeout=30)[1]["rank"] == 1
 
 
 def test_calls_run_in_the_same_order_on_every_rank(group):
@@ -199,6 +206,19 @@ def test_killed_rank_fails_pending_and_later_calls():
         assert _wait_gone(g.pids) == []  # the surviving rank was stopped too
     finally:
         g.shutdown()
+    assert not mp.active_children()
+
+
+def test_a_rank_failing_before_the_rendezvous_fails_the_start_at_once_with_its_error():
+    """Rank 1 cannot use its device, so it fails before joining the process group, where rank 0 waits: the
+    start must fail with rank 1's error, not wait out start_timeout_s and report rank 0 as stuck."""
+    with pytest.raises(ExecutorError) as info:
+        ExecutorGroup.spawn("half", TOY, world_size=2, devices=["cpu", "cuda:99"], start_timeout_s=300,
+                            dist_timeout_s=600)
+    assert (info.value.rank, info.value.method) == (1, "__init__")
+    deadline = time.monotonic() + 30
+    while mp.active_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not mp.active_children()
 
 
@@ -521,3 +541,36 @@ def test_a_ctrl_c_while_a_rank_imports_is_discarded_there(tmp_path):
     bit = 1 << (signal.SIGINT - 1)
     assert ignored & bit and not blocked & bit  # the rank ignores SIGINT, no longer blocked
     assert lines["ECHO"] == "(1,)"
+
+
+CTRL_C_IN_START = textwrap.dedent("""
+    import multiprocessing.process, os, signal
+    from llamarl.runtime import ExecutorGroup
+
+    real_start = multiprocessing.process.BaseProcess.start
+
+    def start_then_ctrl_c(self):  # a Ctrl-C that lands while the rank's process starts (SIGINT is blocked)
+        real_start(self)
+        print("RANK", self.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    multiprocessing.process.BaseProcess.start = start_then_ctrl_c
+    if __name__ == "__main__":  # the KeyboardInterrupt ends the interpreter, which then joins live children
+        ExecutorGroup.spawn("cc", "llamarl.runtime.testing:ToyExecutor", 1, start_timeout_s=120)
+""")
+
+
+def test_a_ctrl_c_while_a_rank_process_starts_stops_that_rank_too(tmp_path):
+    # Regression: the Ctrl-C, pending while SIGINT was blocked around process.start(), fired before the started
+    # rank was recorded, so the cleanup missed it, and the controller then hung at exit joining it.
+    (tmp_path / "controller.py").write_text(CTRL_C_IN_START)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "controller.py")], cwd=str(tmp_path), text=True,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=120)  # liveness bound: the old code never exits
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0 and err.rstrip().endswith("KeyboardInterrupt"), err
+    assert _wait_gone([int(out.split()[1])], timeout=20) == []

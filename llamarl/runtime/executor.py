@@ -75,6 +75,7 @@ from llamarl.runtime.rpc import (
     RemoteFailure,
     Reply,
     describe_exit,
+    is_shut_down,
     shut_down_error,
 )
 
@@ -155,8 +156,10 @@ class ExecutorGroup:
                                           args=(child_conn, starting.for_child(method)),
                                           name=f"llamarl-{name}-{rank}", daemon=False)
                     process.start()
+                    # recorded before SIGINT is unblocked: a Ctrl-C that was pending fires at the block's end,
+                    # and the cleanup below must know this rank to kill it (else exit hangs joining it)
+                    links.append(RankLink(parent_conn, process))
                 child_conn.close()  # keep only the child's copy, so its death reads as EOF here
-                links.append(RankLink(parent_conn, process))
                 boots.append(Bootstrap(group=name, role=role or name, target=target,
                                        init_kwargs=dict(init_kwargs or {}), rank=rank, world_size=world_size,
                                        global_rank=global_ranks[rank], master_addr="127.0.0.1",
@@ -173,7 +176,11 @@ class ExecutorGroup:
             group.shutdown(timeout=2.0)
             raise
         if wait_ready:
-            group.wait_ready(start_timeout_s)
+            try:
+                group.wait_ready(start_timeout_s)
+            except BaseException:  # (wait_ready shuts the group down on its own errors; not on a Ctrl-C)
+                group.shutdown(timeout=2.0)
+                raise
         return group
 
     def _bootstrap(self, boots: Sequence[Bootstrap]) -> None:
@@ -196,7 +203,15 @@ class ExecutorGroup:
                     sends.append((link, blobs[rank]))
             for link, blob in sends:
                 self._send_bytes(link, blob)
-        self._ready = gather_ranks(futures)
+        # ready when every rank is; failed at the first rank that fails (the others may be stuck in the
+        # rendezvous with it, so waiting for all of them would hide its error behind the start timeout)
+        self._ready = ready = Future()
+        everyone = gather_ranks(futures)
+        everyone.add_done_callback(lambda f: settle(ready, exc=f.exception()) if f.exception() is not None
+                                   else settle(ready, result=f.result()))
+        for fut in futures:
+            fut.add_done_callback(lambda f: settle(ready, exc=f.exception()) if not f.cancelled()
+                                  and f.exception() is not None and not is_shut_down(f.exception()) else None)
 
     def wait_ready(self, timeout: float | None = 600.0) -> list[int]:
         """Block until every rank constructed its executor; returns the ranks' pids.
@@ -211,7 +226,7 @@ class ExecutorGroup:
         """``wait_ready`` for asyncio: the event loop runs while the ranks start (so a Ctrl-C, which cancels
         the controller's task, ends the wait at once; the group is left to its caller)."""
         assert self._ready is not None, "await_ready() on a group that was not bootstrapped"
-        await asyncio.wait([asyncio.wrap_future(self._ready)], timeout=timeout)
+        await asyncio.wait([awaitable(self._ready)], timeout=timeout)
         return self._ready_pids(timeout)
 
     def _ready_pids(self, timeout: float | None) -> list[int]:

@@ -78,7 +78,12 @@ def child_main(conn: Connection, forked=None) -> None:
     starting.install(forked)
     set_process_name(mp.current_process().name.removeprefix("llamarl-"))  # "generator-0", "trainer-1"
     exit_when_parent_dies(hard_exit)  # hard_exit flushes stdio first (os._exit 2 s later if that blocks)
-    hard_exit(serve(conn))  # skip interpreter teardown: no atexit surprises from libraries in a finished rank
+    try:
+        code = serve(conn)
+    except BaseException:  # noqa: BLE001 - still a hard exit: a live non-daemon thread must not keep the rank up
+        traceback.print_exc()
+        code = 1
+    hard_exit(code)  # skip interpreter teardown: no atexit surprises from libraries in a finished rank
 
 
 def hard_exit(code: int) -> None:
@@ -110,7 +115,11 @@ def failure_of(exc: BaseException) -> RemoteFailure:
     """Flatten an exception (being handled) into a picklable ``RemoteFailure`` with its traceback text."""
     cls = type(exc)
     name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
-    return RemoteFailure(name, str(exc), "".join(traceback.format_exception(exc)))
+    try:
+        message = str(exc)
+    except Exception as e:  # noqa: BLE001 - an exception whose __str__ fails must still be reported
+        message = f"<str() of the exception failed: {type(e).__name__}>"
+    return RemoteFailure(name, message, "".join(traceback.format_exception(exc)))
 
 
 def unpickling_failure(exc: BaseException, what: str) -> RemoteFailure:
@@ -237,8 +246,8 @@ def _execute(executor: Any, call: Call) -> Reply:
             raise AttributeError(f"{type(executor).__name__} has no command '{call.method}'; "
                                  f"its commands are: {', '.join(commands) or '(none)'}")
         return Reply(call.call_id, True, fn(*call.args, **call.kwargs))
-    except Exception as exc:  # noqa: BLE001 - every failure goes back to the caller
-        return Reply(call.call_id, False, failure_of(exc))
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - every failure goes back to the caller (sys.exit() in a
+        return Reply(call.call_id, False, failure_of(exc))  # command fails that call, it does not end the rank)
 
 
 def _close(executor: Any, call_id: int) -> Reply:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+import threading
 import time
 from typing import Any, Sequence
 
@@ -98,6 +100,19 @@ class ToyExecutor:
 
     def unpicklable(self):
         return lambda: None
+
+    def raise_unprintable(self) -> None:
+        """Raise an exception whose ``str()`` itself fails."""
+        class Unprintable(Exception):
+            def __str__(self):
+                raise RuntimeError("no text")
+
+        raise Unprintable()
+
+    def exit_command(self, code: int = 0) -> None:
+        """``sys.exit`` inside a command, with a non-daemon thread alive (it would keep a normal exit waiting)."""
+        threading.Thread(target=time.sleep, args=(3600,), daemon=False).start()
+        sys.exit(code)
 
     def exit_hard(self, code: int = 3, rank: int | None = None) -> int:
         if rank is None or rank == self.info.rank:
