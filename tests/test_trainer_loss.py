@@ -247,3 +247,34 @@ def test_a_trainer_started_before_its_generators_connects_later_and_pushes_exact
     finally:
         ex.close()
         buckets.close()
+
+
+@pytest.mark.parametrize("trainer", [dict(loss="reference"), dict(loss="fused", mini_batches=2)],
+                         ids=["reference", "fused-two-updates"])
+def test_diverged_weights_skip_the_update_instead_of_failing_the_step(tmp_path, trainer):
+    """Logits that overflow (one lm_head row at 1e38) make log π non-finite: the step is skipped (applied False),
+    weights and AdamW state untouched; neither the eager loss's input scan nor the fused kernel's refusal of a
+    non-finite π_old (two updates: the second one's π_old) may turn it into an error."""
+    from dist_harness import single_process_trainer
+
+    random_model(CFG).save_pretrained(tmp_path / "model")
+    rollouts = _batch_rollouts()
+    half = len(ADV) // 2
+    batch = (collate(rollouts, ADV, 0) if trainer.get("mini_batches", 1) == 1 else
+             [collate(rollouts[:half], ADV[:half], 0), collate(rollouts[half:], ADV[half:], 0)])
+    with single_process_trainer(tmp_path / "model", CFG, dict(TRAINER, **trainer)) as ex:
+        assert ex.train_step(batch, step=0)["applied"]
+        with torch.no_grad():
+            ex.model.lm_head.weight[7].fill_(1e38)
+        before = {n: p.detach().clone() for n, p in ex.model.named_parameters()}
+        def adam_state():
+            return [(i, k, v.clone()) for i, s in enumerate(ex.opt.state.values()) for k, v in sorted(s.items())]
+
+        state = adam_state()
+        stats = ex.train_step(batch, step=1)
+        assert not stats["applied"] and not math.isfinite(stats["loss"])
+        assert all(torch.equal(p.detach(), before[n]) for n, p in ex.model.named_parameters())
+        after = adam_state()
+        assert len(after) == len(state) > 0
+        assert all(a[:2] == b[:2] and torch.equal(torch.as_tensor(a[2]), torch.as_tensor(b[2]))
+                   for a, b in zip(after, state))

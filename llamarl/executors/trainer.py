@@ -465,7 +465,9 @@ class TrainerExecutor:
         old = part.get("old_logprobs")
         if self.cfg["correction"] == "none":
             return self._uncorrected_loss(part, adv, ref, old)
-        if self.fused:
+        # the fused kernel refuses non-finite inputs; a diverged π_old takes the eager loss, whose non-finite
+        # value then skips the update like any other (the eager losses skip their input scan: validate=False)
+        if self.fused and (old is None or bool(torch.isfinite(old).all())):
             from llamarl_kernels import fused_aipo_loss
 
             width = part["mask"].shape[1]
@@ -480,7 +482,7 @@ class TrainerExecutor:
         logprobs, entropy = token_logprobs(_logits(self.model, part), part["targets"], self.temperature,
                                            entropy=self._entropy_mode)
         return aipo_loss(logprobs, part["behavior_logprobs"], adv, part["mask"], ref_logprobs=ref, entropy=entropy,
-                         old_logprobs=old, **self._loss_options(part))
+                         old_logprobs=old, validate=False, **self._loss_options(part))
 
     def _uncorrected_loss(self, part, adv, ref, old):
         """The ablation: AIPO with μ := π_old (weight 1), i.e. vanilla policy gradient on stale samples
@@ -492,10 +494,10 @@ class TrainerExecutor:
                                            entropy=self._entropy_mode)
         behavior = logprobs.detach() if old is None else old
         loss, _ = aipo_loss(logprobs, behavior, adv, part["mask"], ref_logprobs=ref, entropy=entropy,
-                            old_logprobs=old, **self._loss_options(part))
+                            old_logprobs=old, validate=False, **self._loss_options(part))
         metric_options = dict(self._loss_options(part), kl_coef=0.0, entropy_coef=0.0)  # values, no gradient
         _, metrics = aipo_loss(logprobs.detach(), part["behavior_logprobs"], adv, part["mask"], ref_logprobs=ref,
-                               entropy=entropy.detach(), old_logprobs=old, **metric_options)
+                               entropy=entropy.detach(), old_logprobs=old, validate=False, **metric_options)
         return loss, metrics
 
 
