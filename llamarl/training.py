@@ -40,7 +40,8 @@ from llamarl.run_warnings import config_warnings, resume_warnings
 from llamarl.runlog import RunLog, claim_run_dir
 from llamarl.runtime import RewardSpec, TorchrunEnv, run, serve_torchrun, starting
 from llamarl.train_data import PromptsTooLong, TrainData
-from llamarl.warmstart import cache_key, content_fingerprint, default_cache_dir, save_atomic, train_supervised
+from llamarl.warmstart import (cache_key, content_fingerprint, default_cache_dir, reward_source, save_atomic,
+                               train_supervised)
 
 
 def log(msg: str) -> None:
@@ -57,7 +58,9 @@ def prepare_policy(cfg: TrainConfig, tokenizer, data: TrainData) -> tuple[Path, 
     # everything the warm-started weights depend on (the probe uses the reward and the generation length),
     # input files by their absolute paths (as a resumed run's config.yaml holds them) and their contents
     a = cfg.with_absolute_paths()
-    files = [a.data.dataset, a.reward.reward.rpartition(":")[0], a.policy.tokenizer]
+    tok_path = a.policy.tokenizer  # a tokenizer.json file is read with its directory's config files
+    files = [a.data.dataset, reward_source(a.reward.reward),
+             os.path.dirname(tok_path) if tok_path and os.path.isfile(tok_path) else tok_path]
     key = cache_key("warmstart-v2", model_cfg.to_hf_dict(), dataclasses.replace(ws, cache_dir=None), a.data,
                     cfg.run.seed, a.reward.reward, cfg.generator.max_new_tokens,
                     *([cfg.generator.stop] if cfg.generator.stop else []),  # (the probe's completions end there)
@@ -382,6 +385,7 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
                 runlog.close()
             reward_stats = pool.stats
         rows = runlog.rows  # a resumed run's include the steps before the checkpoint: the summary covers them
+        per_step = cfg.trainer.mini_batches * cfg.trainer.epochs  # updates
         plot = runlog.plot(out / "plot.png")
         return {
             "mode": cfg.run.mode, "max_staleness": cfg.run.max_staleness, "steps": len(rows),
@@ -397,7 +401,9 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
             # are this process's pool's (since a resume; evaluations included)
             "reward_errors": sum(r["reward_errors"] for r in rows), "reward_timeouts": reward_stats.timeouts,
             "reward_worker_deaths": reward_stats.worker_deaths,
-            "skipped_updates": sum(not r["applied"] for r in rows), "policy_version": ctrl.version,
+            # updates (mini_batches x epochs per step) skipped for a non-finite loss or gradient
+            "skipped_updates": sum(per_step - r.get("updates", per_step if r["applied"] else 0) for r in rows),
+            "policy_version": ctrl.version,
             "plot": str(plot) if plot else None, "out": str(out),
         }
 

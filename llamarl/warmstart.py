@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -45,6 +46,22 @@ def cache_key(*parts: object) -> str:
 
 
 BIG_FILE_BYTES = 64 << 20  # files above this are fingerprinted by size and mtime, not read
+
+
+def reward_source(spec: str) -> str | None:
+    """The file a reward spec's function is defined in: the path of ``file.py:fn``, the module file of
+    ``pkg.mod:fn`` (found without importing the module itself), None for a built-in name or what is not found."""
+    target = spec.rpartition(":")[0]
+    if not target:
+        return None
+    if os.path.exists(target):
+        return target
+    try:
+        found = importlib.util.find_spec(target)
+    except (ImportError, ValueError, AttributeError):
+        return None
+    origin = found.origin if found is not None else None
+    return origin if origin and os.path.isfile(origin) else None
 
 
 def content_fingerprint(path: str | os.PathLike) -> str | None:

@@ -218,3 +218,21 @@ def test_synthetic_prompts_longer_than_the_context_are_refused_before_the_warm_s
     from llamarl.train import load_inputs
 
     load_inputs(load_config(SMOKE + ["--set", "data.few_shot=4"]))  # fits: accepted
+
+
+def test_the_warm_start_key_reads_a_reward_modules_source_file(tmp_path, monkeypatch):
+    """reward.reward=pkg.mod:fn (the probe's reward decides when a warm start stops): its source file is part
+    of the cache key, as a file.py:fn's is; a built-in has none."""
+    from llamarl.warmstart import content_fingerprint, reward_source
+
+    pkg = tmp_path / "rewardpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "scores.py").write_text("def score(completion, answer):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert reward_source("rewardpkg.scores:score") == str(pkg / "scores.py")
+    assert reward_source(f"{pkg / 'scores.py'}:score") == str(pkg / "scores.py")
+    assert reward_source("exact") is None and reward_source("no_such_module_anywhere:fn") is None
+    before = content_fingerprint(reward_source("rewardpkg.scores:score"))
+    (pkg / "scores.py").write_text("def score(completion, answer):\n    return 0.0\n")
+    assert content_fingerprint(reward_source("rewardpkg.scores:score")) != before
