@@ -476,8 +476,7 @@ class ExecutorGroup:
         link.open = False
         exitcode = None
         if link.process is not None:
-            link.process.join(timeout=2.0)
-            exitcode = link.process.exitcode
+            exitcode = link.join(timeout=2.0)
         with self._lock:
             expected = self._closing or self._closed or self._start_failed or self._death is not None
             if expected:  # an exit we asked for, or a group that already failed: settle this rank's calls
@@ -558,8 +557,7 @@ class ExecutorGroup:
         deadline = time.monotonic() + timeout
         wait_futures(closes, timeout=timeout)
         for link in self._links:
-            if link.process is not None:
-                link.process.join(timeout=max(0.0, deadline - time.monotonic()))
+            link.join(timeout=max(0.0, deadline - time.monotonic()))
         kill_all(self._links, grace_s=2.0)
         with self._lock:
             self._closed = True

@@ -33,6 +33,23 @@ class RankLink:
     pending: dict[int, tuple[str, Future]] = field(default_factory=dict)  # call id -> (method, future), sent order
     open: bool = True
     busy_since: float | None = None  # monotonic time the rank could start its oldest pending command
+    # held around every join/poll of ``process``: a forked rank's exit status is read once from the fork server's
+    # pipe, so two threads reaping it at once leave one of them an EOF, recorded as exit code 255
+    reap_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def join(self, timeout: float | None) -> int | None:
+        """Wait up to ``timeout`` s for the local process to end; its exit code (None: running, or remote)."""
+        if self.process is None:
+            return None
+        with self.reap_lock:
+            self.process.join(timeout=timeout)
+            return self.process.exitcode
+
+    def running(self) -> bool:
+        if self.process is None:
+            return False
+        with self.reap_lock:
+            return self.process.exitcode is None and self.process.is_alive()
 
     @property
     def pid(self) -> int | None:
@@ -100,14 +117,13 @@ def disconnect(conn: Connection) -> None:
 
 def kill_all(links: Sequence[RankLink], grace_s: float = 2.0) -> None:
     """SIGTERM every live local process, wait ``grace_s``, SIGKILL what is left, reap all."""
-    procs = [lk.process for lk in links if lk.process is not None and lk.process.exitcode is None]
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
+    live = [lk for lk in links if lk.running()]
+    for lk in live:
+        lk.process.terminate()
     deadline = time.monotonic() + grace_s
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5.0)
+    for lk in live:
+        lk.join(timeout=max(0.0, deadline - time.monotonic()))
+    for lk in live:
+        if lk.running():
+            lk.process.kill()
+            lk.join(timeout=5.0)
