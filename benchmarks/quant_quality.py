@@ -108,8 +108,13 @@ def decode_speed(base: Llama, variants: list[tuple[str, str]], batches: list[int
             m = measure(run, warmup=1, iters=iters, device=device)
             tps = batch * new / m.median_s
             base_tps = base_tps or tps
+            # what the engine holds (the model's tensors as it runs them: quantized in place; its KV cache) and,
+            # apart, the transient memory of one call (measured after the warm-up, so graphs are captured)
+            held = engine.cache.nbytes + sum(t.numel() * t.element_size()
+                                             for t in (*model.parameters(), *model.buffers()))
             report.add(batch=batch, weights=label, prompt=prompt, new_tokens=new, s=m.median_s,
-                       tok_per_s=tps, vs_unquantized=tps / base_tps, peak_MiB=m.peak_mem_bytes / 2**20)
+                       tok_per_s=tps, vs_unquantized=tps / base_tps, held_MiB=held / 2**20,
+                       call_peak_MiB=m.peak_mem_bytes / 2**20)
             del engine, model
             if device.type == "cuda":
                 torch.cuda.empty_cache()

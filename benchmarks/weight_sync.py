@@ -236,18 +236,25 @@ def main() -> None:
     src = torch.randint(-128, 127, (nbytes,), dtype=torch.int8, device=device).view(torch.uint8)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    m_torch = measure(lambda: dst.copy_(src), warmup=2, iters=iters, device=device)
+
+    def checked_copy(name, fn):
+        """Time ``fn`` (a copy of src into dst) from a zeroed dst, then check every byte arrived: a copy that
+        wrote nothing or part would otherwise pass, and look fast enough to become the ceiling."""
+        dst.zero_()
+        m = measure(fn, warmup=2, iters=iters, device=device)
+        if not torch.equal(dst, src):
+            raise RuntimeError(f"the flat copy by {name} produced wrong bytes")
+        return m
+
     one_op = _native.as_ops([(0, 0, 1, nbytes, nbytes, nbytes)])
-    m_native = measure(lambda: _native.copy_ops(dst, src, one_op, num_threads=threads, num_streams=args.streams),
-                       warmup=2, iters=iters, device=device)
+    m_torch = checked_copy("torch copy_", lambda: dst.copy_(src))
+    m_native = checked_copy("the native engine", lambda: _native.copy_ops(dst, src, one_op, num_threads=threads,
+                                                                          num_streams=args.streams))
     flat = [m_torch, m_native]
     row("flat copy, torch copy_", m_torch, nbytes)
     row("flat copy, native engine", m_native, nbytes)
     if device.type == "cuda":
-        m_kernel = measure(lambda: _native.copy_ops(dst, src, one_op, engine="kernel"), warmup=2, iters=iters,
-                           device=device)
-        if not torch.equal(dst, src):
-            raise RuntimeError("the SM copy kernel's flat copy produced wrong bytes")
+        m_kernel = checked_copy("the SM copy kernel", lambda: _native.copy_ops(dst, src, one_op, engine="kernel"))
         flat.append(m_kernel)
         row("flat copy, native SM copy kernel", m_kernel, nbytes)
     ceiling = min(flat, key=lambda m: m.median_s)
