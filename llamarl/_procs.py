@@ -98,3 +98,15 @@ def set_process_name(name: str) -> None:
         libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):
         pass
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """Human wording of a process exit status: 'exit code 3', 'killed by SIGKILL', 'connection lost'."""
+    if exitcode is None:
+        return "connection lost"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"

@@ -52,6 +52,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llamarl._procs import describe_exit
+
 DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_MEMORY_MB = 2048
 STARTUP_S = 1.0  # wall-clock allowance per child for the interpreter and the harness to start
@@ -178,8 +180,7 @@ def run_tests(program: str, spec: CodeTests, *, stop_on_failure: bool = True) ->
     """Run ``program`` against ``spec``'s tests (module docstring); never raises for the program's faults."""
     total = len(spec.tests)
     if spec.kind == "assert":
-        report = _run_child(program, spec, spec.tests, stdin_text=None, stop_on_failure=stop_on_failure)
-        passed, failure = report
+        passed, failure = _run_child(program, spec, spec.tests, stdin_text=None, stop_on_failure=stop_on_failure)
         return CodeReport(passed, total, failure)
     passed, failure = 0, None
     for i, (stdin_text, expected) in enumerate(zip(spec.tests, spec.outputs)):
@@ -250,7 +251,7 @@ def _run_child(program: str, spec: CodeTests, tests: tuple[str, ...], *, stdin_t
         elif timed_out:
             why = "timeout"
         else:
-            why = f"{_describe_exit(proc.returncode)} before its tests ran"
+            why = f"{describe_exit(proc.returncode)} before its tests ran"
         if tests:
             return passed, (why if passed < len(tests) else None)
         if passed:
@@ -276,15 +277,6 @@ def _read_available(fd: int) -> bytes:
     except BlockingIOError:
         pass
     return b"".join(chunks)
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 _HARNESS = r"""

@@ -25,10 +25,11 @@ call still pending on that rank. Likewise a reply the controller cannot unpickle
 from __future__ import annotations
 
 import pickle
-import signal
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
+
+from llamarl._procs import describe_exit  # noqa: F401 - part of this module's interface
 
 CLOSE = "__close__"
 BOOTSTRAP_ID = 0
@@ -202,15 +203,3 @@ def shut_down_error(group: str, rank: int, method: str, detail: str = "") -> Exe
 def is_shut_down(exc: BaseException | None) -> bool:
     """True for the error of a call that a shutdown abandoned (not a failure of the call itself)."""
     return type(exc) is ExecutorError and exc.exc_type == SHUT_DOWN
-
-
-def describe_exit(exitcode: int | None) -> str:
-    """Human wording of a process exit status: 'exit code 3', 'killed by SIGKILL', 'connection lost'."""
-    if exitcode is None:
-        return "connection lost"
-    if exitcode < 0:
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return f"exit code {exitcode}"
