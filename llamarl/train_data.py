@@ -43,7 +43,8 @@ import random
 from typing import Iterator, Sequence
 
 from llamarl.config import DataConfig
-from llamarl.data import PromptFormat, PromptFormatter, Sample, load_dataset, select_shots, shot_key
+from llamarl.data import (PromptFormat, PromptFormatter, Sample, distinct_problems, load_dataset, select_shots,
+                          shot_key)
 from llamarl.eval import SYNTHETIC_PREFIX, parse_synthetic_spec
 
 
@@ -208,7 +209,7 @@ def _pick_shots(pool: list[Sample], k: int, seed: int, name: str) -> list[Sample
     """``k`` examples of distinct prompts from ``pool``, drawn with ``seed`` (none for k = 0)."""
     if not k:
         return []
-    distinct = list({shot_key(s): s for s in pool}.values())
+    distinct = distinct_problems(pool)
     if k >= len(distinct):
         raise ValueError(f"data.few_shot={k}: data.dataset {name} has only {len(distinct)} distinct prompts, and "
                          "the examples must leave some to train on; lower data.few_shot")

@@ -11,7 +11,8 @@ PromptDataset), synthetic (ArithmeticTask).
 """
 
 from llamarl.data.datasets import Sample, load_dataset, reduce_answer, write_jsonl
-from llamarl.data.prompts import Prompt, PromptDataset, PromptFormat, PromptFormatter, select_shots, shot_key
+from llamarl.data.prompts import (Prompt, PromptDataset, PromptFormat, PromptFormatter, distinct_problems, select_shots,
+                                  shot_key)
 from llamarl.data.synthetic import SYNTHETIC_PREFIX, ArithmeticTask, parse_synthetic_spec
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "PromptFormat",
     "PromptFormatter",
     "Sample",
+    "distinct_problems",
     "load_dataset",
     "parse_synthetic_spec",
     "reduce_answer",

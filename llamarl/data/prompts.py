@@ -71,17 +71,19 @@ def shot_key(sample: Sample) -> str:
     return sample.prompt.strip()
 
 
+def distinct_problems(pool: Sequence[Sample]) -> list[Sample]:
+    """One sample per problem (``shot_key``), in the order problems first appear; of a problem the pool holds
+    twice, its last sample."""
+    return list({shot_key(s): s for s in pool}.values())
+
+
 def select_shots(pool: Sequence[Sample], k: int, *, seed: int = 0, exclude: Sequence[Sample] = ()) -> list[Sample]:
     """``k`` examples of distinct problems drawn deterministically from ``pool`` (a problem the pool holds
     twice counts once), never the problem of one in ``exclude`` (compared by ``shot_key``)."""
     if k < 0:
         raise ValueError(f"number of few-shot examples must be >= 0, got {k}")
     banned = {shot_key(s) for s in exclude}
-    first: dict[str, Sample] = {}  # each problem's first sample in the pool, in pool order
-    for s in pool:
-        if shot_key(s) not in banned:
-            first.setdefault(shot_key(s), s)
-    candidates = list(first.values())
+    candidates = [s for s in distinct_problems(pool) if shot_key(s) not in banned]
     if k > len(candidates):
         raise ValueError(f"asked for {k} few-shot examples but only {len(candidates)} candidates are available")
     return random.Random(f"few-shot:{seed}").sample(candidates, k)
