@@ -83,7 +83,7 @@ from llamarl_kernels.logprobs import (
     row_launch,
     softmax_row_stats,
 )
-from llamarl_kernels.shapes import check_clip, check_norm
+from llamarl_kernels.shapes import check_clip, check_kl_estimator, check_norm
 
 
 @triton.jit
@@ -411,8 +411,7 @@ def fused_aipo_loss(
     check_norm(where, norm, norm_constant)
     if level not in ("token", "sequence"):
         raise ValueError(f"{where}: level must be 'token' or 'sequence', got {level!r}")
-    if kl_estimator not in ("k3", "k2"):
-        raise ValueError(f"{where}: kl_estimator must be 'k3' or 'k2', got {kl_estimator!r}")
+    check_kl_estimator(where, kl_estimator)
     n_rows, device = hidden.shape[0], hidden.device
     if norm == "sequence" or level == "sequence":
         why = "norm='sequence'" if norm == "sequence" else "level='sequence'"

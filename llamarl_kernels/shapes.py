@@ -57,3 +57,11 @@ def check_clip(where: str, clip) -> None:
     if not ok or not (0 <= clip[0] < 1 and clip[1] >= 0):
         raise ValueError(f"{where}: clip must be None or (eps_low, eps_high) with 0 <= eps_low < 1 and "
                          f"eps_high >= 0, e.g. (0.2, 0.2) or DAPO's (0.2, 0.28); got {clip!r}")
+
+
+KL_ESTIMATORS = ("k3", "k2")  # the KL-to-reference term's estimator (llamarl.algorithms.aipo)
+
+
+def check_kl_estimator(where: str, kl_estimator: str) -> None:
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"{where}: kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")

@@ -92,10 +92,9 @@ import math
 
 import torch
 
-from llamarl_kernels.shapes import check_clip, check_norm
+from llamarl_kernels.shapes import check_clip, check_kl_estimator, check_norm
 ENTROPY_MODES = ("grad", "detached", "none")
 LEVELS = ("token", "sequence")  # where the importance ratios are taken
-KL_ESTIMATORS = ("k3", "k2")  # the KL term's estimator (module docstring)
 
 
 def token_logprobs(
@@ -174,8 +173,7 @@ def aipo_loss(
     check_norm("aipo_loss", norm, norm_constant)
     if level not in LEVELS:
         raise ValueError(f"aipo_loss: level must be one of {LEVELS}, got {level!r}")
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"aipo_loss: kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+    check_kl_estimator("aipo_loss", kl_estimator)
     if level == "sequence" and logprobs.dim() != 2:
         raise ValueError("aipo_loss: level='sequence' needs [B, T] inputs; flat [N] inputs have no sequences")
     _check_inputs(logprobs, behavior_logprobs, advantages, mask, rho, norm, ref_logprobs, kl_coef,
