@@ -36,7 +36,7 @@ from llamarl.weight_sync.buckets import GeneratorBuckets
 from llamarl.weight_sync.planner import SyncPlan
 from llamarl.weight_sync.quantize_on_sync import TrainerSources
 from llamarl.weight_sync.sender import SyncStats, default_threads
-from llamarl.weight_sync.versioning import SyncTimeout, try_abandon
+from llamarl.weight_sync.versioning import give_up, recover
 
 MAGIC = 0x4C52_5753  # "LRWS"
 
@@ -169,15 +169,18 @@ class DistInbox:
         self.staging = [torch.empty(n, dtype=torch.uint8, device=buckets.device) for n in self.nbytes]
         self._wire = _native.BufferTable.of(self.staging)
         self.control.register_writer(self.writer)
-        self._unfinished: int | None = None  # a version this inbox claimed but could not write (abandoned later)
+        self.replica = plan.generator.replica(self.rank)
+        self._unfinished: dict[int, int] = {}  # {replica: a version this inbox claimed but could not write}
 
     def receive(self, timeout: float | None = None) -> int:
         """Receive the next version from all trainer ranks, write it into a free slot, publish it. A write that
         fails after the claim gives the claim up (now, or at the next receive once the replica's other TP
         inboxes are done with it), so the inbox is not stuck behind a version it will never finish."""
         timeout = self.timeout if timeout is None else float(timeout)
-        if self._unfinished is not None:
-            self._give_up(self._unfinished, timeout)
+        recover(self._unfinished, lambda _: self.control, timeout, lambda detail: (
+            f"generator rank {self.rank}: an earlier receive failed, and the version it left unfinished cannot be "
+            f"abandoned: the replica's other TP inboxes (alive) have not finished writing it within {timeout:g} s "
+            f"({detail})"))
         group, dev = self.topology.group, self.buckets.device
         headers, works = [], []
         for t, src in enumerate(self.topology.trainer_ranks):
@@ -212,24 +215,9 @@ class DistInbox:
                 torch.cuda.current_stream(dev).synchronize()
             self.control.finish(self.writer, slot, version)
         except BaseException:
-            try:
-                if not try_abandon(self.control, version):
-                    self._unfinished = version  # the other TP inboxes are still writing it: retried next time
-            except Exception:  # noqa: BLE001 - best effort; the original error is what the caller needs
-                self._unfinished = version
+            give_up(self.control, version, self._unfinished, self.replica)  # (retried next time if need be)
             raise
         return version
-
-    def _give_up(self, version: int, timeout: float) -> None:
-        deadline, nap = time.monotonic() + timeout, 1e-4
-        while not try_abandon(self.control, version):
-            if time.monotonic() >= deadline:
-                raise SyncTimeout(f"generator rank {self.rank}: an earlier receive failed, and the version {version} "
-                                  f"it left unfinished cannot be abandoned: the replica's other TP inboxes (alive) "
-                                  f"have not finished writing it within {timeout:g} s ({self.control.snapshot()})")
-            time.sleep(nap)
-            nap = min(nap * 2, 0.05)
-        self._unfinished = None
 
     def close(self) -> None:
         self.control.deregister(writer=True, rank=self.writer)

@@ -46,7 +46,7 @@ from llamarl import _native
 from llamarl.weight_sync.buckets import AttachedBuckets, BucketHandle, describe_mismatch
 from llamarl.weight_sync.planner import SyncPlan
 from llamarl.weight_sync.quantize_on_sync import TrainerSources
-from llamarl.weight_sync.versioning import SyncTimeout, VersionControl, try_abandon
+from llamarl.weight_sync.versioning import VersionControl, give_up, recover
 
 # How long a trainer rank whose previous sync failed waits, at its next sync, for the other trainer ranks
 # to finish that version so it can be abandoned. Finite even with timeout=inf: the others only copy, and
@@ -263,32 +263,16 @@ class WeightSender:
         sync is not stuck behind a version nobody will finish; the slot becomes FREE, never READY. A replica
         whose other writers are still on the version cannot be abandoned yet: ``_recover`` retries it."""
         for r, version in unfinished.items():
-            try:
-                if not self._try_abandon(r, version):
-                    self._unfinished[r] = version
-            except Exception:  # noqa: BLE001 - best effort; the original error is what the caller needs
-                self._unfinished[r] = version
-
-    def _try_abandon(self, r: int, version: int) -> bool:
-        return try_abandon(self.controls[r], version)
+            give_up(self.controls[r], version, self._unfinished, r)
 
     def _recover(self) -> None:
         """Before a sync: abandon what this rank's failed sync left claimed, once the other writers finished it."""
-        deadline = time.monotonic() + min(self.timeout, RECOVER_TIMEOUT_S)
-        nap = 1e-4
-        while self._unfinished:
-            self._unfinished = {r: v for r, v in self._unfinished.items() if not self._try_abandon(r, v)}
-            if not self._unfinished:
-                return
-            if time.monotonic() >= deadline:
-                detail = "; ".join(f"replica {r}: {self.controls[r].snapshot()}" for r in self._unfinished)
-                raise SyncTimeout(
-                    f"trainer rank {self.rank}: an earlier sync of this rank failed, and the version it left "
-                    f"unfinished cannot be abandoned because other trainer ranks (alive) have not finished writing "
-                    f"it within {min(self.timeout, RECOVER_TIMEOUT_S):g} s ({detail}). If several ranks failed that "
-                    f"sync, stop the trainer; a restarted one calls abandon() and syncs again")
-            time.sleep(nap)
-            nap = min(nap * 2, 0.05)
+        timeout = min(self.timeout, RECOVER_TIMEOUT_S)
+        recover(self._unfinished, self.controls.__getitem__, timeout, lambda detail: (
+            f"trainer rank {self.rank}: an earlier sync of this rank failed, and the version it left unfinished "
+            f"cannot be abandoned because other trainer ranks (alive) have not finished writing it within "
+            f"{timeout:g} s ({detail}). If several ranks failed that sync, stop the trainer; a restarted one calls "
+            f"abandon() and syncs again"))
 
     def close(self) -> None:
         """Deregister as a writer and unmap the buckets (the generator keeps the published versions)."""

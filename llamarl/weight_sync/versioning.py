@@ -38,7 +38,9 @@ same protocol runs locally on the generator host, with the generator's DistInbox
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -75,6 +77,34 @@ def try_abandon(ctl: "VersionControl", version: int) -> bool:
             raise
         return False  # "cannot abandon version v: writer rank k (pid p) is alive and still writing it"
     return True
+
+
+def give_up(ctl: "VersionControl", version: int, pending: dict[int, int], replica: int) -> None:
+    """After a write of ``version`` failed (best effort: the caller re-raises its own error), abandon its claim
+    now, or record it in ``pending[replica]`` for ``recover`` when another writer is still on it."""
+    try:
+        if not try_abandon(ctl, version):
+            pending[replica] = version
+    except Exception:  # noqa: BLE001 - best effort; the original error is what the caller needs
+        pending[replica] = version
+
+
+def recover(pending: dict[int, int], control: Callable[[int], "VersionControl"], timeout: float,
+            failure: Callable[[str], str]) -> None:
+    """Before the next write: abandon every version in ``pending`` (replica -> version) once the other writers
+    have finished it, waiting up to ``timeout`` s; then ``SyncTimeout(failure(detail))``, detail the replicas'
+    control blocks. ``pending`` is emptied as they are given up."""
+    deadline, nap = time.monotonic() + timeout, 1e-4
+    while pending:
+        for r, version in list(pending.items()):
+            if try_abandon(control(r), version):
+                del pending[r]
+        if not pending:
+            return
+        if time.monotonic() >= deadline:
+            raise SyncTimeout(failure("; ".join(f"replica {r}: {control(r).snapshot()}" for r in pending)))
+        time.sleep(nap)
+        nap = min(nap * 2, 0.05)
 
 
 class VersionControl:
