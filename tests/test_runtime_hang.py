@@ -6,8 +6,11 @@ Real processes running ``llamarl.runtime.testing:ToyExecutor``; the limits are s
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -20,6 +23,7 @@ from llamarl.config import ConfigError
 from llamarl.config_cli import load_config
 from llamarl.runtime import ExecutorDied, ExecutorGroup, ExecutorHung
 from llamarl.runtime.executor import RankLink
+from llamarl.runtime.frames import FrameReader
 from test_runtime import TOY, _wait_gone
 
 
@@ -158,3 +162,119 @@ def test_a_hung_remote_rank_is_disconnected_and_frees_a_send_blocked_on_it():
         peer.wait()
         listener.close()
         group.shutdown(timeout=2.0)
+
+
+_REPLYING_PEER = """
+import os, pickle, socket, struct, sys, time
+from multiprocessing.connection import Client
+from llamarl.runtime.rpc import Reply
+c = Client(("127.0.0.1", int(sys.argv[1])), family="AF_INET", authkey=b"k" * 16)
+sock = socket.socket(fileno=os.dup(c.fileno()))
+mode, calls = sys.argv[2], int(sys.argv[3])
+ids = [pickle.loads(c.recv_bytes()).call_id for _ in range(calls)]
+print("got the commands", flush=True)
+if mode == "stall":  # the start of a 1 MiB reply, then nothing: a rank stopped, or a host cut off, mid-send
+    sock.sendall(struct.pack("!i", 1 << 20) + b"x" * 100)
+    time.sleep(60)
+elif mode == "trickle":  # whole replies, a byte at a time (headers split too), two in one stream
+    wire = b"".join(struct.pack("!i", len(b)) + b for b in (pickle.dumps(Reply(i, True, f"reply {n}")) for n, i in enumerate(ids)))
+    for k in range(len(wire)):
+        sock.sendall(wire[k:k + 1])
+        time.sleep(0.001)
+    c.recv_bytes()  # until the controller closes
+elif mode == "leave":  # exits, once the stalled rank is mid-reply
+    time.sleep(1.0)
+"""
+
+
+class _Peers:
+    """Remote ranks played by subprocesses over TCP, each a ``_REPLYING_PEER`` in its own mode."""
+
+    def __init__(self, *modes_and_calls: tuple[str, int]):
+        self.listener = Listener(("127.0.0.1", 0), family="AF_INET", authkey=b"k" * 16)
+        self.procs, links = [], []
+        for mode, calls in modes_and_calls:
+            self.procs.append(subprocess.Popen([sys.executable, "-c", _REPLYING_PEER, str(self.listener.address[1]),
+                                                mode, str(calls)], stdout=subprocess.PIPE, text=True))
+            links.append(RankLink(self.listener.accept()))
+        self.links = links
+
+    def close(self):
+        for p in self.procs:
+            p.kill()
+            p.wait()
+        self.listener.close()
+
+
+def test_a_rank_stalled_mid_reply_is_taken_for_hung():
+    """The monitor reads whole replies only: a rank that sent part of one and stopped cannot hold it in a read,
+    so the command timeout still fires (before, the monitor waited inside recv_bytes for the rest, forever)."""
+    peers = _Peers(("stall", 1))
+    group = ExecutorGroup("remote", peers.links, command_timeout_s=1.0)
+    try:
+        fut = group.call("echo", 1)
+        assert peers.procs[0].stdout.readline().strip() == "got the commands"
+        with pytest.raises(ExecutorHung):
+            group.failed.result(timeout=30)
+        with pytest.raises(ExecutorHung):
+            fut.result(timeout=10)
+    finally:
+        group.shutdown(timeout=2.0)
+        peers.close()
+
+
+def test_a_death_is_noticed_while_another_rank_is_stalled_mid_reply():
+    """No command timeout: rank 1 leaving must still fail the group while rank 0 is stuck mid-reply."""
+    peers = _Peers(("stall", 1), ("leave", 1))
+    group = ExecutorGroup("remote", peers.links)
+    try:
+        fut = group.call("echo", 1)
+        with pytest.raises(ExecutorDied) as info:
+            group.failed.result(timeout=30)
+        assert info.value.rank == 1
+        with pytest.raises(ExecutorDied):
+            fut.result(timeout=10)
+    finally:
+        group.shutdown(timeout=2.0)
+        peers.close()
+
+
+def test_replies_that_arrive_a_byte_at_a_time_are_read_whole_and_in_order():
+    peers = _Peers(("trickle", 2))
+    group = ExecutorGroup("remote", peers.links)
+    try:
+        first, second = group.call("echo", 1), group.call("echo", 2)
+        assert first.result(timeout=60) == ["reply 0"]
+        assert second.result(timeout=60) == ["reply 1"]
+    finally:
+        group.shutdown(timeout=2.0)
+        peers.close()
+
+
+def test_the_reader_follows_the_wire_format_of_multiprocessing():
+    """Messages sent by ``Connection.send_bytes`` (empty ones too), and the 8-byte size form that messages of
+    2 GiB and more use, written here by hand with a small size; end of file once the peer closes."""
+    ours, theirs = multiprocessing.Pipe(duplex=True)
+    reader = FrameReader(ours)
+    try:
+        for blob in (b"", b"a", b"b" * 100_000):
+            theirs.send_bytes(blob)
+        messages, closed = [], False
+        while len(messages) < 3 and not closed:
+            got, closed = reader.read()
+            messages += got
+        assert [bytes(m) for m in messages] == [b"", b"a", b"b" * 100_000] and not closed
+        sock = socket.socket(fileno=os.dup(theirs.fileno()))
+        sock.sendall(struct.pack("!i", -1) + struct.pack("!Q", 5) + b"hello" + struct.pack("!i", 3) + b"ab")
+        time.sleep(0.2)
+        got, closed = reader.read()
+        assert [bytes(m) for m in got] == [b"hello"] and not closed  # the second is incomplete: kept
+        sock.sendall(b"c")
+        sock.close()
+        theirs.close()
+        time.sleep(0.2)
+        got, closed = reader.read()
+        assert [bytes(m) for m in got] == [b"abc"] and closed
+    finally:
+        reader.close()
+        ours.close()

@@ -27,6 +27,8 @@ Hangs: with ``command_timeout_s`` > 0, a rank whose current command has run long
 when the rank could start it) is taken for hung: it prints its Python stacks at the limit (``server.py``),
 a few seconds later the monitor kills the group's local ranks (SIGSTOPped ones too), disconnects remote
 ones (which then exit) and fails the group with ``ExecutorHung`` (an ``ExecutorDied``), like a death.
+The monitor only ever handles whole replies (``frames.py``), so a rank stalled halfway through sending one
+is hung like any other, and never holds the monitor (nor the detection of the other ranks' deaths).
 
 Ctrl-C is the controller's alone: ranks are started with SIGINT blocked and ignore it (``server.py``).
 A locally spawned rank also exits by itself when the controller process dies, however it dies, even
@@ -425,19 +427,17 @@ class ExecutorGroup:
         self._fail_group()
 
     def _drain(self, rank: int, link: RankLink) -> bool:
-        """Read every reply available on ``link``; returns True if the connection has closed."""
-        try:
-            while link.conn.poll():
-                blob = link.conn.recv_bytes()
-                try:
-                    reply = pickle.loads(blob)
-                except Exception as exc:  # noqa: BLE001 - e.g. a result whose class cannot be rebuilt here
-                    self._unreadable_reply(rank, link, exc)
-                    continue
-                self._resolve(rank, link, reply)
-        except (EOFError, OSError):
-            return True
-        return False
+        """Handle every reply complete on ``link`` (never waiting for the rest of one: a rank stalled mid-reply
+        must not stall the monitor, ``frames.py``); returns True if the connection has closed."""
+        blobs, closed = link.reader.read()
+        for blob in blobs:
+            try:
+                reply = pickle.loads(blob)
+            except Exception as exc:  # noqa: BLE001 - e.g. a result whose class cannot be rebuilt here
+                self._unreadable_reply(rank, link, exc)
+                continue
+            self._resolve(rank, link, reply)
+        return closed
 
     def _take(self, link: RankLink, call_id: int) -> tuple[int, str, Future | None]:
         """Remove the pending call ``call_id`` (``UNREADABLE_ID``: the oldest; replies come in call order)."""
@@ -517,7 +517,7 @@ class ExecutorGroup:
         for lk in self._links:
             lk.open = False
             if lk.process is None:  # a remote (torchrun) rank exits when its controller connection drops
-                disconnect(lk.conn)
+                disconnect(lk)
 
     def _died_for(self, method: str) -> ExecutorDied:
         d = self._death
@@ -572,7 +572,7 @@ class ExecutorGroup:
             settle(fut, exc=shut_down_error(self.name, -1, method))
         for link in self._links:
             link.open = False
-            link.conn.close()
+            link.close()
         self._wake_r.close()
         self._wake_w.close()
         settle(self.failed, result=None)

@@ -1,8 +1,9 @@
 """The controller's end of each executor rank: its connection and process, and how they are stopped.
 
 ``RankLink`` is what an ``ExecutorGroup`` holds per rank (``executor.py``): the connection, the local
-process (None for a torchrun rank on another host) and the calls sent to that rank and not yet answered,
-in the order they were sent (dict insertion order; a rank answers in that order, ``rpc.py``).
+process (None for a torchrun rank on another host), the calls sent to that rank and not yet answered,
+in the order they were sent (dict insertion order; a rank answers in that order, ``rpc.py``), and the
+``FrameReader`` the monitor reads replies with (``frames.py``).
 Starting: ``check_spawn_args`` refuses bad arguments before any process starts; ``child_environment``
 puts variables in a spawned child's environment from its first instruction. Stopping: ``kill_all`` stops
 local processes (SIGTERM, a grace period, SIGKILL, reap); ``disconnect`` makes a remote rank exit by
@@ -23,6 +24,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Sequence
 
+from llamarl.runtime.frames import FrameReader
+
 
 @dataclass
 class RankLink:
@@ -36,6 +39,16 @@ class RankLink:
     # held around every join/poll of ``process``: a forked rank's exit status is read once from the fork server's
     # pipe, so two threads reaping it at once leave one of them an EOF, recorded as exit code 255
     reap_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # the monitor reads replies through it: whole messages only, so a rank stalled mid-reply never blocks it
+    reader: FrameReader = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.reader = FrameReader(self.conn)
+
+    def close(self) -> None:
+        """Close the connection and the reader's descriptor (the peer reads end of file once both are)."""
+        self.reader.close()
+        self.conn.close()
 
     def join(self, timeout: float | None) -> int | None:
         """Wait up to ``timeout`` s for the local process to end; its exit code (None: running, or remote)."""
@@ -101,18 +114,18 @@ def child_environment(env: dict[str, str]):
                     os.environ[k] = v
 
 
-def disconnect(conn: Connection) -> None:
+def disconnect(link: RankLink) -> None:
     """Shut a remote rank's socket down, then close it: closing alone neither wakes a send blocked on it
     (a hung peer stopped reading) nor sends the peer its end of file while that send is in flight."""
     try:
-        sock = socket.socket(fileno=os.dup(conn.fileno()))
+        sock = socket.socket(fileno=os.dup(link.conn.fileno()))
         try:
             sock.shutdown(socket.SHUT_RDWR)
         finally:
             sock.close()
     except OSError:
         pass  # not a socket, or already gone
-    conn.close()
+    link.close()
 
 
 def kill_all(links: Sequence[RankLink], grace_s: float = 2.0) -> None:
