@@ -8,6 +8,10 @@ path's and its outputs agree to fp32 rounding (SiLU's exp is std::exp instead of
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -122,3 +126,34 @@ def test_cache_overflow_is_an_error():
             model(torch.tensor([[9]]), -1, cache)
     with pytest.raises(ValueError, match="negative slot -2"):
         model(torch.tensor([[9, 9]]), -2, cache)  # the eager path (autograd on)
+
+
+_MISFIT = """
+import sys, torch
+sys.path.insert(0, "tests")
+from test_cpu_decode import CFG, _model
+from llamarl.generation.kv_cache import KVCache
+from llamarl.models import LlamaConfig
+case = sys.argv[1]
+fewer_heads = LlamaConfig(**{**CFG.__dict__, "num_key_value_heads": 1})
+cache, ids = {"bf16": (KVCache(CFG, 1, 8, dtype=torch.bfloat16, device="cpu"), [[5]]),
+              "rows": (KVCache(CFG, 1, 8, dtype=torch.float32, device="cpu"), [[5], [6], [7], [8]]),
+              "heads": (KVCache(fewer_heads, 1, 8, dtype=torch.float32, device="cpu"), [[5]])}[case]
+with torch.inference_mode():
+    try:
+        _model(0)(torch.tensor(ids), 7, cache)
+        print("no error")
+    except ValueError as exc:
+        print("ValueError", exc)
+"""
+
+
+@pytest.mark.parametrize("case", ["bf16", "rows", "heads"])
+def test_a_cache_that_does_not_fit_the_layer_is_refused_not_written_past(case):
+    """A cache of another dtype, with fewer rows than the batch or other kv heads than the model: the native
+    layer indexes the cache blindly (it wrote past its end, or read garbage), so it must leave such a cache to
+    the module path, which names the misfit. Run in a child: the failure this guards against is a segfault."""
+    run = subprocess.run([sys.executable, "-c", _MISFIT, case], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("ValueError"), run.stdout

@@ -9,7 +9,8 @@ step of the RL default's tiny model. ``decode_layer`` runs the same kernels in t
 It applies, and ``DecoderLayer.forward`` uses it, exactly when the module path would run the native ops
 for every piece of the layer: one new token per row, contiguous fp32 CPU activations, autograd off,
 a ``KVCache`` addressed by an int slot (the eager decode; the static-shape CUDA-graph step keeps the
-module path), plain ``Linear`` projections without bias whose q|k|v and gate|up weights are stacked
+module path) whose fp32 rows fit the layer (else the module path raises the error that names the misfit),
+plain ``Linear`` projections without bias whose q|k|v and gate|up weights are stacked
 (llamarl.models.stacked: packed weights or the weight sync's buckets), fp32 contiguous weights and at
 most ``CPU_DECODE_MAX_ROWS`` rows. Otherwise it returns None and the module path runs. The switches of
 the native ops turn it off with them (``LLAMARL_FUSED_OPS=0``: the model does not call it;
@@ -43,6 +44,16 @@ def _weights(layer) -> tuple[torch.Tensor, ...] | None:
     return out
 
 
+def _fits(kc: torch.Tensor, vc: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shape: tuple) -> bool:
+    """The cache rows and RoPE tables are what the kernel indexes blindly: fp32 CPU, K and V [B, Hkv, slots,
+    Dh] (the cache may have fewer rows or other heads than the model), unit stride along Dh, cos/sin [B, 1, 1,
+    Dh]."""
+    B, _, _, Dh = shape
+    return (kc.dtype is _FP32 and vc.dtype is _FP32 and kc.is_cpu and vc.is_cpu and kc.shape == shape
+            and vc.shape == shape and kc.stride(3) == 1 and vc.stride(3) == 1
+            and cos.dtype is _FP32 and sin.dtype is _FP32 and cos.shape == (B, 1, 1, Dh) and sin.shape == cos.shape)
+
+
 def decode_layer(layer, x: torch.Tensor, ctx,
                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``layer(x, ctx, residual)`` (llamarl.models.llama.DecoderLayer) as one native call, or None when the
@@ -63,6 +74,8 @@ def decode_layer(layer, x: torch.Tensor, ctx,
     H, Hkv, Dh = attn.n_heads, attn.n_kv, attn.head_dim
     kc, vc, S = cache.rows(attn.layer_idx, B, 1, slot)  # attention reads slots [0, S = slot + 1)
     cos, sin = ctx.cos.contiguous(), ctx.sin.contiguous()
+    if not _fits(kc, vc, cos, sin, (B, Hkv, cache.max_seq_len, Dh)):
+        return None  # the module path raises the error that names what does not fit
     mask, mask_sb = ctx.mask, 0
     if mask is not None:
         if mask.dtype is not _FP32 or mask.shape != (B, 1, 1, S) or mask.stride(3) != 1:
