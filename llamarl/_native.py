@@ -75,7 +75,7 @@ CUDA_ENGINES = ("memcpy", "kernel")
 
 def copy_ops(dst: torch.Tensor, src: torch.Tensor, ops, *, num_threads: int = 1, num_streams: int = 4,
              stream: torch.cuda.Stream | None = None, engine: str = "memcpy") -> None:
-    """Run a copy schedule from ``src`` to ``dst`` (both viewed as flat bytes).
+    """Run a copy schedule from ``src`` to ``dst`` (both viewed as flat bytes, not overlapping).
 
     CPU tensors: host threads, returns when done. CUDA tensors, no host synchronisation: ``engine``
     "memcpy" enqueues cudaMemcpy(2D)Async on ``num_streams`` internal streams that ``stream`` (default:
@@ -85,6 +85,9 @@ def copy_ops(dst: torch.Tensor, src: torch.Tensor, ops, *, num_threads: int = 1,
     arr = as_ops(ops)
     sp, sn = _contiguous_bytes(src, "src")
     dp, dn = _contiguous_bytes(dst, "dst")
+    if src.device == dst.device and sn and dn and sp < dp + dn and dp < sp + sn:
+        raise ValueError("copy_ops: src and dst overlap in memory; the engine copies rows concurrently (memcpy, not "
+                         "memmove, semantics), so copy through a separate buffer")
     if src.device.type == "cpu" and dst.device.type == "cpu":
         native().copy_ops_cpu(sp, sn, dp, dn, arr, num_threads)
         return
@@ -131,6 +134,7 @@ class BufferTable:
     @classmethod
     def of(cls, tensors) -> "BufferTable":
         """The table of contiguous tensors (each addressed as flat bytes)."""
+        tensors = list(tensors)  # kept below: a generator would be used up by the loop
         ptrs, sizes = [], []
         for i, t in enumerate(tensors):
             ptr, n = _contiguous_bytes(t, f"buffer {i}")
@@ -225,6 +229,8 @@ def linear_f32_cpu_unchecked(x: torch.Tensor, weight: torch.Tensor) -> torch.Ten
     """``linear_f32_cpu`` for callers that guarantee its preconditions and contiguity (the decode hot path)."""
     N, K = weight.shape
     y = x.new_empty(x.shape[:-1] + (N,))
+    if K == 0 or N == 0:  # an empty product: zeros, or nothing (F.linear's result)
+        return y.zero_()
     rows = x.numel() // K
     if rows:
         native().linear_f32_cpu(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, K, N, torch.get_num_threads())

@@ -26,6 +26,8 @@ def rope_kv_shapes(q, k, v, cos, signed_sin, k_cache, v_cache, slots) -> tuple[i
         if c.dim() != 4 or c.shape[0] != B or c.shape[1] != Hkv or c.shape[3] != Dh or c.stride(3) != 1:
             raise ValueError(f"rope_kv: {name} must be [{B}, {Hkv}, slots, {Dh}] with unit stride along the last dim, "
                              f"got {tuple(c.shape)} strides {c.stride()}")
+    if v_cache.shape != k_cache.shape:  # the kernels bound the slots by k_cache's alone
+        raise ValueError(f"rope_kv: v_cache {tuple(v_cache.shape)} must have k_cache's shape {tuple(k_cache.shape)}")
     if isinstance(slots, torch.Tensor) and (slots.dtype != torch.long or slots.shape != (T,)):
         raise ValueError(f"rope_kv: slots must be an int or a LongTensor [{T}], got {slots.dtype} {tuple(slots.shape)}")
     return B, T, H, Hkv, Dh

@@ -144,6 +144,46 @@ def test_a_bad_cache_slot_leaves_the_kv_cache_untouched():
     assert not k_cache.any() and not v_cache.any()
 
 
+def test_a_v_cache_with_fewer_slots_than_the_k_cache_is_refused():
+    """The kernels bound the slots by k_cache alone: a shorter v_cache was written past its end."""
+    from llamarl.models import cpu_fused
+
+    B, T, H, Dh = 1, 1, 2, 4
+    q, k, v = (torch.randn(B, T, H, Dh) for _ in range(3))
+    cos, sin = torch.ones(B, T, 1, Dh), torch.zeros(B, T, 1, Dh)
+    store = torch.zeros(2 * B * H * 4 * Dh)
+    k_cache, v_cache = torch.zeros(B, H, 4, Dh), store[:B * H * 2 * Dh].view(B, H, 2, Dh)
+    with pytest.raises(ValueError, match="v_cache"):
+        cpu_fused.rope_kv(q, k, v, cos, sin, k_cache, v_cache, 3)
+    assert not store.any()
+
+
+def test_overlapping_copies_are_refused():
+    """Rows are copied concurrently (memcpy): overlapping src and dst gave silent garbage with threads."""
+    buf = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
+    before = buf.clone()
+    with pytest.raises(ValueError, match="overlap"):
+        copy_ops(buf[1000:], buf[:-1000], [(0, 0, 1, 8000, 8000, 8000)], num_threads=2)
+    assert torch.equal(buf, before)
+
+
+def test_a_buffer_table_of_a_generator_keeps_its_tensors_alive():
+    from llamarl._native import BufferTable
+
+    table = BufferTable.of(torch.full((8,), i, dtype=torch.uint8) for i in range(3))
+    assert len(table._keep) == 3 and [int(t[0]) for t in table._keep] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("k,n", [(0, 4), (4, 0)])
+def test_empty_products_give_what_f_linear_gives(k, n):
+    from llamarl.models.linear import linear
+
+    x, w = torch.randn(2, k), torch.randn(n, k)
+    with torch.no_grad():
+        got = linear(x, w)
+    assert torch.equal(got, torch.nn.functional.linear(x, w))
+
+
 def test_cuda_copies_refuse_unbounded_stream_counts():
     from llamarl._native import as_ops
 
