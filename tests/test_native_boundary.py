@@ -12,7 +12,6 @@ import torch
 from llamarl._native import copy_ops, native, shm_create
 from llamarl.generation import SamplingParams, sample_tokens
 from llamarl.generation.sampling import sample_native_cpu
-from llamarl.weight_sync import VersionControl
 
 C = native()
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import multiprocessing as mp
-import os
 import sys
 import textwrap
 import time

@@ -7,7 +7,6 @@ import json
 import pytest
 
 from llamarl.config import DataConfig
-from llamarl.data import Sample
 from llamarl.models import CharTokenizer
 from llamarl.train import main
 from llamarl.train_data import TrainData
