@@ -49,6 +49,20 @@ def test_groups_sum_to_zero_and_constant_groups_give_zero(method):
     assert torch.all(adv[5:10] == 0)
 
 
+@pytest.mark.parametrize("method", ["mean", "grpo", "rloo", "reinforce_baseline"])
+def test_a_flat_group_whose_mean_rounds_is_exactly_zero(method):
+    """Six 0.1s do not sum to 0.6 in float64: the rounded mean left ±1e-17 per sample (±0.12 for grpo with a
+    tiny eps), so a group that carries no gradient was trained on instead of skipped."""
+    rewards = torch.tensor([1.0, 0.1, 0.1, 0.1, 0.1, 0.1] + [0.1] * 6 + [0.3, 0.3, 0.3, 5.0], dtype=torch.float64)
+    valid = torch.ones_like(rewards, dtype=torch.bool)
+    valid[-1] = False  # the last group's valid members (three 0.3s) are flat too
+    for eps in (1e-6, 1e-16):
+        adv = group_advantages(rewards[:12], 6, method, eps=eps)
+        assert torch.all(adv[6:] == 0) and torch.all(adv[:6] != 0)
+    adv = group_advantages(torch.cat([rewards[12:], rewards[12:]]), 4, method, valid=torch.cat([valid[12:]] * 2))
+    assert torch.all(adv == 0)
+
+
 def test_group_size_one_mean_is_zero_and_integer_rewards_become_float32():
     torch.testing.assert_close(group_advantages(torch.tensor([3.0, -1.0]), 1), torch.zeros(2))
     adv = group_advantages(torch.tensor([1, 0, 1, 1]), 2)

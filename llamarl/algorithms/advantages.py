@@ -82,7 +82,10 @@ def group_advantages(
     k = ok.sum(dim=1, keepdim=True).to(torch.float64)  # valid members per group
     r = torch.where(ok, r, 0.0)  # a failed sample's reward (finite or not) is not read
     mean = r.sum(dim=1, keepdim=True) / k.clamp(min=1)
-    centered = torch.where(ok, r - mean, 0.0)
+    # a flat group is exactly zero: its rounded mean (six 0.1s do not sum to 0.6) would leave ±1e-17 residues,
+    # which grpo's division blows up and which keep the trainer from skipping rows that carry no gradient
+    flat = torch.where(ok, r, -torch.inf).amax(1, keepdim=True) == torch.where(ok, r, torch.inf).amin(1, keepdim=True)
+    centered = torch.where(ok & ~flat, r - mean, 0.0)
     if method == "mean":
         adv = centered
     elif method == "grpo":
