@@ -174,6 +174,9 @@ def collate(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_id: int, 
         raise ValueError(f"advantages must have shape [{len(rollouts)}], got {tuple(advantages.shape)}")
     if row_multiple < 1:
         raise ValueError(f"row_multiple must be >= 1, got {row_multiple}")
+    for r in rollouts:
+        if not r.prompt_ids:
+            raise ValueError(f"rollout {r.sample_id} has an empty prompt: nothing to condition on")
     totals = {"total_tokens": torch.tensor(float(sum(len(r.completion_ids) for r in rollouts))),
               "total_sequences": torch.tensor(float(sum(1 for r in rollouts if r.completion_ids))),
               "total_rows": torch.tensor(float(len(rollouts)))}
@@ -212,8 +215,6 @@ def _collate_shared(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_i
     prompts: list[list[int]] = []
     for r in rollouts:
         if r.group not in index:
-            if not r.prompt_ids:
-                raise ValueError(f"rollout {r.sample_id} has an empty prompt: nothing to condition on")
             index[r.group] = len(prompts)
             prompts.append(r.prompt_ids)
         elif prompts[index[r.group]] != r.prompt_ids:

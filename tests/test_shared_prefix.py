@@ -116,8 +116,9 @@ def test_collate_rejects_a_group_with_two_prompts_and_empty_inputs():
     flat = collate(empty, torch.zeros(2), PAD, share_prompts=True)
     assert "group" not in flat and flat["mask"].sum() == 0 and flat["input_ids"].shape == (2, 3)
     no_prompt = [dataclasses.replace(r, prompt_ids=[]) for r in _rollouts([3], [1, 1], n=2)]
-    with pytest.raises(ValueError, match="empty prompt"):
-        collate(no_prompt, torch.zeros(2), PAD, share_prompts=True)
+    for share in (True, False):  # the flat layout crashed on it with a tensor-size error
+        with pytest.raises(ValueError, match="empty prompt"):
+            collate(no_prompt, torch.zeros(2), PAD, share_prompts=share)
 
 
 def test_forward_rejects_inconsistent_inputs():
