@@ -112,6 +112,23 @@ CASES = [
     ("$\\boxed{-\\$5}$", "-5", 1.0),
     ("#### 1000", "#### 1{,}000", 1.0),  # the reference is normalised too
     ("#### 1\\,2", "12", 0.0),  # a thin space is a thousands separator, like a comma
+    # --- a number that is an operand is no answer (they were cut to their first, or last, number) ---
+    ("\\boxed{\\frac{3}{4}}", "3", 0.0),
+    ("Each gets $\\boxed{\\dfrac{5}{2}}$ pizzas.", "5", 0.0),
+    ("\\boxed{3/4}", "3", 0.0),
+    ("\\boxed{2^{10}}", "2", 0.0),
+    ("\\boxed{5\\sqrt{2}}", "5", 0.0),
+    ("\\boxed{12 - 4 = 8}", "12", 0.0),  # a box holds one number, like the reference
+    ("#### 3/4", "3", 0.0),
+    ("#### 3/4", "4", 0.0),
+    ("#### 2^{10}", "2", 0.0),
+    ("#### 12:30", "12", 0.0),
+    ("#### The answer is \\frac{3}{4}", "3", 0.0),
+    ("#### 4 \\times 6", "4", 0.0),
+    ("The answer is 3/4", "4", 0.0),
+    ("#### 30 / person", "30", 1.0),  # a slash before a word is no fraction
+    ("#### 72. That is 70 + 2", "72", 1.0),
+    ("\\boxed{\\$18.00}", "18", 1.0),
 ]
 
 

@@ -3,15 +3,21 @@
 Extraction (completion):
   1. The GSM8K marker ``####`` declares the answer. The *last* marker that is not a markdown heading
      decides: its answer is the first number after it (up to the next marker). Such a marker followed
-     by no number means the declared answer is not a number (``72 ... #### seventy-two``): 0.0.
+     by no number means the declared answer is not a number (``72 ... #### seventy-two``): 0.0; so does
+     one whose number is an operand (``#### 3/4``, ``#### 2^{10}``, ``#### \\frac{3}{4}``, ``#### 12:30``:
+     not 3, 2 or 12).
      "Directly followed" allows spaces, one ``$`` and an answer phrase: ``#### 72``, ``#### $72``,
      ``#### Answer: 72``, ``#### The final answer is 72``.
      A markdown heading is a ``####`` that starts a line, is not directly followed by a number, and has
      more text on the lines below (``#### Step 2: add tax\n30 + 12 = 42``); it is not an answer marker.
-  2. Otherwise (no marker, or only headings), the first number inside the last closed ``\\boxed{...}``
-     (the "put your final answer within \\boxed{}" convention; llamarl.rewards.math.last_boxed), so a
-     check written after the box (``\\boxed{72}. Check: 72 - 70 = 2``) does not replace it.
-  3. Otherwise the answer is the *last* number anywhere in the completion (the usual fallback).
+  2. Otherwise (no marker, or only headings), the last closed ``\\boxed{...}`` decides (the "put your final
+     answer within \\boxed{}" convention; llamarl.rewards.math.last_boxed), so a check written after the
+     box (``\\boxed{72}. Check: 72 - 70 = 2``) does not replace it. Like the reference, it must hold one
+     number (``\\boxed{\\$18}``, ``\\boxed{x = 5}``); a box with several (``\\boxed{\\frac{3}{4}}``,
+     ``\\boxed{5\\sqrt{2}}``) declares no plain number: 0.0. A box without any (``\\boxed{x}, and x = 5``)
+     leaves the answer to step 3.
+  3. Otherwise the answer is the *last* number anywhere in the completion (the usual fallback), unless it
+     is an operand (``the answer is 3/4`` declares no 4).
 
 Reference: the text after the last ``####`` when present (a full GSM8K solution may be passed), else
 the whole string. It must hold exactly one number, which is the reference value; a reference with
@@ -53,6 +59,10 @@ MARKER = "####"
 _LEAD_RE = re.compile(r"\s*(?:(?:the[ \t]+)?(?:final[ \t]+)?answer(?:[ \t]+is)?[ \t]*[:=]?[ \t]*\$?[ \t]*|\$?\s*)",
                       re.IGNORECASE)
 _MINUS = ("-", "\u2212", "\u2013", "\uff0d")
+# a number is an operand, not an answer, with one of these right after it or right before it
+_OPERATOR_AFTER_RE = re.compile(r"\s*(?:[/^:*\u00d7\u00f7\u00b7]\s*[\d.{\\]|\\(?:frac|dfrac|tfrac|sqrt|cdot|times|div)"
+                                r"(?![a-zA-Z])|\}\s*\{)")
+_OPERATOR_BEFORE_RE = re.compile(r"(?:[/^*\u00d7\u00f7\u00b7]|\\(?:frac|dfrac|tfrac|sqrt|cdot|times|div))\s*\{?\s*\$?$")
 _THIN_SPACE_RE = re.compile(r",\\!|(?<=\d)\\[,!](?=\d)")  # "1,\!000", "1\,000" -> thousands comma
 
 
@@ -83,10 +93,16 @@ def numbers(text: str) -> list[Decimal]:
     return out
 
 
-def _number_right_after(text: str, pos: int) -> Decimal | None:
+def _number_right_after(text: str, pos: int) -> re.Match | None:
     """The number that directly follows ``text[pos:]`` (spaces, an answer phrase and one ``$``), else None."""
-    m = _NUMBER_RE.match(text, _LEAD_RE.match(text, pos).end())
-    return _to_decimal(m) if m else None
+    return _NUMBER_RE.match(text, _LEAD_RE.match(text, pos).end())
+
+
+def _plain(text: str, m: re.Match) -> Decimal | None:
+    """The value of the number ``m`` unless it is an operand of a fraction, power, root, ratio or product."""
+    if _OPERATOR_AFTER_RE.match(text, m.end()) or _OPERATOR_BEFORE_RE.search(text, max(0, m.start() - 12), m.start()):
+        return None
+    return _to_decimal(m)
 
 
 def _is_heading(text: str, pos: int, last_content: int) -> bool:
@@ -99,7 +115,7 @@ def _is_heading(text: str, pos: int, last_content: int) -> bool:
     return line_end != -1 and line_end < last_content  # more text on the lines below
 
 
-def _deciding_marker(text: str) -> tuple[int, int, Decimal | None] | None:
+def _deciding_marker(text: str) -> tuple[int, int, re.Match | None] | None:
     """The marker that declares the answer (the last one that is not a heading): (start, end) of its
     answer span and the number written right after it (or None); None when there is no such marker."""
     last_content = len(text.rstrip())
@@ -123,21 +139,23 @@ def extract_predicted_number(completion: str) -> Decimal | None:
         boxed = last_boxed(text)
         found = numbers(boxed) if boxed is not None else []
         if found:
-            return found[0]
-        found = numbers(text)
-        return found[-1] if found else None
+            return found[0] if len(found) == 1 else None
+        last = None
+        for last in _NUMBER_RE.finditer(text):
+            pass
+        return _plain(text, last) if last is not None else None
     start, end, direct = marker
-    if direct is not None:
-        return direct
-    found = numbers(text[start:end])
-    return found[0] if found else None
+    if direct is None:
+        direct = _NUMBER_RE.search(text, start, end)
+    return _plain(text, direct) if direct is not None else None
 
 
 def marked_number(completion: str) -> Decimal | None:
     """The number written right after the marker that declares the answer (``#### 42``, ``#### $-5``), or
     None: the form the "gsm8k" format reward (llamarl.rewards.format) asks for."""
-    marker = _deciding_marker(_clean(completion))
-    return None if marker is None else marker[2]
+    text = _clean(completion)
+    marker = _deciding_marker(text)
+    return None if marker is None or marker[2] is None else _plain(text, marker[2])
 
 
 def extract_reference_number(answer: str) -> Decimal | None:
