@@ -45,6 +45,10 @@ CASES = [
     (r"\boxed{0.25}", r"25\%", 1.0),
     (r"\boxed{10\text{ cm}}", "10", 1.0),
     (r"\boxed{90^\circ}", "90", 1.0),
+    ("\\boxed{30\u00b0}", "30", 1.0),  # a Unicode degree sign (latex2sympy cannot parse it)
+    (r"\boxed{75\degree}", "75", 1.0),
+    (r"\boxed{30}", "30\u00b0", 1.0),
+    ("\\boxed{30\u00b0}", "31", 0.0),
     (r"\boxed{\$5}", "5", 1.0),
     (r"\boxed{5,000}", "5000", 1.0),
     (r"\boxed{x=5}", "5", 1.0),

@@ -17,7 +17,8 @@ Equivalence, cheapest first:
   2. math-verify (Hugging Face; sympy underneath): each side is parsed from LaTeX to sympy and compared
      numerically and symbolically, which covers equal fractions (2/4 = 1/2 = 0.5), radicals (sqrt 8 =
      2 sqrt 2), intervals, sets, percentages (50% = 50 = 0.5, as math-verify grades them), units and
-     degree signs, ``x = 5`` against ``5``, and LaTeX spelling variants.
+     degree signs (``^\\circ``, and ``°`` or ``\\degree``, which are spelled ``^{\\circ}`` first),
+     ``x = 5`` against ``5``, and LaTeX spelling variants.
 
 Bounding the cost (the verifier must never hang a run, in any thread):
   * math-verify's own ``signal.alarm`` timeouts are switched off (they only work in the main thread) and
@@ -405,10 +406,14 @@ def is_safe_to_parse(latex: str) -> bool:
     return True
 
 
+_DEGREE_RE = re.compile(r"\u00b0|\\degree(?![A-Za-z])")  # "30°", "30\degree": 30^{\circ} for latex2sympy
+
+
 def _parse_boxed(content: str) -> list:
     parse, _, config = _math_verify()
     if not is_safe_to_parse(content):
         return []
+    content = _DEGREE_RE.sub(lambda _: "^{\\circ}", content)
     parsed = parse("\\boxed{" + content + "}", extraction_config=config, parsing_timeout=None)
     return [p for p in parsed if is_safe_to_evaluate(p)]
 
