@@ -94,6 +94,7 @@ def user_file(tmp_path_factory):
     d = tmp_path_factory.mktemp("user_rewards")
     (d / "my_rewards.py").write_text(USER_REWARDS)
     (d / "child_fails.py").write_text(CHILD_FAILS)
+    (d / "needs_a_dependency.py").write_text("import no_such_dependency_xyz\n\ndef reward(c, a):\n    return 1.0\n")
     return d
 
 
@@ -129,6 +130,10 @@ def test_user_function_from_file_and_module(user_file, monkeypatch):
     "spec,message",
     [
         ("no_such_module_xyz:reward", "cannot import module 'no_such_module_xyz'"),
+        ("no_such_module_xyz.sub:reward", "cannot import module 'no_such_module_xyz.sub'"),
+        # found, but what it imports is missing: no hint to put the module itself on PYTHONPATH
+        ("needs_a_dependency:reward", "importing module 'needs_a_dependency' failed with ModuleNotFoundError: "
+                                      "No module named 'no_such_dependency_xyz' (install what it imports)"),
         ("my_rewards:missing", "has no attribute 'missing'"),
         ("my_rewards:NOT_CALLABLE", "not a function"),
         ("my_rewards:one_arg", "cannot be called as fn(completion, answer, **info)"),
@@ -154,6 +159,8 @@ def test_format_weight():
         load_reward("os.path:join", format_weight=0.1)
     with pytest.raises(RewardSpecError, match=r"\[0, 1\]"):
         load_reward("math", format_weight=1.5)
+    fn = load_reward("format_gsm8k", format_weight=0.5)  # a format reward's own style ("unknown style" before)
+    assert fn("#### 71", "72") == 1.0 and fn("71", "72") == 0.0
 
 
 # ------------------------------------------------------------------------------------ RewardPool

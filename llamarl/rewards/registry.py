@@ -74,9 +74,15 @@ def _import_module(module: str, spec: str):
                 f"reward spec {spec!r}: executing {str(path)!r} failed with {type(e).__name__}: {e}"
             ) from e
         return mod
+    parents = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 2)}
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as e:
+        if e.name not in parents:  # the module was found; something it imports is missing
+            raise RewardSpecError(
+                f"reward spec {spec!r}: importing module {module!r} failed with ModuleNotFoundError: {e} "
+                "(install what it imports)"
+            ) from e
         raise RewardSpecError(
             f"reward spec {spec!r}: cannot import module {module!r} ({e}); make sure it is on PYTHONPATH "
             "(or pass a file path, e.g. 'path/to/rewards.py:my_reward')"
@@ -170,7 +176,7 @@ def load_reward(spec: str, *, format_weight: float = 0.0, format_style: str | No
     fn = BUILTIN_REWARDS[spec] if spec in BUILTIN_REWARDS else resolve_function(spec)
     if format_weight == 0.0:
         return fn
-    style = format_style or (spec if spec in BUILTIN_REWARDS else None)
+    style = format_style or (spec.removeprefix("format_") if spec in BUILTIN_REWARDS else None)
     if style is None:
         raise RewardSpecError(
             f"reward spec {spec!r}: format_weight={format_weight} needs a format_style for a user function "
