@@ -214,8 +214,14 @@ def test_special_tokens_map_fills_what_tokenizer_config_lacks(hf_dir):
     assert (tok.bos_id, tok.eos_id) == (ref.bos_token_id, ref.eos_token_id) != (None, None)
     assert tok.apply_chat_template(MESSAGES) == ref.apply_chat_template(MESSAGES, tokenize=False,
                                                                         add_generation_prompt=True)
-    _with_config(hf_dir, eos_token="<|end_of_text|>")  # tokenizer_config.json wins where it has the token
-    assert load_tokenizer(hf_dir).eos_id == tok.encode("<|end_of_text|>")[0]
+    # where both name the token, the two layouts differ: special_tokens_map.json wins in the layout saved before
+    # transformers 4.34 (no added_tokens_decoder), tokenizer_config.json in the current one
+    _with_config(hf_dir, eos_token="<|end_of_text|>")
+    for decoder in (None, {str(i): {"content": t, "special": True} for i, t in enumerate(SPECIALS)}):
+        _with_config(hf_dir, added_tokens_decoder=decoder)
+        ref = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+        assert load_tokenizer(hf_dir).eos_id == ref.eos_token_id
+        assert ref.eos_token == ("<|eot_id|>" if decoder is None else "<|end_of_text|>")
 
 
 def test_named_chat_templates_use_default_or_refuse(hf_dir):

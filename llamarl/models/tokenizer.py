@@ -20,7 +20,8 @@ Its chat template is the trivial ``Q: ...\\nA: ...\\n`` form (keeps prompts shor
 
 HFTokenizer reads ``tokenizer.json`` with the ``tokenizers`` library (any truncation or padding saved in
 it is turned off, as transformers does per call) and the special tokens and chat template from
-``tokenizer_config.json`` (special tokens missing there from ``special_tokens_map.json``; the template
+``tokenizer_config.json`` (special tokens missing there from ``special_tokens_map.json``, which overrides
+it in the layout saved before transformers 4.34, without ``added_tokens_decoder``, as there; the template
 from ``chat_template.jinja`` first, and of named templates only the one named ``default``). Templates are
 rendered with jinja2 in a sandbox (compiled once per template text), with the same conventions as
 transformers (``trim_blocks``, ``lstrip_blocks``, ``raise_exception``, ``strftime_now``, a ``tojson`` that
@@ -334,12 +335,14 @@ class HFTokenizer:
         except Exception as e:  # the tokenizers library raises a bare Exception on parse errors
             raise ValueError(f"{tj} is not a valid tokenizer.json: {e}") from e
         cfg = _read_json(d / TOKENIZER_CONFIG) if (d / TOKENIZER_CONFIG).is_file() else {}
-        # older checkpoints keep their special tokens only in special_tokens_map.json
+        # older checkpoints keep their special tokens only in special_tokens_map.json; as in transformers, it
+        # overrides the config's of a checkpoint saved before added_tokens_decoder (transformers 4.34)
         special_map = _read_json(d / SPECIAL_TOKENS_MAP) if (d / SPECIAL_TOKENS_MAP).is_file() else {}
+        first, then = (cfg, special_map) if "added_tokens_decoder" in cfg else (special_map, cfg)
 
         def special(name: str) -> str | None:
-            value = cfg.get(name)
-            return _token_content(value if value is not None else special_map.get(name))
+            value = first.get(name)
+            return _token_content(value if value is not None else then.get(name))
 
         extra = cfg.get("additional_special_tokens") or special_map.get("additional_special_tokens") or []
         template, problem = cfg.get("chat_template"), None
