@@ -289,3 +289,16 @@ def test_the_prefix_is_found_when_the_vocabulary_cannot_spell_a(tmp_path):
         assert tok.prefix_ids == want, single
         ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
         assert ref("1+2=")["input_ids"][:len(want) + 1] == [*want, 2]
+
+
+def test_chat_template_errors_name_their_cause(hf_dir):
+    """Only an undefined special token is blamed on the tokenizer's files; an empty conversation or a message
+    the template cannot read says so (both used to read 'the tokenizer does not define it')."""
+    _with_config(hf_dir, chat_template="{{ bos_token }}{{ messages[0]['content'].strip() }}")
+    tok = load_tokenizer(hf_dir)
+    with pytest.raises(ValueError, match="empty conversation"):
+        tok.apply_chat_template([])
+    with pytest.raises(ValueError, match="chat template failed on these messages: 'dict object' has no attribute "
+                                         "'content'") as info:
+        tok.apply_chat_template([{"role": "user"}])
+    assert "special token" not in str(info.value)

@@ -45,6 +45,7 @@ import functools
 import itertools
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -68,12 +69,15 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 TOKENIZER_JSON = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")  # the ones a template may lack
 
 
 # ------------------------------------------------------------------------------------ chat templates
 def _check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError("apply_chat_template expects a list of {'role': ..., 'content': ...} dicts")
+    if not messages:
+        raise ValueError("cannot apply a chat template to an empty conversation: pass at least one message")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or "role" not in m:
@@ -98,8 +102,12 @@ def render_chat_template(
         return _compiled(template).render(messages=_check_messages(messages),
                                           add_generation_prompt=add_generation_prompt, **context)
     except jinja2.UndefinedError as e:
-        raise ValueError(f"chat template uses {e.message}: the tokenizer does not define it (a special token belongs "
-                         f"in {TOKENIZER_CONFIG} or special_tokens_map.json)") from e
+        name = re.match(r"'(\w+)' is undefined", e.message or "")
+        if name and name.group(1) in _SPECIAL_TOKEN_NAMES:
+            raise ValueError(f"chat template uses {e.message}: the tokenizer does not define it (a special token "
+                             f"belongs in {TOKENIZER_CONFIG} or special_tokens_map.json)") from e
+        raise ValueError(f"chat template failed on these messages: {e.message}") from e
+
 
 
 def _raise_exception(message: str) -> None:
