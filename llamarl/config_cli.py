@@ -96,7 +96,8 @@ def config_from_args(args: argparse.Namespace, *, check_environment: bool = True
                  "an empty or null value); pass that directory, or leave out --resume to start a new run", value)
     resume = next((v for d, v in reversed(overrides) if d == "run.resume"), None)
     if resume is None:
-        resume = (loaded.get("run") or {}).get("resume")
+        run_section = loaded.get("run")  # (not a mapping: refused with the other sections' message below)
+        resume = run_section.get("resume") if isinstance(run_section, dict) else None
         if isinstance(resume, str) and is_null_text(resume):  # YAML null (no resume) stays fine
             fail("run.resume", f"must name a run or checkpoint directory to continue from ({args.config} gives an "
                  "empty or null text); write the directory, or null (or leave the key out) to start a new run",
@@ -105,7 +106,7 @@ def config_from_args(args: argparse.Namespace, *, check_environment: bool = True
     if resume is not None and (resume_run_dir(resume) / "config.yaml").is_file():
         # a resumed run continues with its own settings (model, tokenizer, data, reward, ...), not the preset's
         saved = resume_run_dir(resume) / "config.yaml"
-        base = _build(_merge(TrainConfig().to_dict(), _as_text(_load_yaml("run.resume", saved)), str(saved)))
+        base = saved_config(saved)
     data = base.to_dict()
     explicit: set[str] = set()
     if loaded:
@@ -127,6 +128,12 @@ def config_from_args(args: argparse.Namespace, *, check_environment: bool = True
     if check_environment:
         config.check_environment()
     return config
+
+
+def saved_config(path: Path) -> TrainConfig:
+    """The configuration a run saved (its config.yaml), read as ``--config`` files are (``3e-4`` is a number;
+    keys it lacks take today's defaults); raises ``ConfigError``."""
+    return _build(_merge(TrainConfig().to_dict(), _as_text(_load_yaml("run.resume", path)), str(path)))
 
 
 def _check_same_policy(saved_cfg: TrainConfig, cfg: TrainConfig, saved: Path) -> None:
@@ -220,7 +227,8 @@ def _dest(flag: str) -> str:
 
 def _apply_layout_shorthand(data: dict, explicit: set[str]) -> None:
     spec = data["run"].get("layout")
-    if spec is None:
+    if spec is None or is_null_text(spec):  # --set run.layout=null drops a layout (e.g. a resumed run's)
+        data["run"]["layout"] = None
         return
     for key, value in _layout_fields(str(spec)).items():
         if key not in explicit:

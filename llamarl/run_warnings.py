@@ -7,9 +7,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import yaml
-
 from llamarl.config import TrainConfig, resume_run_dir
+from llamarl.config_cli import saved_config
+from llamarl.config_values import ConfigError
 from llamarl.executors.trainer import lr_at
 
 
@@ -56,18 +56,13 @@ def resume_warnings(cfg: TrainConfig, step: int) -> list[str]:
     config.yaml; nothing to say without one (a checkpoint copied out of its run)."""
     saved = resume_run_dir(cfg.run.resume) / "config.yaml"
     try:
-        doc = yaml.safe_load(saved.read_text())
-    except (OSError, yaml.YAMLError):
-        return []
-    if not isinstance(doc, dict):
+        old_cfg = saved_config(saved)  # as the resume read it ("lr: 3e-4" is a number, not YAML 1.1's string)
+    except (OSError, ConfigError):
         return []
     new = dataclasses.asdict(cfg.trainer)
-    old = {**new, **{k: v for k, v in (doc.get("trainer") or {}).items() if k in _LR_FIELDS}}
-    old_total = (doc.get("run") or {}).get("max_steps", cfg.run.max_steps)
-    try:
-        before, after = lr_at(step, old, old_total), lr_at(step, new, cfg.run.max_steps)
-    except (TypeError, KeyError, ValueError):
-        return []  # a hand-edited file: its values are checked when it is loaded as a config, not here
+    old = {**new, **{k: getattr(old_cfg.trainer, k) for k in _LR_FIELDS}}
+    old_total = old_cfg.run.max_steps
+    before, after = lr_at(step, old, old_total), lr_at(step, new, cfg.run.max_steps)
     if math.isclose(before, after, rel_tol=1e-9, abs_tol=0.0):
         return []
     changed = [f"run.max_steps {old_total} -> {cfg.run.max_steps}"] if old_total != cfg.run.max_steps else []

@@ -86,6 +86,9 @@ def test_layout_shorthand_sets_and_checks_the_fields():
     assert (only_trainer.trainer.ranks, only_trainer.generator.tp) == (2, 2)  # unnamed items stay free
     plain = load_config(["--set", "trainer.ranks=4", "--set", "reward.workers=0"])
     assert plain.layout().world_size == 1 + 4 + 1 and plain.layout().groups_of("reward") == ()
+    for null in ("null", "none", "~", ""):  # drops a layout given earlier (a resumed run's saved one)
+        dropped = load_config(["--layout", "trainer=2", "--set", f"run.layout={null}", "--set", "trainer.ranks=1"])
+        assert dropped.run.layout is None and dropped.trainer.ranks == 1
 
 
 def test_resume_defaults_out_to_the_run_dir(tmp_path):
@@ -152,6 +155,7 @@ def _messages(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "data.csv").write_text("a,b\n")
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    (tmp_path / "run_text.yaml").write_text("run: fast\n")
     (tmp_path / "typo.yaml").write_text("trainer:\n  lrate: 1\n")
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "metrics.jsonl").write_text("{}\n")
@@ -213,6 +217,7 @@ def _messages(tmp_path):
         (["--preset", "smok"], r"--preset: unknown preset \(did you mean 'smoke'\?\)"),
         (["--config", f"{t}/missing.yaml"], r"--config: no such file"),
         (["--config", f"{t}/list.yaml"], r"--config: .*must hold a mapping of sections"),
+        (["--config", f"{t}/run_text.yaml"], r"run: must be a mapping of keys in .*run_text.yaml, got 'fast'"),
         (["--set", "trainer.lr"], r"--set: expects SECTION.KEY=VALUE"),
         (["--max_steps", "3"], r"--max_steps: unknown option \(did you mean '--max-steps'\?\)"),
     ]

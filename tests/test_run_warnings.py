@@ -72,3 +72,15 @@ def test_a_token_budget_below_one_full_length_sequence_is_warned():
                           "the length limit does not fit the budget with its prompt, so it runs alone, over budget; "
                           "give the budget room for several full-length sequences"]
     assert warned(0) == [] and warned(4096) == []
+
+
+def test_a_rate_written_as_yaml_1_1_reads_it_is_compared_as_a_number(run_dir):
+    """``lr: 3e-4`` is a string to YAML 1.1 and a number to the config loader: the resume must read it as the
+    loader does (it crashed with a TypeError from math.isclose, or silently said nothing)."""
+    text = (run_dir / "config.yaml").read_text()
+    lr = resumed(run_dir).trainer.lr
+    (run_dir / "config.yaml").write_text(text.replace(f"lr: {lr}", "lr: 3e-4", 1))
+    assert "lr: 3e-4" in (run_dir / "config.yaml").read_text()
+    warning, = resume_warnings(resumed(run_dir, "--set", "trainer.lr=1e-3"), 6)
+    assert "(trainer.lr 0.0003 -> 0.001)" in warning
+    assert resume_warnings(resumed(run_dir, "--set", "trainer.lr=3e-4"), 6) == []
