@@ -414,6 +414,12 @@ class TrainConfig:
         if self.reward.overlong_buffer >= g.max_new_tokens:
             fail("reward.overlong_buffer", f"must be below generator.max_new_tokens={g.max_new_tokens} (the "
                  "punishment starts overlong_buffer tokens before the end)", self.reward.overlong_buffer)
+        if g.quantization != "none" and g.tp > 1:
+            fail("generator.quantization", "quantized generators run with generator.tp=1 (the tensor-parallel "
+                 "linears are not quantized); use more generator.replicas, or quantization=none", g.quantization)
+        if t.dtype != self.policy.dtype:
+            fail("trainer.dtype", f"differs from policy.dtype={self.policy.dtype}, the generator's; the weight sync "
+                 "copies the trainer's weights byte for byte, so set both to the same dtype", t.dtype)
         part = batch // t.mini_batches
         if part % t.ranks:
             fail("trainer.mini_batches", f"each of the {t.mini_batches} mini-batches holds {part} sequences, "

@@ -236,13 +236,7 @@ def _check_writable(directory: Path, field: str) -> None:
 
 def check_supported(cfg: TrainConfig) -> None:
     """Settings the config accepts but this training loop does not run: refuse them up front."""
-    missing = {
-        "generator.quantization": (cfg.generator.quantization != "none" and cfg.generator.tp > 1,
-                                   "quantized generators run with generator.tp=1 (the tensor-parallel linears "
-                                   "are not quantized); use more generator.replicas, or quantization=none"),
-        "trainer.dtype": (cfg.trainer.dtype != cfg.policy.dtype,
-                          f"{cfg.trainer.dtype} differs from policy.dtype={cfg.policy.dtype}, the generator's; the "
-                          f"weight sync copies the trainer's weights byte for byte, so set both to the same dtype"),
+    missing = {  # (the rules that need no torch and no files are TrainConfig's own, checked at construction)
         "trainer.loss": (cfg.trainer.loss == "fused" and cfg.device == "cpu"
                          and os.environ.get("TRITON_INTERPRET") != "1",
                          "fused runs the Triton kernel, which needs a CUDA device (or TRITON_INTERPRET=1 on the "
