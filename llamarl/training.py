@@ -415,5 +415,15 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
 
 
 def default_out() -> Path:
-    """The run directory when ``--out`` is not given: ``runs/<timestamp>``."""
-    return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    """The run directory when ``--out`` is not given: ``runs/<timestamp>``, created here and only here, so
+    runs started in the same second (a seed sweep in the background) each get their own: ``-2``, ``-3``..."""
+    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    base.parent.mkdir(parents=True, exist_ok=True)
+    path, k = base, 1
+    while True:
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            k += 1
+            path = base.with_name(f"{base.name}-{k}")

@@ -132,3 +132,15 @@ def test_write_text_atomic_leaves_the_old_file_and_no_temp_file_when_the_write_f
     assert path.read_text() == "new\n" and sorted(os.listdir(tmp_path)) == ["config.yaml"]
     # the data before the rename (the temp file), the directory entry after it
     assert len(synced) == 2 and synced[0] != str(path) and synced[1] == os.path.realpath(tmp_path), synced
+
+
+def test_runs_started_in_the_same_second_without_out_get_their_own_directories(tmp_path, monkeypatch):
+    """The default ``runs/<timestamp>`` is created exclusively: a seed sweep started at once no longer has all
+    but one of its runs refused as 'in use by another llamarl run'."""
+    from llamarl import training
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(training.time, "strftime", lambda fmt: "20261201-120000")
+    outs = [training.default_out() for _ in range(3)]
+    assert [p.name for p in outs] == ["20261201-120000", "20261201-120000-2", "20261201-120000-3"]
+    assert all(p.is_dir() and not any(p.iterdir()) for p in outs)
