@@ -501,7 +501,9 @@ PYBIND11_MODULE(_C, m) {
           py::gil_scoped_release nogil;
           llamarl::ctl_wait_version(c, version, timeout_s);
         }, py::arg("buf"), py::arg("version"), py::arg("timeout_s"));
-  m.def("ctl_abandon", [](const py::buffer& buf) { llamarl::ctl_abandon(ctl_from(HeldBuffer(buf))); }, py::arg("buf"));
+  m.def("ctl_abandon", [](const py::buffer& buf, int writer, int64_t version) {
+          llamarl::ctl_abandon(ctl_from(HeldBuffer(buf)), writer, version);
+        }, py::arg("buf"), py::arg("writer") = -1, py::arg("version") = -1);
   m.def("ctl_snapshot", [](const py::buffer& buf) {
           HeldBuffer held(buf);
           auto* c = ctl_from(held);

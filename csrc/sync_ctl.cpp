@@ -15,7 +15,9 @@ namespace llamarl {
 
 namespace {
 
-constexpr uint64_t kMagic = 0x314c52414d414c4cULL;  // "LLAMARL1"
+constexpr uint64_t kMagic = 0x324c52414d414c4cULL;  // "LLAMARL2"
+constexpr int64_t kNoClaim = -1;     // claim_version when no write is in flight
+constexpr int64_t kAbandoning = -2;  // while an abandoned claim's slot is being freed
 using Clock = std::chrono::steady_clock;
 
 std::string state_name(int64_t s) {
@@ -119,6 +121,7 @@ SyncCtl* ctl_init(void* mem, size_t nbytes, int nslots, int n_writers, int n_rea
   for (int k = 0; k < kMaxPeers; ++k) {
     c->writer_pid[k].store(0);
     c->writer_done[k].store(-1);
+    c->writer_gave_up[k].store(-1);
     c->reader_pid[k].store(0);
   }
   for (int s = 0; s < kMaxSlots; ++s) {
@@ -228,7 +231,7 @@ int ctl_claim(SyncCtl* c, int64_t version, double timeout_s) {
   if (version < 0) throw std::invalid_argument("policy versions must be >= 0, got " + std::to_string(version));
   // A previous version must be complete before the next one starts.
   wait_until(
-      [&] { return c->claim_version.load() < 0; }, timeout_s,
+      [&] { return c->claim_version.load() == kNoClaim; }, timeout_s,  // (not while one is being abandoned)
       [&] { check_alive(c, true, "in the middle of writing version " + std::to_string(c->claim_version.load()) +
                                      "; its slot stays unpublished. Restart the trainer and call abandon() first"); },
       [&] { return "the previous sync did not finish within " + secs(timeout_s) + " [" + describe(c) + "]"; });
@@ -338,15 +341,27 @@ void ctl_wait_version(SyncCtl* c, int64_t version, double timeout_s) {
       });
 }
 
-void ctl_abandon(SyncCtl* c) {
-  const int64_t cv = c->claim_version.load();
-  if (cv < 0) return;
+void ctl_abandon(SyncCtl* c, int writer, int64_t version) {
+  if (writer < -1 || writer >= c->n_writers)
+    throw std::invalid_argument("writer " + std::to_string(writer) + " is not in [-1, " + std::to_string(c->n_writers) +
+                                ")");
+  int64_t cv = c->claim_version.load();
+  if (cv < 0 || (version >= 0 && cv != version)) return;  // no claim, one being abandoned, or another version
+  // Dekker, as in claim: mark this writer's give-up, then look at the others' marks; of two writers giving
+  // up at once, at least one sees the other's, so a version every writer failed is always freed.
+  if (writer >= 0) c->writer_gave_up[writer].store(cv);
+  const int64_t self = static_cast<int64_t>(getpid());
   for (int k = 0; k < c->n_writers; ++k) {
     const int64_t pid = c->writer_pid[k].load();
-    if (pid != 0 && pid != static_cast<int64_t>(getpid()) && pid_alive(pid) && c->writer_done[k].load() != cv)
+    if (k == writer || pid == 0 || (writer < 0 && pid == self) || !pid_alive(pid)) continue;
+    if (c->writer_done[k].load() != cv && c->writer_gave_up[k].load() != cv)
       throw std::runtime_error("cannot abandon version " + std::to_string(cv) + ": writer rank " + std::to_string(k) +
                                " (pid " + std::to_string(pid) + ") is alive and still writing it");
   }
+  // One abandoner resets the claim: two writers giving up at once may both pass the checks above, and the
+  // slot must be freed before the leader can claim again (it waits for kNoClaim, not kAbandoning). A claim
+  // published meanwhile (every writer finished) is left alone.
+  if (!c->claim_version.compare_exchange_strong(cv, kAbandoning)) return;
   const int s = static_cast<int>(c->claim_slot.load());
   if (s >= 0) {
     c->slots[s].version.store(-1);
@@ -355,8 +370,10 @@ void ctl_abandon(SyncCtl* c) {
   for (int k = 0; k < c->n_writers; ++k) {  // the version may be written again: its finishes start over
     int64_t expected = cv;
     c->writer_done[k].compare_exchange_strong(expected, -1);
+    expected = cv;
+    c->writer_gave_up[k].compare_exchange_strong(expected, -1);
   }
-  c->claim_version.store(-1);
+  c->claim_version.store(kNoClaim);
 }
 
 }  // namespace llamarl

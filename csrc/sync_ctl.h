@@ -47,11 +47,12 @@ struct SyncCtl {
   int64_t n_readers;
   std::atomic<int64_t> latest_slot;     // newest READY slot, -1 before the first version
   std::atomic<int64_t> latest_version;  // its version, -1 before the first version
-  std::atomic<int64_t> claim_version;   // version being written, -1 when no write is in flight
+  std::atomic<int64_t> claim_version;   // version being written; -1: no write in flight, -2: being abandoned
   std::atomic<int64_t> claim_slot;
   std::atomic<int64_t> done;            // writers finished with claim_version
   std::atomic<int64_t> writer_pid[kMaxPeers];
   std::atomic<int64_t> writer_done[kMaxPeers];  // last version each writer finished
+  std::atomic<int64_t> writer_gave_up[kMaxPeers];  // last version each writer gave up (will never finish)
   std::atomic<int64_t> reader_pid[kMaxPeers];
   SlotCtl slots[kMaxSlots];
 };
@@ -76,7 +77,12 @@ int ctl_claim(SyncCtl* c, int64_t version, double timeout_s);                   
 int ctl_wait_claim(SyncCtl* c, int writer, int64_t version, double timeout_s);  // writers 1..n-1
 bool ctl_finish(SyncCtl* c, int writer, int slot, int64_t version);             // true: published
 void ctl_wait_version(SyncCtl* c, int64_t version, double timeout_s);
-// Drops an unfinished claim whose writers died, so a restarted trainer can sync again.
-void ctl_abandon(SyncCtl* c);
+// Drops the unfinished claim of `version` (any version if < 0; nothing if another one is claimed) once no
+// live writer is still writing it (its slot becomes FREE, never READY):
+// each writer has finished it, given it up or died. `writer` >= 0: that writer gives the claim up first (it
+// will never finish it), so writers that all failed one version free it without waiting for each other;
+// -1: a restarted trainer clearing what dead writers left (writers registered by this process are skipped).
+// Throws std::runtime_error naming a writer that is alive and still writing.
+void ctl_abandon(SyncCtl* c, int writer, int64_t version);
 
 }  // namespace llamarl

@@ -278,6 +278,67 @@ def test_a_trainer_rank_whose_sync_failed_abandons_it_once_the_others_finished(m
         b.close()
 
 
+def test_a_version_that_every_trainer_rank_failed_is_freed_by_the_last_to_give_up(monkeypatch):
+    """Writers 0 and 1 (separate processes, as far as the block knows) both fail version 2 while holding its
+    claim: each gives it up, and the second one frees it, so version 3 goes through with finite timeouts.
+    Before, each waited for the other to finish a version neither would ever finish: the replica was wedged."""
+    plan = plan_sync(SPECS, TrainerLayout(2), GeneratorLayout())
+    b = GeneratorBuckets.create(plan, 0, storage="shm", slots=2)
+    senders = [WeightSender(plan, t, [b.handle()], timeout=5.0) for t in range(2)]
+    reader, other = WeightReceiver(b), subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    register = _native.native().ctl_register
+    try:
+        for t in range(2):
+            senders[t].sync(filled(plan, t, 1), 1)
+        ctl = b.control
+        failing_copy(monkeypatch)
+        register(ctl._mem, True, 1, other.pid)  # writer 1 "runs elsewhere" while writer 0 fails
+        with pytest.raises(RuntimeError, match="injected copy failure"):
+            senders[0].sync(filled(plan, 0, 2), 2)
+        assert ctl.snapshot()["claim_version"] == 2  # writer 1 (alive) may still write it
+        register(ctl._mem, True, 1, os.getpid())
+        register(ctl._mem, True, 0, other.pid)  # and writer 0 "runs elsewhere" while writer 1 fails
+        with pytest.raises(RuntimeError, match="injected copy failure"):
+            senders[1].sync(filled(plan, 1, 2), 2)
+        assert ctl.snapshot()["claim_version"] == -1  # both gave it up: freed, never published
+        monkeypatch.undo()
+        register(ctl._mem, True, 0, os.getpid())
+        with reader.reading(timeout=1) as v:
+            assert v == 1 and torn(reader.named_tensors(), 1) == []
+        rank1 = threading.Thread(target=senders[1].sync, args=(filled(plan, 1, 3), 3))
+        rank1.start()
+        assert senders[0].sync(filled(plan, 0, 3), 3).version == 3
+        rank1.join(timeout=30)
+        assert not rank1.is_alive()
+        with reader.reading(timeout=5) as v:
+            assert v == 3 and torn(reader.named_tensors(), 3) == []
+    finally:
+        other.kill()
+        other.wait()
+        for s in senders:
+            s.close()
+        reader.close()
+        b.close()
+
+
+def test_abandon_names_its_version_and_leaves_another_alone():
+    c = VersionControl.create(nslots=2, n_writers=2)
+    try:
+        c.register_writer(0)
+        s = c.claim(1)
+        c.abandon(0, version=7)  # not the claim in flight: nothing happens
+        assert c.snapshot()["claim_version"] == 1
+        c.finish(0, s, 1)
+        c.abandon(1, version=1)  # writer 1 gives it up; writer 0 finished: freed
+        snap = c.snapshot()
+        assert snap["claim_version"] == -1 and snap["latest_version"] == -1
+        assert snap["slots"][s] == dict(state="FREE", version=-1, readers=0)
+        with pytest.raises(ValueError, match="writer 2 is not in"):
+            c.abandon(2)
+    finally:
+        c.close()
+
+
 # ---- across processes: a writer process and concurrent readers -------------------------------------------
 def _writer(handles, slots, versions, conn):
     plan = plan_sync(SPECS, TrainerLayout(2), GeneratorLayout(tp_size=2))

@@ -177,7 +177,7 @@ class DistInbox:
         fails after the claim gives the claim up (now, or at the next receive once the replica's other TP
         inboxes are done with it), so the inbox is not stuck behind a version it will never finish."""
         timeout = self.timeout if timeout is None else float(timeout)
-        recover(self._unfinished, lambda _: self.control, timeout, lambda detail: (
+        recover(self._unfinished, lambda _: self.control, self.writer, timeout, lambda detail: (
             f"generator rank {self.rank}: an earlier receive failed, and the version it left unfinished cannot be "
             f"abandoned: the replica's other TP inboxes (alive) have not finished writing it within {timeout:g} s "
             f"({detail})"))
@@ -215,7 +215,7 @@ class DistInbox:
                 torch.cuda.current_stream(dev).synchronize()
             self.control.finish(self.writer, slot, version)
         except BaseException:
-            give_up(self.control, version, self._unfinished, self.replica)  # (retried next time if need be)
+            give_up(self.control, version, self._unfinished, self.replica, self.writer)  # (retried next time if need be)
             raise
         return version
 

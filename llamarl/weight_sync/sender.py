@@ -22,11 +22,9 @@ A sync that fails once it holds slots (a copy error, a CUDA error surfacing at t
 unfinished writes up (``abandon``: the slot becomes FREE, never READY), so readers keep the last complete
 version (with 1 slot: wait for the next) and the next sync is not stuck behind a version nobody will
 finish. With several trainer ranks ``abandon`` must wait until every other live writer has finished that
-version; until then the failed rank retries it at the start of its next sync (``RECOVER_TIMEOUT_S``). A rank
-whose wait for writer 0's claim timed out gives that version up at its next sync too, if writer 0 claimed it
-after all. Not handled: several ranks failing one sync while each holds a claim the others have not finished
-(each waits for the others): with finite timeouts that wedges the replica; the trainer's sender waits without
-a limit, and a restarted trainer calls ``abandon()``.
+version or given it up (several ranks failing one sync: the last to give up frees it); until then the failed
+rank retries it at the start of its next sync (``RECOVER_TIMEOUT_S``). A rank whose wait for writer 0's claim
+timed out gives that version up at its next sync too, if writer 0 claimed it after all.
 No gather: each byte goes from the trainer rank that holds it straight into each replica's bucket. Only
 quantize-on-sync stages q/scale in trainer buffers, and not on its direct kernel path (quantize_on_sync.py).
 """
@@ -263,16 +261,15 @@ class WeightSender:
         sync is not stuck behind a version nobody will finish; the slot becomes FREE, never READY. A replica
         whose other writers are still on the version cannot be abandoned yet: ``_recover`` retries it."""
         for r, version in unfinished.items():
-            give_up(self.controls[r], version, self._unfinished, r)
+            give_up(self.controls[r], version, self._unfinished, r, self.rank)
 
     def _recover(self) -> None:
         """Before a sync: abandon what this rank's failed sync left claimed, once the other writers finished it."""
         timeout = min(self.timeout, RECOVER_TIMEOUT_S)
-        recover(self._unfinished, self.controls.__getitem__, timeout, lambda detail: (
+        recover(self._unfinished, self.controls.__getitem__, self.rank, timeout, lambda detail: (
             f"trainer rank {self.rank}: an earlier sync of this rank failed, and the version it left unfinished "
             f"cannot be abandoned because other trainer ranks (alive) have not finished writing it within "
-            f"{timeout:g} s ({detail}). If several ranks failed that sync, stop the trainer; a restarted one calls "
-            f"abandon() and syncs again"))
+            f"{timeout:g} s ({detail})"))
 
     def close(self) -> None:
         """Deregister as a writer and unmap the buckets (the generator keeps the published versions)."""

@@ -30,7 +30,9 @@ Failure handling: every wait takes a timeout (inf: no limit, as the trainer's se
 that the peers it waits for are alive (pids registered in the control block; same-host only). A writer
 that dies mid-write leaves its slot WRITING, never READY: readers keep the last complete version and
 ``wait_version`` raises ``PeerDied`` naming the writer; ``abandon()`` frees the slot for a restarted
-trainer. A reader that dies while holding a slot pins it: the writer that needs that slot raises
+trainer. A write that fails gives its claim up (``abandon(writer)``): the version is dropped once every live
+writer has finished it or given it up, whichever of them comes last. A reader that dies while holding a slot
+pins it: the writer that needs that slot raises
 ``PeerDied`` naming the reader (the generator replica has to be recreated). Across hosts (dist.py) the
 same protocol runs locally on the generator host, with the generator's DistInboxes as the writers.
 """
@@ -64,14 +66,13 @@ class ControlHandle:
     owner_pid: int
 
 
-def try_abandon(ctl: "VersionControl", version: int) -> bool:
-    """Give up the claim of ``version`` that a failed write left in ``ctl`` (its slot becomes FREE, never READY);
-    True when done or when it is no longer there (another failed writer gave it up already: it can never be
-    published without this one), False while another writer (alive) has not finished it. ``PeerDied`` raises."""
-    if ctl.snapshot()["claim_version"] != version:
-        return True
+def try_abandon(ctl: "VersionControl", version: int, writer: int) -> bool:
+    """``writer`` gives up the claim of ``version`` that its failed write left in ``ctl`` (the slot becomes FREE,
+    never READY); True when done or when it is no longer there (another failed writer gave it up already: it
+    can never be published without this one), False while another writer (alive) is still writing it: it
+    finishes it or gives it up too, and then either of them frees it. ``PeerDied`` raises."""
     try:
-        ctl.abandon()
+        ctl.abandon(writer, version)
     except RuntimeError as exc:
         if isinstance(exc, PeerDied):
             raise
@@ -79,25 +80,25 @@ def try_abandon(ctl: "VersionControl", version: int) -> bool:
     return True
 
 
-def give_up(ctl: "VersionControl", version: int, pending: dict[int, int], replica: int) -> None:
-    """After a write of ``version`` failed (best effort: the caller re-raises its own error), abandon its claim
-    now, or record it in ``pending[replica]`` for ``recover`` when another writer is still on it."""
+def give_up(ctl: "VersionControl", version: int, pending: dict[int, int], replica: int, writer: int) -> None:
+    """After ``writer``'s write of ``version`` failed (best effort: the caller re-raises its own error), abandon
+    its claim now, or record it in ``pending[replica]`` for ``recover`` when another writer is still on it."""
     try:
-        if not try_abandon(ctl, version):
+        if not try_abandon(ctl, version, writer):
             pending[replica] = version
     except Exception:  # noqa: BLE001 - best effort; the original error is what the caller needs
         pending[replica] = version
 
 
-def recover(pending: dict[int, int], control: Callable[[int], "VersionControl"], timeout: float,
+def recover(pending: dict[int, int], control: Callable[[int], "VersionControl"], writer: int, timeout: float,
             failure: Callable[[str], str]) -> None:
-    """Before the next write: abandon every version in ``pending`` (replica -> version) once the other writers
-    have finished it, waiting up to ``timeout`` s; then ``SyncTimeout(failure(detail))``, detail the replicas'
-    control blocks. ``pending`` is emptied as they are given up."""
+    """Before ``writer``'s next write: abandon every version in ``pending`` (replica -> version) once the other
+    writers have finished or given it up, waiting up to ``timeout`` s; then ``SyncTimeout(failure(detail))``,
+    detail the replicas' control blocks. ``pending`` is emptied as they are given up."""
     deadline, nap = time.monotonic() + timeout, 1e-4
     while pending:
         for r, version in list(pending.items()):
-            if try_abandon(control(r), version):
+            if try_abandon(control(r), version, writer):
                 del pending[r]
         if not pending:
             return
@@ -188,9 +189,13 @@ class VersionControl:
         """This writer's bytes of ``version`` are in place; True if that completed and published it."""
         return bool(_native.native().ctl_finish(self._live(), writer, slot, int(version)))
 
-    def abandon(self) -> None:
-        """Drop an unfinished write whose writers died (its slot becomes FREE)."""
-        _native.native().ctl_abandon(self._live())
+    def abandon(self, writer: int | None = None, version: int | None = None) -> None:
+        """Drop the unfinished write of ``version`` (None: whichever is in flight; nothing if another version is)
+        once no live writer is still on it; its slot becomes FREE. ``writer``: that writer gives it up first (it
+        will never finish it); None: a restarted trainer clearing what dead writers left. Raises naming a writer
+        that is alive and still writing."""
+        _native.native().ctl_abandon(self._live(), -1 if writer is None else int(writer),
+                                     -1 if version is None else int(version))
 
     # ---- inspection / lifetime ------------------------------------------------------------------------
     def snapshot(self) -> dict:
