@@ -300,7 +300,36 @@ def quantized_linear(
     *,
     config: QLinearConfig | None = None,
 ) -> torch.Tensor:
-    """y[..., n] = scale[n] * sum_k x[..., k] * q[n, k] (+ bias[n]), fp32 accumulation, in x's dtype."""
+    """y[..., n] = scale[n] * sum_k x[..., k] * q[n, k] (+ bias[n]), fp32 accumulation, in x's dtype.
+
+    Differentiable in x and bias (q and scale are codes, not trained): with autograd recording it runs through
+    ``_QuantizedLinearFn``, whose backward is the eager math (the kernel is the inference path)."""
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return _QuantizedLinearFn.apply(x, q, scale, bias, config)
+    return _quantized_linear(x, q, scale, bias, config)
+
+
+class _QuantizedLinearFn(torch.autograd.Function):
+    """dL/dx[m, k] = sum_n dL/dy[m, n] * scale[n] * float(q[n, k]), dL/dbias[n] = sum_m dL/dy[m, n] (fp32)."""
+
+    @staticmethod
+    def forward(ctx, x, q, scale, bias, config):
+        ctx.save_for_backward(q, scale)
+        ctx.x_dtype, ctx.bias_dtype = x.dtype, None if bias is None else bias.dtype
+        return _quantized_linear(x, q, scale, bias, config)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        q, scale = ctx.saved_tensors
+        g = grad_y.float()
+        grad_x = ((g * scale) @ q.float()).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        grad_bias = None
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
+            grad_bias = g.reshape(-1, g.shape[-1]).sum(0).to(ctx.bias_dtype)
+        return grad_x, None, None, grad_bias, None
+
+
+def _quantized_linear(x, q, scale, bias, config) -> torch.Tensor:
     _check_qweight(q, scale, "quantized_linear")
     N, K = q.shape
     if x.dtype not in _OUT_KIND:

@@ -305,7 +305,7 @@ def _check_mode(mode: str) -> None:
 def _check_qweight(q: torch.Tensor, scale: torch.Tensor, op: str) -> None:
     if q.dtype not in (torch.int8, torch.float8_e4m3fn):
         raise TypeError(f"{op}: q must be int8 or float8_e4m3fn (from quantize), got {q.dtype}")
-    if q.dim() != 2 or (q.numel() and q.stride(1) != 1):
+    if q.dim() != 2 or (q.numel() and q.shape[1] > 1 and q.stride(1) != 1):  # (a size-1 dim's stride is moot)
         raise ValueError(f"{op}: q must be 2-D [N, K] with unit stride along K, got shape "
                          f"{tuple(q.shape)} strides {q.stride()}; call .contiguous()")
     if scale.dtype != torch.float32 or scale.shape != (q.shape[0],) or not scale.is_contiguous():
@@ -336,7 +336,7 @@ def quantize(
     R, K = w.shape
     if K == 0:
         raise ValueError(f"quantize needs K >= 1 columns, got shape {tuple(w.shape)}")
-    if R and w.stride(1) != 1:
+    if R and K > 1 and w.stride(1) != 1:
         raise ValueError(f"quantize needs unit stride along K (rows may be strided), got strides {w.stride()}; "
                          "call .contiguous()")
     if out is None:

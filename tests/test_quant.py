@@ -379,6 +379,39 @@ def test_empty_inputs(device):
     assert quantized_linear(torch.empty(0, 8, device=device), q, scale).shape == (0, 4)
 
 
+def test_a_single_column_weight_may_have_any_column_stride(device):
+    """A [R, 1] view of a [1, R] row has column stride R; torch calls it contiguous (a size-1 dim's stride is
+    moot) and so does the weight sync, so the kernels must take it (they refused it, and .contiguous() too)."""
+    w = torch.tensor([[0.5, -1.0, 2.0, 0.25, -0.125]], device=device).t()
+    assert w.is_contiguous() and w.stride(1) != 1
+    q, scale = quantize(w, "int8")
+    ref_q, ref_scale = quantize_ref(w, "int8")
+    _assert_same_bytes(q, ref_q)
+    _assert_same_bytes(scale, ref_scale)
+    x = torch.tensor([[3.0]], device=device)
+    y = quantized_linear(x, q.t().contiguous().t(), scale)
+    torch.testing.assert_close(y, quantized_linear_ref(x, q, scale), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_quantized_linear_passes_gradients_to_x_and_bias(mode, device):
+    """Like the eager reference (the kernel has no backward of its own; it cut the graph silently: in a
+    residual block x + ql(x), x's gradient came out as ones)."""
+    torch.manual_seed(0)
+    q, scale = quantize(torch.randn(6, 10, device=device), mode)
+    grads = []
+    for op in (quantized_linear, quantized_linear_ref):
+        x = torch.randn(3, 10, device=device, generator=torch.Generator(device).manual_seed(1), requires_grad=True)
+        bias = torch.linspace(-1, 1, 6, device=device, requires_grad=True)
+        y = op(x, q, scale, bias)
+        ((y * torch.arange(6.0, device=device)).sum() + x.sum()).backward()
+        grads.append((x.grad, bias.grad))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=0, atol=0)
+    with torch.no_grad():  # and no autograd node where none is needed
+        assert quantized_linear(torch.randn(2, 10, device=device, requires_grad=True), q, scale).grad_fn is None
+
+
 # ----------------------------------------------------------------------------------------------------
 # input validation
 # ----------------------------------------------------------------------------------------------------
