@@ -37,8 +37,9 @@ completions as ``total_rows`` (the loss's denominator under token, sequence and 
 so the gradient equals the full batch's. It is
 exact for the policy-gradient loss without KL and entropy terms (those do not vanish at A = 0); the
 caller decides when it applies. When the batch size is a multiple of ``row_multiple`` (the caller's
-duty), at least ``row_multiple`` rows are kept (zero-advantage ones first in batch order) and the number
-kept is a multiple of it, so a sharded trainer can split them evenly.
+duty), at least ``row_multiple`` rows are kept (zero-advantage ones in batch order, those with completion
+tokens first: a batch with a trained token keeps one, so the optimizer steps exactly when it would on the full
+batch) and the number kept is a multiple of it, so a sharded trainer can split them evenly.
 
 Truncated completions (``without_truncated``, TRL's ``mask_truncated_completions``): a completion cut by the
 length limit (finish_reason "length") has no final answer, so its reward says little about its tokens. Its
@@ -182,7 +183,10 @@ def collate(rollouts: Sequence[Rollout], advantages: torch.Tensor, pad_id: int, 
               "total_rows": torch.tensor(float(len(rollouts)))}
     if drop_zero_advantage:
         keep = [i for i in range(len(rollouts)) if advantages[i] != 0]
-        zeros = [i for i in range(len(rollouts)) if advantages[i] == 0]
+        # fillers with tokens first: a batch that trains a token must still train one (an AdamW step, if a
+        # zero-gradient one) when every advantage is zero, or dropping rows would change the update
+        zeros = sorted((i for i in range(len(rollouts)) if advantages[i] == 0),
+                       key=lambda i: not rollouts[i].completion_ids)
         want = min(len(rollouts), max(row_multiple, -(-len(keep) // row_multiple) * row_multiple))
         keep = sorted(keep + zeros[: want - len(keep)])
         rollouts, advantages = [rollouts[i] for i in keep], advantages[keep]

@@ -250,7 +250,7 @@ def summary_table(summary: dict) -> str:
             ("sync_s_mean", "weight sync (ms)"), ("max_staleness_seen", "max staleness seen"),
             ("tokens_per_s", "generated tokens/s"), ("reward_errors", "reward errors"),
             ("reward_timeouts", "reward timeouts"), ("reward_worker_deaths", "reward worker deaths"),
-            ("skipped_updates", "skipped updates")]
+            ("skipped_updates", "skipped updates"), ("empty_updates", "updates with no token")]
     lines = []
     for k, label in keys:
         if k not in summary:

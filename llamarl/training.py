@@ -395,8 +395,11 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
             # are this process's pool's (since a resume; evaluations included)
             "reward_errors": sum(r["reward_errors"] for r in rows), "reward_timeouts": reward_stats.timeouts,
             "reward_worker_deaths": reward_stats.worker_deaths,
-            # updates (mini_batches x epochs per step) skipped for a non-finite loss or gradient
-            "skipped_updates": sum(per_step - r.get("updates", per_step if r["applied"] else 0) for r in rows),
+            # updates (mini_batches x epochs per step) skipped for a non-finite loss or gradient, and those with
+            # no trained token (every completion truncated away under trainer.mask_truncated: nothing to update)
+            "skipped_updates": sum(per_step - r.get("updates", per_step if r["applied"] else 0)
+                                   - r.get("empty_updates", 0) for r in rows),
+            "empty_updates": sum(r.get("empty_updates", 0) for r in rows),
             "policy_version": ctrl.version,
             "plot": str(plot) if plot else None, "out": str(out),
         }

@@ -103,3 +103,30 @@ def test_masked_truncated_completions_train_like_a_batch_without_them(tmp_path, 
     assert stats["loss"] == pytest.approx(ref_stats["loss"], rel=1e-5, abs=1e-7)
     for n, w in ref_weights.items():
         torch.testing.assert_close(weights[n], w, rtol=0, atol=2e-6, msg=n)
+
+
+def test_dropping_zero_rows_keeps_a_row_with_tokens_so_the_update_stays_the_same(tmp_path):
+    """Every advantage 0 and the first rows truncated away (mask_truncated): the filler row must be one with
+    tokens, so the trimmed batch steps AdamW (a zero-gradient step, momentum and decay still move the weights)
+    exactly as the full batch does. It used to keep row 0 (empty): no update, no new version, and the step
+    was counted as a skipped update."""
+    from llamarl.rollouts import without_truncated
+
+    random_model(CFG).save_pretrained(tmp_path / "model")
+    rollouts = [dataclasses.replace(r, finish_reason="length" if i < 2 else "stop")
+                for i, r in enumerate(_rollouts(len(ADV)))]
+    masked, adv = without_truncated(rollouts, torch.zeros(len(ADV)))
+    kept = collate(masked, adv, 0, drop_zero_advantage=True)
+    assert kept["mask"].sum() > 0
+    cfg = dict(TRAINER, norm="token")
+    # a first step with real advantages, so AdamW has momentum to carry into the zero-gradient step
+    first = collate(rollouts, ADV, 0)
+    full_stats, full_w = single_process_train_step(tmp_path / "model", CFG, [first, collate(masked, adv, 0)], cfg)
+    kept_stats, kept_w = single_process_train_step(tmp_path / "model", CFG, [first, kept], cfg)
+    assert full_stats["updates"] == kept_stats["updates"] == 2 and kept_stats["empty_updates"] == 0
+    for n, w in full_w.items():
+        torch.testing.assert_close(kept_w[n], w, rtol=0, atol=2e-6, msg=n)
+    # a batch without any token trains nothing: not applied, and counted as empty, not as a failure
+    nothing = collate(without_truncated(rollouts, ADV)[0][:2], torch.zeros(2), 0)
+    stats, _ = single_process_train_step(tmp_path / "model", CFG, nothing, cfg)
+    assert not stats["applied"] and stats["updates"] == 0 and stats["empty_updates"] == 1

@@ -293,7 +293,7 @@ class TrainerExecutor:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg["grad_clip"])
         applied = math.isfinite(loss_sum) and bool(torch.isfinite(grad_norm)) and bool(grads)
-        return self._apply_update(applied, loss_sum, grad_norm, t0, _combine(metrics))
+        return self._apply_update(applied, loss_sum, grad_norm, t0, _combine(metrics), empty=not metrics)
 
     def push_weights(self, version: int) -> dict:
         if self.sender is None:
@@ -369,9 +369,11 @@ class TrainerExecutor:
         dist.all_gather_object(per_rank, local)
         loss_sum = math.fsum(r["loss"] for r in per_rank)
         # no rank trained a token: the (zero-filled or zero-weighted) gradients are no update, as on one rank
+        empty = not any(r["trained"] for r in per_rank)
         applied = (math.isfinite(loss_sum) and bool(torch.isfinite(grad_norm)) and all(r["grads"] for r in per_rank)
-                   and any(r["trained"] for r in per_rank))
-        return self._apply_update(applied, loss_sum, grad_norm, t0, _merge_ranks([r["metrics"] for r in per_rank]))
+                   and not empty)
+        return self._apply_update(applied, loss_sum, grad_norm, t0, _merge_ranks([r["metrics"] for r in per_rank]),
+                                  empty=empty)
 
     def _distributed_save_checkpoint(self, run_dir: str, step: int, policy_version: int, data_cursor,
                                      keep: int) -> str:
@@ -404,9 +406,11 @@ class TrainerExecutor:
             raise RuntimeError(f"trainer rank 0 failed to write the checkpoint: {text}")
         return text
 
-    def _apply_update(self, applied: bool, loss: float, grad_norm: torch.Tensor, t0: float, metrics: dict) -> dict:
+    def _apply_update(self, applied: bool, loss: float, grad_norm: torch.Tensor, t0: float, metrics: dict,
+                      empty: bool = False) -> dict:
         """The end of an update on every path: AdamW at the scheduled learning rate if ``applied``,
-        gradients cleared, and the update's stats. The schedule (``lr_at``) counts RL steps: the step
+        gradients cleared, and the update's stats (``empty``: no trained token, so nothing to update; not
+        applied, but no failure either). The schedule (``lr_at``) counts RL steps: the step
         ``train_step`` was given, else the optimizer's own update count over mini_batches x epochs."""
         step = self._rl_step
         if step is None:
@@ -418,7 +422,7 @@ class TrainerExecutor:
         if applied:
             self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return {"applied": applied, "loss": loss, "grad_norm": float(grad_norm), "lr": lr,
+        return {"applied": applied, "empty": empty, "loss": loss, "grad_norm": float(grad_norm), "lr": lr,
                 "train_s": time.perf_counter() - t0, **metrics}
 
     def _on_device(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
@@ -562,14 +566,15 @@ def _combine(parts: list[tuple[float, dict]]) -> dict:
 
 
 def _combine_updates(results: list[dict]) -> dict:
-    """One step's stats from those of its updates: whether any was applied and how many (``updates``),
-    the mean loss and gradient norm, the last learning rate, the total time, and the loss metrics
+    """One step's stats from those of its updates: whether any was applied and how many (``updates``), how
+    many had no trained token (``empty_updates``: every completion truncated away), the mean loss and gradient norm, the last learning rate, the total time, and the loss metrics
     combined as ``_combine`` does, each update weighted by its share of the trained tokens."""
     tokens = sum(r.get("tokens", 0.0) for r in results)
-    own = ("applied", "loss", "grad_norm", "lr", "train_s")
+    own = ("applied", "empty", "loss", "grad_norm", "lr", "train_s")
     metrics = _combine([(r.get("tokens", 0.0) / max(tokens, 1.0), {k: v for k, v in r.items() if k not in own})
                         for r in results])
     return {"applied": any(r["applied"] for r in results), "updates": sum(r["applied"] for r in results),
+            "empty_updates": sum(r.get("empty", False) for r in results),
             "loss": math.fsum(r["loss"] for r in results) / len(results),
             "grad_norm": math.fsum(r["grad_norm"] for r in results) / len(results),
             "lr": results[-1]["lr"], "train_s": math.fsum(r["train_s"] for r in results), **metrics}
