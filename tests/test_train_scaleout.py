@@ -234,8 +234,12 @@ def test_train_with_fsdp_trainer_and_tp_generator_then_resume_on_one_rank(tmp_pa
     assert all(r["applied"] and r["sync_s"] > 0 and 0 <= r["staleness"] <= 1 for r in rows)
     assert summary["steps"] == 3 and summary["policy_version"] == 3
     assert (out / "checkpoints" / "step_000003" / "policy" / "config.json").is_file()
-    # the sharded trainer's checkpoint has the single-process format: one rank resumes from it
-    train(load_config(["--resume", str(out), "--max-steps", "4"]))
+    # the sharded trainer's checkpoint has the single-process format: one rank resumes from it (a resume keeps
+    # the run's saved layout unless told otherwise)
+    resumed = load_config(["--resume", str(out), "--max-steps", "4", "--set", "trainer.ranks=1",
+                           "--set", "trainer.parallel=none", "--set", "generator.tp=1"])
+    assert (resumed.trainer.ranks, resumed.generator.tp) == (1, 1)
+    train(resumed)
     rows = _rows(out)
     assert rows[-1]["step"] == 4 and rows[-1]["policy_version"] == 4
 
