@@ -287,7 +287,12 @@ def test_arithmetic_validation_and_small_spaces():
         ArithmeticTask().samples("test", 1)
     tiny = ArithmeticTask(digits=1, n_terms=2, ops="+")  # 100 problems, ~10 held out
     with pytest.raises(ValueError, match="too small"):
+        tiny.heldout_samples(30)  # below the bound (38): searched for, then refused
+    # above it: refused at once (the search for 100000 distinct 2-digit sums ran for minutes)
+    assert tiny.heldout_capacity() == 38 and ArithmeticTask(digits=9, n_terms=2).heldout_capacity() is None
+    with pytest.raises(ValueError, match=r"60 distinct held-out problems asked of .* which has at most 38"):
         tiny.heldout_samples(60)
+    assert len(tiny.train_samples(60)) == 60  # training problems may repeat: no bound
 
 
 # ------------------------------------------------------------------------------------ exact verifier

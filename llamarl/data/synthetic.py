@@ -26,6 +26,7 @@ A dataset spec string names the task on command lines and in configs:
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import random
 from dataclasses import dataclass
@@ -135,9 +136,23 @@ class ArithmeticTask:
             yield Sample(f"arith-{split}-{index}", prompt, answer)
             index += 1
 
+    def heldout_capacity(self) -> int | None:
+        """A bound on the number of distinct held-out problems (None: too many to matter): the prompt space (at
+        most 10^(digits*n_terms) * len(ops)^(n_terms-1) texts) times heldout_fraction, plus six standard
+        deviations of the hash split and 10, so only a count that cannot be met is refused."""
+        if self.digits * self.n_terms > 12:
+            return None
+        space = 10 ** (self.digits * self.n_terms) * len(self.ops) ** (self.n_terms - 1)
+        f = self.heldout_fraction
+        return int(f * space + 6 * math.sqrt(f * (1 - f) * space) + 10)
+
     def samples(self, split: str, n: int) -> list[Sample]:
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"number of samples must be an int >= 0, got {n!r}")
+        cap = self.heldout_capacity() if split == "heldout" else None
+        if cap is not None and n > cap:  # (else the search for more distinct problems runs for minutes)
+            raise ValueError(f"{n} distinct held-out problems asked of {self}, which has at most {cap}; ask for "
+                             "fewer (data.eval_size, --limit) or enlarge the task (digits, n_terms, ops)")
         stream = self.iter_split(split)
         return [next(stream) for _ in range(n)]
 
