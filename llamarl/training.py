@@ -92,7 +92,9 @@ def prepare_policy(cfg: TrainConfig, tokenizer, data: TrainData) -> tuple[Path, 
                                 encode_prompt=stream.formatter.encode, encode_answer=tokenizer.encode,
                                 eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, log=log, probe=probe,
                                 target_accuracy=ws.target_accuracy)
-    save_atomic(model, tokenizer, path, info)
+    if not save_atomic(model, tokenizer, path, info):  # a run with the same key cached it first: use its weights
+        log(f"warm start: another run cached the same entry first at {path}; using it")
+        info = {**json.loads((path / "warmstart.json").read_text()), "seconds": info["seconds"]}
     return path, {**info, "cached": False}
 
 

@@ -17,6 +17,7 @@ half-written cache entry.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import importlib.util
 import json
@@ -160,17 +161,33 @@ def train_supervised(model: torch.nn.Module, next_samples: Callable[[int], Seque
             "seconds": time.perf_counter() - t0}
 
 
-def save_atomic(model, tokenizer, path: Path, info: dict) -> None:
-    """Write model, tokenizer and ``info`` (warmstart.json) into ``path`` via a sibling temp dir and a rename."""
+def save_atomic(model, tokenizer, path: Path, info: dict) -> bool:
+    """Write model, tokenizer and ``info`` (warmstart.json) into ``path`` via a sibling temp dir and a rename;
+    False if another run completed the same entry first. The first complete entry wins and is never replaced:
+    a run that found it (or wrote it) may still be loading from it. Only a directory without warmstart.json
+    (not a complete entry) is set aside and replaced."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         model.save_pretrained(tmp)
         tokenizer.save(tmp)
         (tmp / "warmstart.json").write_text(json.dumps(info, indent=2))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        while True:
+            try:
+                os.rename(tmp, path)  # fails on a non-empty directory: never replaces an entry
+                return True
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+            if (path / "warmstart.json").is_file():
+                shutil.rmtree(tmp, ignore_errors=True)
+                return False
+            aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.stale.", dir=path.parent))
+            try:
+                os.rename(path, aside / "entry")
+            except FileNotFoundError:
+                pass  # another writer moved it first
+            shutil.rmtree(aside, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -177,7 +177,8 @@ if mode == "stall":  # the start of a 1 MiB reply, then nothing: a rank stopped,
     sock.sendall(struct.pack("!i", 1 << 20) + b"x" * 100)
     time.sleep(60)
 elif mode == "trickle":  # whole replies, a byte at a time (headers split too), two in one stream
-    wire = b"".join(struct.pack("!i", len(b)) + b for b in (pickle.dumps(Reply(i, True, f"reply {n}")) for n, i in enumerate(ids)))
+    blobs = [pickle.dumps(Reply(i, True, f"reply {n}")) for n, i in enumerate(ids)]
+    wire = b"".join(struct.pack("!i", len(b)) + b for b in blobs)
     for k in range(len(wire)):
         sock.sendall(wire[k:k + 1])
         time.sleep(0.001)

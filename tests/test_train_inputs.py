@@ -236,3 +236,39 @@ def test_the_warm_start_key_reads_a_reward_modules_source_file(tmp_path, monkeyp
     before = content_fingerprint(reward_source("rewardpkg.scores:score"))
     (pkg / "scores.py").write_text("def score(completion, answer):\n    return 0.0\n")
     assert content_fingerprint(reward_source("rewardpkg.scores:score")) != before
+
+
+def test_the_first_complete_warm_start_entry_wins_and_is_never_replaced(tmp_path):
+    """Two runs with one cache key both train; the later one used to delete the entry the earlier one was
+    loading from (and concurrent saves failed with 'Directory not empty'). Now the first rename wins, later
+    writers keep it, and only a directory that is not a complete entry is replaced."""
+    import threading
+
+    import torch
+
+    from llamarl.warmstart import save_atomic
+
+    tok = CharTokenizer()
+    models = []
+    for seed in range(4):
+        torch.manual_seed(seed)
+        models.append(Llama(LLAMA_CONFIGS["tiny"]))
+    path = tmp_path / "cache" / "tiny-key"
+    assert save_atomic(models[0], tok, path, {"steps": 0})
+    first = (path / "model.safetensors").read_bytes()
+    assert not save_atomic(models[1], tok, path, {"steps": 1})
+    assert (path / "model.safetensors").read_bytes() == first and json.loads((path / "warmstart.json").read_text()) == {
+        "steps": 0}
+    results: list = []
+    racers = [threading.Thread(target=lambda m=m, i=i: results.append(save_atomic(m, tok, tmp_path / "race", {"i": i})))
+              for i, m in enumerate(models)]
+    for t in racers:
+        t.start()
+    for t in racers:
+        t.join()
+    assert sorted(results) == [False, False, False, True]  # no writer failed, exactly one won
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "race"]  # no temp dir left behind
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "model.safetensors").write_text("not a complete entry")
+    assert save_atomic(models[2], tok, tmp_path / "half", {"steps": 2})
+    assert json.loads((tmp_path / "half" / "warmstart.json").read_text()) == {"steps": 2}
