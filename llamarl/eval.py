@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from llamarl.data import PromptFormat, PromptFormatter, Sample, load_dataset, select_shots, shot_key
+from llamarl.data.prompts import literal_escapes
 from llamarl.data.synthetic import SYNTHETIC_PREFIX, parse_synthetic_spec
 from llamarl.rewards import RewardPool, RewardPoolError, load_reward
 from llamarl.rewards.registry import InfoParams, call_reward, info_params
@@ -417,6 +418,11 @@ def run(args: argparse.Namespace) -> EvalResult:
         print(f"llamarl.eval: warning: -n {n} with --temperature 0 samples the same greedy completion {n} times; "
               "pass@k then equals pass@1", file=sys.stderr)
     max_new = args.max_new_tokens if args.max_new_tokens is not None else (16 if synthetic else 256)
+    for flag, text in (("--template", args.template), ("--system", args.system)):
+        if literal_escapes(text):  # (--stop reads escapes; a template cannot: \boxed, \frac, \text are LaTeX)
+            print(f"llamarl.eval: warning: {flag} {text!r} holds a backslash followed by n or t as two characters, "
+                  "not a newline or a tab, so the model sees them as written; if the run was trained with a newline "
+                  "there, pass one (bash: --template $'Q: {prompt}\\nA: ')", file=sys.stderr)
 
     from llamarl.checkpoint import training_dir_hint
 

@@ -10,6 +10,7 @@ import math
 from llamarl.config import TrainConfig, resume_run_dir
 from llamarl.config_cli import saved_config
 from llamarl.config_values import ConfigError
+from llamarl.data.prompts import literal_escapes
 from llamarl.executors.trainer import lr_at
 
 
@@ -33,6 +34,12 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
             out.append(f"generator.stop {stop!r} holds a backslash followed by n or t as two characters (a --set value "
                        "is taken literally); for a newline or a tab write a YAML list with double quotes, e.g. "
                        '--set \'generator.stop=["\\nQuestion:"]\'')
+    for name in ("template", "system"):
+        text = getattr(cfg.data, name)
+        if literal_escapes(text):
+            out.append(f"data.{name} {text!r} holds a backslash followed by n or t as two characters (a --set value "
+                       "is taken literally), so the model sees them as written; for a newline or a tab write the "
+                       f"value in a YAML file with double quotes, e.g. {name}: \"Q: {{prompt}}\\nA: \"")
     t = cfg.trainer
     if 0 < t.micro_batch_tokens <= g.max_new_tokens:
         out.append(f"trainer.micro_batch_tokens={t.micro_batch_tokens} is not above generator.max_new_tokens="

@@ -182,6 +182,20 @@ def test_cli_greedy_matches_transformers_and_scores_with_a_user_reward(checkpoin
     assert "accuracy=0.6667" in capsys.readouterr().out
 
 
+def test_a_template_with_a_literal_backslash_n_is_warned_about(checkpoint, tmp_path, capsys):
+    """--stop reads escapes but --template cannot (LaTeX's \\boxed, \\frac): a typed '\\n' stays two characters,
+    so the model may be evaluated on a prompt format it never saw; say so."""
+    _, path = checkpoint
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
+    args = ["--model", str(path), "--dataset", str(data), "--reward", "exact", "--max-new-tokens", "2",
+            "--reward-workers", "1", "--output", str(tmp_path / "r.jsonl"), "--no-progress"]
+    assert main(args + ["--template", "Q: {prompt}\\nA: "]) == 0
+    assert "--template 'Q: {prompt}\\\\nA: ' holds a backslash followed by n" in capsys.readouterr().err
+    assert main(args + ["--template", "Q: {prompt}\nA: \\boxed{}"]) == 0
+    assert "backslash" not in capsys.readouterr().err
+
+
 def test_cli_stop_strings_of_several_tokens_cut_the_transformers_greedy_text(checkpoint, tmp_path):
     """--stop takes strings of any length (escapes read): each completion is transformers' greedy text up to
     the first token whose text holds a stop, and is scored as such."""

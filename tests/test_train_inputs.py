@@ -178,6 +178,15 @@ def test_a_stop_string_with_a_literal_backslash_n_is_warned_about():
     assert not any("backslash" in w for w in newline), newline
 
 
+def test_a_template_with_a_literal_backslash_n_is_warned_about_but_latex_is_not():
+    from llamarl.run_warnings import config_warnings
+
+    literal = config_warnings(load_config(SMOKE + ["--set", "data.template=Q: {prompt}\\nA: "]))
+    assert any(w.startswith("data.template 'Q: {prompt}\\\\nA: ' holds a backslash") for w in literal), literal
+    for fine in ("Q: {prompt}\nA: ", "Solve {prompt}, \\neq \\text{no} \\theta; put it in \\boxed{}"):
+        assert not any("backslash" in w for w in config_warnings(load_config(SMOKE + ["--set", f"data.template={fine}"])))
+
+
 def test_truncated_sampling_with_raw_logprobs_is_warned_about_since_mu_is_then_the_full_softmax():
     from llamarl.run_warnings import config_warnings
 

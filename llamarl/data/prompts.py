@@ -23,6 +23,7 @@ batches per epoch, deterministically from ``(seed, epoch)``.
 
 from __future__ import annotations
 
+import re
 import random
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol, Sequence
@@ -63,6 +64,15 @@ class PromptFormat:
             )
         if self.system is not None and not self.chat:
             raise ValueError("a system message needs chat=True (raw prompts have no roles; put it in the template)")
+
+
+_LITERAL_ESCAPE_RE = re.compile(r"\\[nt](?![a-z])")  # not LaTeX's \neq, \nu, \text, \times, \theta...
+
+
+def literal_escapes(text: str | None) -> bool:
+    """Whether ``text`` holds a backslash and n or t as two characters where a newline or tab was likely meant
+    (a command-line value is taken literally): not where a lower-case letter follows, as in LaTeX commands."""
+    return bool(text) and _LITERAL_ESCAPE_RE.search(text) is not None
 
 
 def shot_key(sample: Sample) -> str:
