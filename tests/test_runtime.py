@@ -333,6 +333,38 @@ def test_torchrun_rejects_a_layout_that_does_not_fit_world_size():
     assert [layout_rank(layout, TorchrunEnv(r, 4, r, "a", 1)) for r in range(4)] == [0, 1, 2, 3]
 
 
+def test_a_stray_connection_to_the_controller_does_not_abort_the_start():
+    """A port probe that connects and leaves, or a client with another key, is not a rank: the controller keeps
+    waiting for the real ones (it raised 'accepting torchrun executor ranks failed' at once)."""
+    import datetime
+    import socket
+    from multiprocessing.connection import Client
+
+    from torch.distributed import TCPStore
+
+    from llamarl.runtime.launch import STORE_KEY
+
+    layout = Layout.parse("trainer=1,generator=1x1,reward=0")
+    port, outcome = free_port("127.0.0.1"), {}
+
+    def controller():
+        try:
+            Runtime(layout, torchrun=TorchrunEnv(0, 3, 0, "127.0.0.1", port), start_timeout_s=6)
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=controller)
+    thread.start()
+    store = TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=30))
+    host, listen_port, _ = store.get(STORE_KEY).decode().rsplit(":", 2)
+    socket.create_connection((host, int(listen_port))).close()
+    with pytest.raises(Exception):
+        Client((host, int(listen_port)), family="AF_INET", authkey=b"wrong key")
+    thread.join(timeout=60)
+    assert isinstance(outcome.get("error"), TimeoutError), outcome  # still waiting for ranks 1 and 2 at the end
+    assert "torchrun ranks [1, 2] did not connect" in str(outcome["error"])
+
+
 def test_torchrun_env_detection():
     assert TorchrunEnv.detect({}) is None
     env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
@@ -361,6 +393,7 @@ def test_layout_parse_and_rank_assignment():
     assert multi.cuda_device(6, 8, local_rank=5) == 5
     assert multi.cuda_device(0, 8) is None and layout.cuda_device(5, 8) is None
     assert Layout.parse("generator=4").generator == GeneratorSpec(tp=4, replicas=1)
+    assert Layout.parse("trainer=2: DDP").trainer == TrainerSpec(2, "ddp")  # spaced and cased like the rest
     assert Layout.parse("reward=1,device=cuda").groups[-1].backend == "gloo"  # rewards stay on the CPU
 
 
@@ -404,6 +437,27 @@ def test_ranks_sharing_a_gpu_talk_over_gloo(capsys):
     assert "NCCL needs one GPU per rank" in capsys.readouterr().err
     cpu = GroupPlacement("generator", "generator", (3, 4), "gloo", False)
     assert group_backend(cpu, ["cpu", "cpu"]) == "gloo"
+    # cuda:0 on two hosts is two GPUs (a torchrun group over nodes was put on gloo)
+    four = GroupPlacement("trainer", "trainer", (1, 2, 3, 4), "nccl", True)
+    assert group_backend(four, ["cuda:0", "cuda:1"] * 2, hosts=["a", "a", "b", "b"]) == "nccl"
+    assert group_backend(four, ["cuda:0", "cuda:1"] * 2, hosts=["a"] * 4) == "gloo"
+
+
+def test_the_controller_publishes_an_ipv4_address_for_localhost(monkeypatch):
+    """torchrun --standalone sets MASTER_ADDR=localhost, which resolves to ::1 first on Debian, RHEL and in
+    containers; the controller listens on IPv4, so the address it publishes must be one."""
+    import socket
+
+    from llamarl.runtime import net
+
+    real = socket.getaddrinfo
+
+    def ipv6_first(host, port, family=0, type=0, *args):
+        v6 = [(socket.AF_INET6, socket.SOCK_DGRAM, 17, "", ("::1", port, 0, 0))]
+        return (v6 if family in (0, socket.AF_INET6) else []) + real(host, port, family or socket.AF_INET, type)
+
+    monkeypatch.setattr(socket, "getaddrinfo", ipv6_first)
+    assert net.routable_address("localhost") == "127.0.0.1"
 
 
 # ------------------------------------------------------------------------------------------ process hygiene

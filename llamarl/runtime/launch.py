@@ -46,6 +46,7 @@ import sys
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Awaitable, Callable, TypeVar
 
@@ -215,7 +216,7 @@ class Runtime:
             cudas = [layout.cuda_device(hello.global_rank, hello.num_cuda_devices, hello.local_rank)
                      for _, hello, _ in members]
             devices = ["cpu" if cuda is None else f"cuda:{cuda}" for cuda in cudas]
-            backend = group_backend(p, devices)
+            backend = group_backend(p, devices, hosts=[hello.hostname for _, hello, _ in members])
             for rank, (conn, hello, _) in enumerate(members):
                 links.append(RankLink(conn))
                 boots.append(Bootstrap(group=p.name, role=p.role, target=target, init_kwargs=dict(init_kwargs or {}),
@@ -361,11 +362,21 @@ class Runtime:
         listener = self._listener
 
         def accept_loop() -> None:
-            for _ in expected:
+            accepted = 0
+            while accepted < len(expected):
                 try:
                     conn = listener.accept()
-                    peer = listener.last_accepted[0]
-                    arrivals.put((conn, recv(conn), peer))
+                except (AuthenticationError, EOFError, ConnectionError) as exc:
+                    # a stray connection (a port probe, a client with another key): not a rank; keep waiting
+                    print(f"llamarl.runtime: ignored a connection to the controller that failed its handshake "
+                          f"({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - the listener itself failed: reported by the waiting side
+                    arrivals.put(exc)
+                    return
+                try:
+                    arrivals.put((conn, recv(conn), listener.last_accepted[0]))
+                    accepted += 1
                 except Exception as exc:  # noqa: BLE001 - reported by the waiting side
                     arrivals.put(exc)
                     return
@@ -472,12 +483,15 @@ def run(layout: Layout, main: Callable[[Runtime], Awaitable[T]], *, env: dict[st
         return asyncio.run(rt.supervise(main(rt)))
 
 
-def group_backend(p: GroupPlacement, devices: list[str]) -> str:
-    """The group's backend for the devices its ranks landed on. NCCL refuses two ranks of one
-    communicator on one GPU ("Duplicate GPU detected"); such a group (a sharded trainer or a TP generator
-    on a machine with fewer GPUs than ranks) runs its collectives over gloo instead, which stages CUDA
-    tensors through host memory: slower, and said so on stderr, but the same program and numerics."""
-    if p.backend != "nccl" or len(set(devices)) == len(devices):
+def group_backend(p: GroupPlacement, devices: list[str], hosts: list[str] | None = None) -> str:
+    """The group's backend for the devices its ranks landed on (on ``hosts``, by name; None: all on this one).
+    NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected"); such a group (a sharded
+    trainer or a TP generator on a machine with fewer GPUs than ranks) runs its collectives over gloo instead,
+    which stages CUDA tensors through host memory: slower, and said so on stderr, but the same program and
+    numerics. ``cuda:0`` on two hosts is two GPUs. (Ranks that each see one GPU through their own
+    CUDA_VISIBLE_DEVICES all say ``cuda:0`` and are taken for one: gloo.)"""
+    gpus = list(zip(hosts, devices)) if hosts is not None else devices
+    if p.backend != "nccl" or len(set(gpus)) == len(gpus):
         return p.backend
     print(f"[llamarl] executor group '{p.name}': {len(devices)} ranks on {len(set(devices))} GPU(s) "
           f"({', '.join(devices)}); NCCL needs one GPU per rank, so this group's collectives use gloo "

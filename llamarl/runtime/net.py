@@ -19,10 +19,16 @@ def free_port(host: str = "") -> int:
         return int(s.getsockname()[1])
 
 
-def routable_address(peer: str) -> str:
-    """The local IP address used to reach ``peer`` (a host name or IP); loopback peers give loopback."""
-    infos = socket.getaddrinfo(peer, 1, type=socket.SOCK_DGRAM)
-    family, _, _, _, sockaddr = infos[0]
+def routable_address(peer: str, family: socket.AddressFamily = socket.AF_INET) -> str:
+    """The local IP address of ``family`` (the listener's: IPv4) used to reach ``peer`` (a host name or IP);
+    loopback peers give loopback. Only addresses of ``family`` are looked up: ``localhost`` resolves to ::1
+    first on many hosts (Debian, RHEL, containers), an address an IPv4 client cannot connect to."""
+    try:
+        infos = socket.getaddrinfo(peer, 1, family=family, type=socket.SOCK_DGRAM)
+    except socket.gaierror as e:
+        raise OSError(f"{peer!r} has no {family.name} address ({e}); the controller listens on IPv4, so "
+                      "MASTER_ADDR must name a host with an IPv4 address") from None
+    _, _, _, _, sockaddr = infos[0]
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         s.connect(sockaddr)
         return str(s.getsockname()[0])

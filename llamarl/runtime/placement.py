@@ -142,7 +142,7 @@ class Layout:
         if "trainer" in items:
             ranks, _, parallel = items["trainer"].partition(":")
             kwargs["trainer"] = TrainerSpec(_parse_int("trainer", ranks, items, "N or N:fsdp|ddp|none"),
-                                            parallel or "fsdp")
+                                            parallel.strip().lower() or "fsdp")
         if "generator" in items:
             tp, _, replicas = items["generator"].lower().partition("x")
             form = "TPxREPLICAS (e.g. 2x1) or TP"
