@@ -292,6 +292,8 @@ class DataConfig(_Section):
     dataset: str = "synthetic:arithmetic"  # "synthetic:NAME[:options]" or a .jsonl/.parquet file
     prompt_field: str = "question"
     answer_field: str = "answer"
+    # the field of sample ids when every record has it (they must be unique); null: "<file stem>-<index>"
+    id_field: str | None = "id"
     template: str = "{prompt}"
     # render each prompt with the tokenizer's chat template as one user turn (instruct models), after
     # ``template``; ``system`` adds a system message. As llamarl.eval --chat/--system.
@@ -306,6 +308,9 @@ class DataConfig(_Section):
         for name in ("prompt_field", "answer_field"):
             if not getattr(self, name):
                 fail(f"data.{name}", "must name a field of the dataset records", getattr(self, name))
+        if self.id_field is not None and not self.id_field.strip():
+            fail("data.id_field", "must name a field of the dataset records, or be null (ids by position)",
+                 self.id_field)
         if self.dataset.startswith("synthetic:") and self.dataset.split(":")[1] not in SYNTHETIC_DATASETS:
             fail("data.dataset", f"unknown synthetic dataset; known: "
                  f"{', '.join('synthetic:' + n for n in SYNTHETIC_DATASETS)}", self.dataset)

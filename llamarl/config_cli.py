@@ -158,7 +158,7 @@ def _check_same_policy(saved_cfg: TrainConfig, cfg: TrainConfig, saved: Path) ->
 # prompts (the checkpoint's data position counts into that order); llamarl.train also compares the stream
 # itself with the checkpoint's (TrainData.stream_id: an edited file, prompts dropped by another max_new_tokens)
 _DATA_STREAM = ("run.seed", "data.dataset", "data.eval_size", "data.few_shot", "data.template", "data.chat",
-                "data.system", "data.prompt_field", "data.answer_field")
+                "data.system", "data.prompt_field", "data.answer_field", "data.id_field")
 
 
 def _check_same_data(saved_cfg: TrainConfig, cfg: TrainConfig, saved: Path) -> None:

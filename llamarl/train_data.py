@@ -64,7 +64,8 @@ class TrainData:
             self._task, _ = parse_synthetic_spec(cfg.dataset)
             shots = _pick_shots(self._task.train_samples(10 * cfg.few_shot), cfg.few_shot, seed, cfg.dataset)
         else:
-            samples = load_dataset(cfg.dataset, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field)
+            samples = load_dataset(cfg.dataset, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field,
+                                   id_field=cfg.id_field)
             shots = _pick_shots(samples, cfg.few_shot, seed, cfg.dataset)
         self._shot_prompts = {shot_key(s) for s in shots}  # the problems shown solved (never trained on or held out)
         self.formatter = PromptFormatter(PromptFormat(template=cfg.template, chat=cfg.chat, system=cfg.system),

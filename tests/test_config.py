@@ -225,6 +225,14 @@ def _messages(tmp_path):
     ]
 
 
+def test_a_dataset_id_field_may_be_named_or_null():
+    assert load_config([]).data.id_field == "id"
+    assert load_config(["--set", "data.id_field=null"]).data.id_field is None
+    assert load_config(["--set", "data.id_field=problem_id"]).data.id_field == "problem_id"
+    with pytest.raises(ConfigError, match="data.id_field: must name a field"):
+        dataclasses.replace(load_config([]).data, id_field=" ").check()
+
+
 def test_every_validation_error_starts_with_its_field(tmp_path):
     for argv, pattern in _messages(tmp_path):
         with pytest.raises(ConfigError) as info:

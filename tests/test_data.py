@@ -362,10 +362,18 @@ def test_other_record_fields_reach_the_reward_info_and_survive_a_rewrite(tmp_pat
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"id": "a", "question": "1+1=", "answer": "2", "tests": [1, 2], "level": 3}) + "\n")
     sample, = load_dataset(path)
-    assert sample.extra == {"tests": [1, 2], "level": 3}
-    assert sample.reward_info() == {"tests": [1, 2], "level": 3, "prompt": "1+1=", "sample_id": "a"}
+    # the id field is a field like the others too (a reward asking for `id` was refused: "not every sample has it")
+    assert sample.extra == {"id": "a", "tests": [1, 2], "level": 3}
+    assert sample.reward_info() == {"id": "a", "tests": [1, 2], "level": 3, "prompt": "1+1=", "sample_id": "a"}
     again, = load_dataset(write_jsonl([sample], tmp_path / "again.jsonl"))
     assert again.extra == sample.extra
+    path.write_text("".join(json.dumps({"id": 7, "question": q, "answer": "2"}) + "\n" for q in ("1+1=", "2+0=")))
+    with pytest.raises(ValueError, match="duplicate id '7'"):
+        load_dataset(path)
+    numbered = load_dataset(path, id_field=None)  # ids that repeat: by position (data.id_field: null)
+    assert [s.id for s in numbered] == ["d-0", "d-1"] and numbered[0].extra == {"id": 7}
+    back = load_dataset(write_jsonl(numbered, tmp_path / "back.jsonl", id_field="key"), id_field="key")
+    assert [s.extra for s in back] == [{"id": 7, "key": "d-0"}, {"id": 7, "key": "d-1"}]
 
 
 @pytest.mark.parametrize("prompt, match", [

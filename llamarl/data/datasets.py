@@ -13,10 +13,11 @@ File formats:
 ``prompt_field``/``answer_field`` name the columns (defaults: GSM8K's ``question``/``answer``); a prompt
 is text, or a conversation (a list of ``{"role", "content"}`` messages ending with a user turn, as in
 TRL's conversational datasets; it needs chat formatting). Sample ids
-come from ``id_field`` when every record has it (must be unique), else ``"<file stem>-<index>"``.
+come from ``id_field`` when every record has it (must be unique), else ``"<file stem>-<index>"``
+(``id_field=None``: always; e.g. for a file whose ids repeat).
 
-A record's other fields are kept in ``Sample.extra``: a reward function that names one of them as a
-keyword parameter receives it (llamarl.rewards.registry).
+A record's other fields, the id field as written included, are kept in ``Sample.extra``: a reward function
+that names one of them as a keyword parameter receives it (llamarl.rewards.registry).
 
 Numeric answers become text: integral numbers as integers (``72.0`` → ``"72"``), others in positional
 notation with the digits of Python's shortest repr (``1e-05`` → ``"0.00001"``); NaN/inf and empty answers
@@ -199,7 +200,7 @@ def load_dataset(
         if sid in seen:
             raise ValueError(f"{p} {where}: duplicate id {sid!r} (first seen at {seen[sid]}); ids must be unique")
         seen[sid] = where
-        extra = {k: v for k, v in rec.items() if k not in (prompt_field, answer_field, id_field)}
+        extra = {k: v for k, v in rec.items() if k not in (prompt_field, answer_field)}  # the id too, as written
         samples.append(Sample(sid, prompt, answer, messages, extra or None,
                               written.strip() if answer != written.strip() else None))
     return samples
@@ -221,7 +222,7 @@ def write_jsonl(
     with open(tmp, "w", encoding="utf-8") as f:
         for s in samples:
             prompt = s.prompt if s.messages is None else [{"role": r, "content": c} for r, c in s.messages]
-            record = {**(s.extra or {}), id_field: s.id, prompt_field: prompt, answer_field: s.written_answer}
+            record = {id_field: s.id, **(s.extra or {}), prompt_field: prompt, answer_field: s.written_answer}
             f.write(json.dumps(record) + "\n")
     os.replace(tmp, p)
     return p
