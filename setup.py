@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pybind11.setup_helpers import Pybind11Extension
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
@@ -75,13 +75,17 @@ class BuildExt(build_ext):
         build_tmp = Path(self.build_temp)
         build_tmp.mkdir(parents=True, exist_ok=True)
         cuda_root = find_cuda_root(nvcc)
+        jobs = []  # every .cu at once (each nvcc is one process): the build is on the GPU machine's clock
         for src in cu:
             obj = build_tmp / (Path(src).stem + ".cu.o")
             cmd = [nvcc, "-c", src, "-o", str(obj), "-O3", "-std=c++17", "-Xcompiler", "-fPIC",
                    f"-I{CSRC}", *gencode]
             print(" ".join(cmd), flush=True)
-            subprocess.run(cmd, check=True)
+            jobs.append((src, subprocess.Popen(cmd)))
             ext.extra_objects.append(str(obj))
+        failed = [src for src, job in jobs if job.wait() != 0]
+        if failed:
+            sys.exit(f"nvcc failed on {', '.join(failed)} (its errors are above)")
         lib_dirs = [d for d in (cuda_root / "lib64", cuda_root / "lib", cuda_root / "targets" /
                                 "x86_64-linux" / "lib") if d.is_dir()]
         ext.library_dirs += [str(d) for d in lib_dirs]
@@ -94,6 +98,9 @@ class BuildExt(build_ext):
               flush=True)
         super().build_extension(ext)
 
+
+# the C++ sources compile in parallel too: LLAMARL_BUILD_JOBS processes (default: one per CPU)
+ParallelCompile("LLAMARL_BUILD_JOBS", default=0).install()
 
 ext = Pybind11Extension(
     "llamarl._C",
