@@ -30,9 +30,9 @@
 #            quant_matmul (quantize table, then the launch-config sweep), generation   (BUDGET 400 s)
 #   loops:   weight_sync (no baselines: measured 11-30), quant_quality, aipo_loss at N=16384 and 4096
 #            (ours, floor, eager), the training loop and the scale-out run on CUDA      (BUDGET 280 s)
-# Before the FIRST device call, warm the cache here (`bash scripts/gpu_check.sh warm-cache`, CPU, 1-2 min on 2 cores) and
-# carry .wheels and .cache in both calls: the training loop then skips its warm start (the cache key does
-# not depend on the device).
+# Before the FIRST device call, warm the cache here (`bash scripts/gpu_check.sh warm-cache`, CPU, 1-2 min on
+# 2 cores) and carry .wheels and .cache in both calls: the training loop then skips its warm start (the cache
+# key does not depend on the device).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export LLAMARL_CACHE_DIR=${LLAMARL_CACHE_DIR:-$PWD/.cache}
