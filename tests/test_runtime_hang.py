@@ -6,6 +6,7 @@ Real processes running ``llamarl.runtime.testing:ToyExecutor``; the limits are s
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -188,68 +189,57 @@ elif mode == "leave":  # exits, once the stalled rank is mid-reply
 """
 
 
-class _Peers:
-    """Remote ranks played by subprocesses over TCP, each a ``_REPLYING_PEER`` in its own mode."""
-
-    def __init__(self, *modes_and_calls: tuple[str, int]):
-        self.listener = Listener(("127.0.0.1", 0), family="AF_INET", authkey=b"k" * 16)
-        self.procs, links = [], []
+@contextlib.contextmanager
+def remote_group(*modes_and_calls: tuple[str, int], command_timeout_s: float = 0.0):
+    """A group of remote ranks played by ``_REPLYING_PEER`` subprocesses over TCP, one per (mode, calls);
+    yields (group, their processes)."""
+    listener = Listener(("127.0.0.1", 0), family="AF_INET", authkey=b"k" * 16)
+    procs, links = [], []
+    try:
         for mode, calls in modes_and_calls:
-            self.procs.append(subprocess.Popen([sys.executable, "-c", _REPLYING_PEER, str(self.listener.address[1]),
-                                                mode, str(calls)], stdout=subprocess.PIPE, text=True))
-            links.append(RankLink(self.listener.accept()))
-        self.links = links
-
-    def close(self):
-        for p in self.procs:
+            procs.append(subprocess.Popen([sys.executable, "-c", _REPLYING_PEER, str(listener.address[1]), mode,
+                                           str(calls)], stdout=subprocess.PIPE, text=True))
+            links.append(RankLink(listener.accept()))
+        group = ExecutorGroup("remote", links, command_timeout_s=command_timeout_s)
+        try:
+            yield group, procs
+        finally:
+            group.shutdown(timeout=2.0)
+    finally:
+        for p in procs:
             p.kill()
             p.wait()
-        self.listener.close()
+        listener.close()
 
 
 def test_a_rank_stalled_mid_reply_is_taken_for_hung():
     """The monitor reads whole replies only: a rank that sent part of one and stopped cannot hold it in a read,
     so the command timeout still fires (before, the monitor waited inside recv_bytes for the rest, forever)."""
-    peers = _Peers(("stall", 1))
-    group = ExecutorGroup("remote", peers.links, command_timeout_s=1.0)
-    try:
+    with remote_group(("stall", 1), command_timeout_s=1.0) as (group, procs):
         fut = group.call("echo", 1)
-        assert peers.procs[0].stdout.readline().strip() == "got the commands"
+        assert procs[0].stdout.readline().strip() == "got the commands"
         with pytest.raises(ExecutorHung):
             group.failed.result(timeout=30)
         with pytest.raises(ExecutorHung):
             fut.result(timeout=10)
-    finally:
-        group.shutdown(timeout=2.0)
-        peers.close()
 
 
 def test_a_death_is_noticed_while_another_rank_is_stalled_mid_reply():
     """No command timeout: rank 1 leaving must still fail the group while rank 0 is stuck mid-reply."""
-    peers = _Peers(("stall", 1), ("leave", 1))
-    group = ExecutorGroup("remote", peers.links)
-    try:
+    with remote_group(("stall", 1), ("leave", 1)) as (group, _):
         fut = group.call("echo", 1)
         with pytest.raises(ExecutorDied) as info:
             group.failed.result(timeout=30)
         assert info.value.rank == 1
         with pytest.raises(ExecutorDied):
             fut.result(timeout=10)
-    finally:
-        group.shutdown(timeout=2.0)
-        peers.close()
 
 
 def test_replies_that_arrive_a_byte_at_a_time_are_read_whole_and_in_order():
-    peers = _Peers(("trickle", 2))
-    group = ExecutorGroup("remote", peers.links)
-    try:
+    with remote_group(("trickle", 2)) as (group, _):
         first, second = group.call("echo", 1), group.call("echo", 2)
         assert first.result(timeout=60) == ["reply 0"]
         assert second.result(timeout=60) == ["reply 1"]
-    finally:
-        group.shutdown(timeout=2.0)
-        peers.close()
 
 
 def test_the_reader_follows_the_wire_format_of_multiprocessing():

@@ -1,5 +1,6 @@
 """The version protocol: slots, holds, multi-writer publication, bounded waits, dead peers, torn reads."""
 
+import contextlib
 import multiprocessing as mp
 import os
 import subprocess
@@ -239,10 +240,10 @@ def test_a_sync_that_fails_mid_copy_is_abandoned_and_the_next_sync_goes_through(
         b.close()
 
 
-def test_a_trainer_rank_whose_sync_failed_abandons_it_once_the_others_finished(monkeypatch):
-    """Writer 1 fails version 2 while writer 0 (a live process as far as the block knows) is still writing
-    it, so it cannot be abandoned yet; writer 1's next sync abandons it once writer 0 finished, and
-    version 3 is published by both (both waited forever behind version 2 before)."""
+@contextlib.contextmanager
+def two_trainer_ranks():
+    """Two senders (trainer ranks 0 and 1 in this process) into one 2-slot replica, version 1 published, a
+    reader, and a live stranger process whose pid a test registers for a writer that "runs elsewhere"."""
     plan = plan_sync(SPECS, TrainerLayout(2), GeneratorLayout())
     b = GeneratorBuckets.create(plan, 0, storage="shm", slots=2)
     senders = [WeightSender(plan, t, [b.handle()], timeout=5.0) for t in range(2)]
@@ -250,7 +251,33 @@ def test_a_trainer_rank_whose_sync_failed_abandons_it_once_the_others_finished(m
     try:
         for t in range(2):
             senders[t].sync(filled(plan, t, 1), 1)
-        ctl = b.control
+        yield plan, b.control, senders, reader, other
+    finally:
+        other.kill()
+        other.wait()
+        for s in senders:
+            s.close()
+        reader.close()
+        b.close()
+
+
+def both_sync(plan, senders, reader, version: int) -> None:
+    """Both ranks sync ``version`` (rank 1 on a thread), and the reader then sees it whole."""
+    _native.native().ctl_register(reader.control._mem, True, 0, os.getpid())  # writer 0 is this process again
+    rank1 = threading.Thread(target=senders[1].sync, args=(filled(plan, 1, version), version))
+    rank1.start()
+    assert senders[0].sync(filled(plan, 0, version), version).version == version
+    rank1.join(timeout=30)
+    assert not rank1.is_alive()
+    with reader.reading(timeout=5) as v:
+        assert v == version and torn(reader.named_tensors(), version) == []
+
+
+def test_a_trainer_rank_whose_sync_failed_abandons_it_once_the_others_finished(monkeypatch):
+    """Writer 1 fails version 2 while writer 0 (a live process as far as the block knows) is still writing
+    it, so it cannot be abandoned yet; writer 1's next sync abandons it once writer 0 finished, and
+    version 3 is published by both (both waited forever behind version 2 before)."""
+    with two_trainer_ranks() as (plan, ctl, senders, reader, other):
         _native.native().ctl_register(ctl._mem, True, 0, other.pid)  # writer 0 "runs elsewhere"
         slot = ctl.claim(2)  # writer 0 claims version 2 and is still copying
         failing_copy(monkeypatch)
@@ -261,36 +288,15 @@ def test_a_trainer_rank_whose_sync_failed_abandons_it_once_the_others_finished(m
         assert not ctl.finish(0, slot, 2)  # writer 0 done; version 2 can never complete
         with reader.reading(timeout=1) as v:
             assert v == 1 and torn(reader.named_tensors(), 1) == []
-        _native.native().ctl_register(ctl._mem, True, 0, os.getpid())
-        rank1 = threading.Thread(target=senders[1].sync, args=(filled(plan, 1, 3), 3))
-        rank1.start()
-        stats = senders[0].sync(filled(plan, 0, 3), 3)  # its claim waits until writer 1 abandoned version 2
-        rank1.join(timeout=30)
-        assert not rank1.is_alive() and stats.version == 3
-        with reader.reading(timeout=5) as v:
-            assert v == 3 and torn(reader.named_tensors(), 3) == []
-    finally:
-        other.kill()
-        other.wait()
-        for s in senders:
-            s.close()
-        reader.close()
-        b.close()
+        both_sync(plan, senders, reader, 3)  # writer 0's claim waits until writer 1 abandoned version 2
 
 
 def test_a_version_that_every_trainer_rank_failed_is_freed_by_the_last_to_give_up(monkeypatch):
     """Writers 0 and 1 (separate processes, as far as the block knows) both fail version 2 while holding its
     claim: each gives it up, and the second one frees it, so version 3 goes through with finite timeouts.
     Before, each waited for the other to finish a version neither would ever finish: the replica was wedged."""
-    plan = plan_sync(SPECS, TrainerLayout(2), GeneratorLayout())
-    b = GeneratorBuckets.create(plan, 0, storage="shm", slots=2)
-    senders = [WeightSender(plan, t, [b.handle()], timeout=5.0) for t in range(2)]
-    reader, other = WeightReceiver(b), subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     register = _native.native().ctl_register
-    try:
-        for t in range(2):
-            senders[t].sync(filled(plan, t, 1), 1)
-        ctl = b.control
+    with two_trainer_ranks() as (plan, ctl, senders, reader, other):
         failing_copy(monkeypatch)
         register(ctl._mem, True, 1, other.pid)  # writer 1 "runs elsewhere" while writer 0 fails
         with pytest.raises(RuntimeError, match="injected copy failure"):
@@ -302,23 +308,9 @@ def test_a_version_that_every_trainer_rank_failed_is_freed_by_the_last_to_give_u
             senders[1].sync(filled(plan, 1, 2), 2)
         assert ctl.snapshot()["claim_version"] == -1  # both gave it up: freed, never published
         monkeypatch.undo()
-        register(ctl._mem, True, 0, os.getpid())
         with reader.reading(timeout=1) as v:
             assert v == 1 and torn(reader.named_tensors(), 1) == []
-        rank1 = threading.Thread(target=senders[1].sync, args=(filled(plan, 1, 3), 3))
-        rank1.start()
-        assert senders[0].sync(filled(plan, 0, 3), 3).version == 3
-        rank1.join(timeout=30)
-        assert not rank1.is_alive()
-        with reader.reading(timeout=5) as v:
-            assert v == 3 and torn(reader.named_tensors(), 3) == []
-    finally:
-        other.kill()
-        other.wait()
-        for s in senders:
-            s.close()
-        reader.close()
-        b.close()
+        both_sync(plan, senders, reader, 3)
 
 
 def test_abandon_names_its_version_and_leaves_another_alone():
