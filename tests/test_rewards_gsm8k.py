@@ -129,6 +129,18 @@ CASES = [
     ("#### 30 / person", "30", 1.0),  # a slash before a word is no fraction
     ("#### 72. That is 70 + 2", "72", 1.0),
     ("\\boxed{\\$18.00}", "18", 1.0),
+    # --- markdown emphasis is no product, a unit's exponent no second number ---
+    ("The answer is **18**.", "18", 1.0),
+    ("#### **18**", "18", 1.0),
+    ("**Final Answer:** **18**", "18", 1.0),
+    ("So she has *18* eggs left.", "18", 1.0),
+    ("She has *18*.", "18", 1.0),
+    ("The final answer is: **$18**", "18", 1.0),
+    ("#### 3 * 6", "3", 0.0),
+    ("\\boxed{18 \\text{ ft}^2}", "18", 1.0),
+    ("$\\boxed{18 \\, \\text{cm}^2}$", "18", 1.0),
+    ("\\boxed{18 m^2}", "18", 1.0),
+    ("\\boxed{2^{10}}", "1024", 0.0),
 ]
 
 

@@ -60,9 +60,14 @@ _LEAD_RE = re.compile(r"\s*(?:(?:the[ \t]+)?(?:final[ \t]+)?answer(?:[ \t]+is)?[
                       re.IGNORECASE)
 _MINUS = ("-", "\u2212", "\u2013", "\uff0d")
 # a number is an operand, not an answer, with one of these right after it or right before it
-_OPERATOR_AFTER_RE = re.compile(r"\s*(?:[/^:*\u00d7\u00f7\u00b7]\s*[\d.{\\]|\\(?:frac|dfrac|tfrac|sqrt|cdot|times|div)"
-                                r"(?![a-zA-Z])|\}\s*\{)")
-_OPERATOR_BEFORE_RE = re.compile(r"(?:[/^*\u00d7\u00f7\u00b7]|\\(?:frac|dfrac|tfrac|sqrt|cdot|times|div))\s*\{?\s*\$?$")
+# (a "*" only between operands: "**18**" and "*18*." are markdown emphasis)
+_OPERATOR_AFTER_RE = re.compile(r"\s*(?:[/^:*\u00d7\u00f7\u00b7]\s*(?:[\d{\\]|\.\d)"
+                                r"|\\(?:frac|dfrac|tfrac|sqrt|cdot|times|div)(?![a-zA-Z])|\}\s*\{)")
+_OPERATOR_BEFORE_RE = re.compile(r"(?:(?<=[\d)\]}])\s*\*|[/^\u00d7\u00f7\u00b7]"
+                                 r"|\\(?:frac|dfrac|tfrac|sqrt|cdot|times|div))\s*\{?\s*\$?$")
+# what a box's unit adds: \text{ ft}^2, m^2 (an exponent after a unit or a letter is not a second number)
+_BOX_UNIT_RE = re.compile(r"\\(?:text|mathrm|textrm|mbox)\s*\{[^{}\d]*\}(?:\s*\^\s*(?:\{[^{}]*\}|\d))?"
+                          r"|(?<=[A-Za-z])\s*\^\s*(?:\{[^{}]*\}|\d+)")
 _THIN_SPACE_RE = re.compile(r",\\!|(?<=\d)\\[,!](?=\d)")  # "1,\!000", "1\,000" -> thousands comma
 
 
@@ -137,7 +142,7 @@ def extract_predicted_number(completion: str) -> Decimal | None:
     marker = _deciding_marker(text)
     if marker is None:
         boxed = last_boxed(text)
-        found = numbers(boxed) if boxed is not None else []
+        found = numbers(_BOX_UNIT_RE.sub(" ", boxed)) if boxed is not None else []
         if found:
             return found[0] if len(found) == 1 else None
         last = None
