@@ -12,7 +12,8 @@ Two ways to get processes, one way to use them::
   ``ExecutorGroup.spawn`` (CPU ranks forked from a preloaded fork server, CUDA ranks spawned: never a
   plain fork of the controller; ``starting.py``).
 * torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set): every process runs the same
-  script. ``run`` on global rank 0 becomes the controller: it opens a ``Listener`` (TCP, random authkey)
+  script. ``run`` on global rank 0 becomes the controller: it opens a TCP listener (random authkey; its
+  handshakes run one per connection, so a stray client cannot stop the ranks: ``admission.py``)
   and publishes ``host:port:authkey`` under ``llamarl/controller`` in the ``TCPStore`` at
   MASTER_ADDR:MASTER_PORT (hosted by rank 0, or by the torchrun agent when
   ``TORCHELASTIC_USE_AGENT_STORE=True``). Every other rank reads its role from the same ``Layout``,
@@ -46,17 +47,17 @@ import sys
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Client, Connection
 from typing import Any, Awaitable, Callable, TypeVar
 
 from llamarl._procs import exit_when_parent_dies, ignore_sigint
 from llamarl.runtime import server
+from llamarl.runtime.admission import Door
 from llamarl.runtime.executor import ExecutorGroup, FailureCallback, RankLink
 from llamarl.runtime.futures import retrieve
 from llamarl.runtime.net import free_port, routable_address
 from llamarl.runtime.placement import CONTROLLER, GroupPlacement, Layout, LayoutError
-from llamarl.runtime.rpc import BOOTSTRAP_ID, CLOSE, Bootstrap, Call, ExecutorDied, recv, send
+from llamarl.runtime.rpc import BOOTSTRAP_ID, CLOSE, Bootstrap, Call, ExecutorDied, send
 
 T = TypeVar("T")
 STORE_KEY = "llamarl/controller"
@@ -137,7 +138,7 @@ class Runtime:
         self._lock = threading.Lock()
         self._torchrun = torchrun
         self._waiting: dict[int, tuple[Connection, Hello, str]] = {}
-        self._listener: Listener | None = None
+        self._door: Door | None = None
         self._store = None
         self._child = None  # the process serving layout rank 1 when torchrun's rank 0 is shared
         if torchrun is not None:
@@ -319,9 +320,9 @@ class Runtime:
             except OSError:
                 pass
             conn.close()
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        if self._door is not None:
+            self._door.close()
+            self._door = None
         if self._child is not None:  # layout rank 1 under a shared rank 0: it exits once its link closed
             self._child.join(timeout)
             if self._child.is_alive():
@@ -344,9 +345,10 @@ class Runtime:
         if tr.rank != 0:
             raise LayoutError(f"the controller runs on global rank 0, not rank {tr.rank}")
         authkey = secrets.token_bytes(32)
-        self._listener = Listener(("", 0), family="AF_INET", authkey=authkey)
+        arrivals: queue.SimpleQueue = queue.SimpleQueue()
+        self._door = Door(authkey, arrivals)
         host = routable_address(tr.master_addr)
-        port = self._listener.address[1]
+        port = self._door.port
         self._store = _store(tr, self.start_timeout_s, host=os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "")
                              .lower() != "true")
         self._store.set(STORE_KEY, f"{host}:{port}:{authkey.hex()}")
@@ -358,30 +360,6 @@ class Runtime:
                 daemon=False)
             self._child.start()
         expected = set(range(1, layout.world_size))
-        arrivals: queue.SimpleQueue = queue.SimpleQueue()
-        listener = self._listener
-
-        def accept_loop() -> None:
-            accepted = 0
-            while accepted < len(expected):
-                try:
-                    conn = listener.accept()
-                except (AuthenticationError, EOFError, ConnectionError) as exc:
-                    # a stray connection (a port probe, a client with another key): not a rank; keep waiting
-                    print(f"llamarl.runtime: ignored a connection to the controller that failed its handshake "
-                          f"({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
-                    continue
-                except Exception as exc:  # noqa: BLE001 - the listener itself failed: reported by the waiting side
-                    arrivals.put(exc)
-                    return
-                try:
-                    arrivals.put((conn, recv(conn), listener.last_accepted[0]))
-                    accepted += 1
-                except Exception as exc:  # noqa: BLE001 - reported by the waiting side
-                    arrivals.put(exc)
-                    return
-
-        threading.Thread(target=accept_loop, name="llamarl-accept", daemon=True).start()
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=self.start_timeout_s)
         try:
             while expected - set(self._waiting):

@@ -114,17 +114,23 @@ def child_environment(env: dict[str, str]):
                     os.environ[k] = v
 
 
-def disconnect(link: RankLink) -> None:
-    """Shut a remote rank's socket down, then close it: closing alone neither wakes a send blocked on it
-    (a hung peer stopped reading) nor sends the peer its end of file while that send is in flight."""
+def shutdown_socket(conn: Connection) -> None:
+    """Shut the socket of ``conn`` down: wakes a thread blocked reading or sending on it, and the peer reads
+    end of file (closing alone does neither while another thread is in a call on it)."""
     try:
-        sock = socket.socket(fileno=os.dup(link.conn.fileno()))
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
         try:
             sock.shutdown(socket.SHUT_RDWR)
         finally:
             sock.close()
     except OSError:
         pass  # not a socket, or already gone
+
+
+def disconnect(link: RankLink) -> None:
+    """Shut a remote rank's socket down, then close it: closing alone neither wakes a send blocked on it
+    (a hung peer stopped reading) nor sends the peer its end of file while that send is in flight."""
+    shutdown_socket(link.conn)
     link.close()
 
 
