@@ -95,6 +95,27 @@ def test_a_program_that_exits_early_passes_nothing_but_sys_exit_0_lets_the_tests
     assert done.all_passed
 
 
+@pytest.mark.parametrize("exit_call", ["exit()", "import sys; sys.exit(0)", "raise SystemExit"])
+def test_a_tested_function_that_exits_fails_its_test(exit_call):
+    """exit() inside the tested function made every assertion pass without being evaluated: a reward hack."""
+    hack = run_tests(f"def add(a, b):\n    {exit_call}\n", asserts("assert add(1, 2) == 3"))
+    assert (hack.passed, hack.failure) == (0, "test 0: SystemExit")
+
+
+def test_programs_run_as_their_graders_run_them():
+    """An assertion-tested program is a module (its demo block does not run: human-eval's exec); a stdin/stdout
+    program is a script whose non-daemon threads finish before its output is read (the deep-recursion idiom)."""
+    demo = ADD + "if __name__ == '__main__':\n    print(add(int(input()), 1))\n"
+    assert run_tests(demo, asserts("assert add(1, 2) == 3")).all_passed
+    threaded = ("import threading\ndef main():\n    a, b = map(int, input().split())\n    print(a + b)\n"
+                "threading.stack_size(1 << 26)\nthreading.Thread(target=main).start()\n")
+    spec = parse_tests(json.dumps({"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]}), {})
+    assert run_tests(threaded, spec).all_passed
+    stuck = "import threading, time\nthreading.Thread(target=lambda: time.sleep(60)).start()\nprint(3)\n"
+    slow = run_tests(stuck, CodeTests("stdio", ("1 2\n",), outputs=("3\n",), timeout_s=0.5))
+    assert (slow.passed, slow.failure) == (0, "input 0: timeout")
+
+
 def test_time_and_memory_limits():
     spin = run_tests("while True:\n    pass\n", asserts("assert True", timeout_s=0.3))
     assert (spin.passed, spin.failure) == (0, "program: timeout")

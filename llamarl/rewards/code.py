@@ -28,7 +28,10 @@ chmod files, signal processes, fork or start programs (``os.remove``, ``shutil.r
 process group at the wall-clock limit; on Linux a child also dies with the reward worker (PR_SET_PDEATHSIG),
 which the reward pool kills at ``reward.timeout_s``. A test passes only when the harness reports it, after
 running it, through a pipe with a random token: a program that exits early, crashes or is killed passes
-nothing. Tests stop at the first failure unless ``stop_on_failure=False``.
+nothing, and a test that exits (``exit()`` inside the tested function) fails. A stdin/stdout program runs as
+a script (``__name__ == "__main__"``; its non-daemon threads finish before its output is read, as at
+interpreter exit); an assertion-tested one as a module named ``__solution__`` (its demo block stays out, as
+in human-eval). Tests stop at the first failure unless ``stop_on_failure=False``.
 
 This guards against accidents and the usual failures of a policy's programs. It is NOT a security sandbox:
 a program can read files, reach the network, and, working at it, defeat an assertion (an object whose
@@ -316,22 +319,28 @@ for module, names in ((os, "system kill killpg fork forkpty remove unlink rmdir 
     for name in names.split():
         if hasattr(module, name):
             setattr(module, name, refused)
-namespace = {"__name__": "__main__", "__builtins__": __builtins__}
-def run(source, name):
+import threading
+# a stdin/stdout program runs as a script; an assertion-tested one as a module (its demo block stays out)
+namespace = {"__name__": "__solution__" if spec["tests"] else "__main__", "__builtins__": __builtins__}
+def run(source, name, may_exit):
     signal.setitimer(signal.ITIMER_REAL, spec["timeout_s"])
     try:
-        exec(compile(source, name, "exec"), namespace)
-    except SystemExit as e:
-        if e.code not in (None, 0):
-            raise
+        try:
+            exec(compile(source, name, "exec"), namespace)
+        except SystemExit as e:
+            if not may_exit or e.code not in (None, 0):  # a test that exits has not passed
+                raise
+        for t in threading.enumerate():  # as the interpreter at exit: the program's threads finish first
+            if t is not threading.main_thread() and not t.daemon:
+                t.join()
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
 def why(e):
     return "timeout" if isinstance(e, TestTimeout) else type(e).__name__
 try:
     if spec["setup"]:
-        run(spec["setup"], "<setup>")
-    run(spec["program"], "<program>")
+        run(spec["setup"], "<setup>", True)
+    run(spec["program"], "<program>", True)
     flush()
 except BaseException as e:
     report("fail", ("program: " if spec["tests"] else "") + why(e))
@@ -340,7 +349,7 @@ if not spec["tests"]:
     report("pass", "0")
 for i, test in enumerate(spec["tests"]):
     try:
-        run(test, "<test %d>" % i)
+        run(test, "<test %d>" % i, False)
         report("pass", str(i))
     except BaseException as e:
         report("fail", "test %d: %s" % (i, why(e)))
