@@ -243,6 +243,42 @@ def test_pool_with_builtin_math_matches_in_process():
     assert all(r.error is None for r in results)
 
 
+def test_unprintable_exceptions_and_values_cost_their_sample_only():
+    """A user's exception or returned value whose str()/repr() raises killed the worker (or eval's loop)."""
+    from llamarl.rewards.terms import as_reward, describe_exception
+
+    class BadRepr:
+        def __repr__(self):
+            raise RuntimeError("repr failed")
+
+        __str__ = __repr__
+
+        def __float__(self):
+            raise RuntimeError("float failed")
+
+    assert describe_exception(KeyError(BadRepr())).startswith("KeyError: <unprintable>")
+    with pytest.raises(TypeError, match=r"returned <unprintable> \(BadRepr\)"):
+        as_reward(BadRepr())
+
+
+def test_a_broken_pool_resolves_a_task_put_back_after_a_failed_send():
+    """A task re-queued after a failed send already runs; breaking the pool raised 'Future in unexpected state'
+    on it and killed the dispatcher, leaving every queued sample unresolved."""
+    from concurrent.futures import Future
+
+    from llamarl.rewards.workers import _Task
+
+    with RewardPool("exact", num_workers=1, timeout_s=5.0) as pool:
+        running, waiting = Future(), Future()
+        assert running.set_running_or_notify_cancel()
+        with pool._lock:
+            pool._queue.extend(_Task(i, f"s{i}", "a", "a", None, fut) for i, fut in ((90, running), (91, waiting)))
+        pool._break("the spec failed to load")
+        for fut in (running, waiting):
+            with pytest.raises(RewardPoolError, match="the spec failed to load"):
+                fut.result(timeout=5)
+
+
 def test_pool_fails_fast_on_a_bad_spec():
     with pytest.raises(RewardSpecError, match="no_such_module_xyz"):
         RewardPool("no_such_module_xyz:reward")
@@ -334,6 +370,8 @@ SLEEPING_REWARD = textwrap.dedent(
         if completion == "torch?":  # did the worker import torch (e.g. by re-importing its owner's main)?
             return float("torch" in sys.modules)
         if completion == "hang":
+            import subprocess
+            subprocess.Popen(["sleep", "600"])  # what a reward function starts must die with its worker too
             open(os.environ["LLAMARL_TEST_MARKER"], "w").close()  # "I am inside the function now"
             time.sleep(600)
         return float(completion == answer)
@@ -419,7 +457,7 @@ def test_workers_stuck_in_a_reward_die_with_a_killed_owner(tmp_path):
             time.sleep(0.05)
         assert marker.exists(), "the worker never entered the reward function"
         children = _descendants(proc.pid)
-        assert worker in children and len(children) >= 2  # the worker and the resource tracker
+        assert worker in children and len(children) >= 3  # the worker, its sleep and the resource tracker
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         deadline = time.monotonic() + 20  # liveness, not timing: the watchdog reacts within ~1 s

@@ -27,14 +27,22 @@ from llamarl.rewards.registry import InfoParams, call_reward, info_params, load_
 _FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max; workers do not import torch
 
 
+def _shown(obj: Any) -> str:
+    """``repr(obj)`` cut to 80 characters, or ``<unprintable>`` when that raises (it is the user's object)."""
+    try:
+        return f"{obj!r:.80}"
+    except BaseException:  # noqa: BLE001 - a __repr__ that raises must not cost more than its sample
+        return "<unprintable>"
+
+
 def as_reward(value: Any) -> float:
     """``value`` as a reward: a finite float within float32's range, or a TypeError/ValueError saying why not."""
     if isinstance(value, (str, bytes)):  # float("1.0") would accept a string: refuse, it is a bug upstream
-        raise TypeError(f"reward function returned {value!r:.80} ({type(value).__name__}); expected a number")
+        raise TypeError(f"reward function returned {_shown(value)} ({type(value).__name__}); expected a number")
     try:
         reward = float(value)
-    except Exception:  # noqa: BLE001 - OverflowError (10**400), a __float__ that raises, ...: one sample's error
-        raise TypeError(f"reward function returned {value!r:.80} ({type(value).__name__}); expected a number "
+    except BaseException:  # noqa: BLE001 - OverflowError (10**400), a __float__ that raises...: one sample's error
+        raise TypeError(f"reward function returned {_shown(value)} ({type(value).__name__}); expected a number "
                         "that converts to float") from None
     if not math.isfinite(reward):
         raise ValueError(f"reward function returned {reward}; expected a finite number")
@@ -139,7 +147,10 @@ class RewardTerms:
 
 def describe_exception(e: BaseException) -> str:
     """``Type: message (at file:line in function)``, the innermost frame."""
-    text = f"{type(e).__name__}: {e}"
+    try:
+        text = f"{type(e).__name__}: {e}"
+    except BaseException:  # noqa: BLE001 - a __str__ that raises (the user's exception)
+        text = f"{type(e).__name__}: <unprintable>"
     frames = traceback.extract_tb(e.__traceback__)
     if frames:
         last = frames[-1]

@@ -106,7 +106,8 @@ def _worker_main(conn: mpc.Connection, specs: tuple[str, ...], weights: tuple[fl
                  format_style: str | None) -> None:
     os.setsid()  # its own process group: stopping it kills whatever the reward function forked too
     ignore_sigint()  # started with SIGINT blocked (sigint_blocked); Ctrl-C is the parent's to handle
-    exit_when_parent_dies(name="llamarl-reward-parent-watch")
+    # with its process group: what the reward function started goes too (it leads the group, since setsid)
+    exit_when_parent_dies(name="llamarl-reward-parent-watch", on_exit=lambda _: os.killpg(0, signal.SIGKILL))
     try:
         terms = RewardTerms(specs, weights, format_weight=format_weight, format_style=format_style)
         for spec in specs:
@@ -499,8 +500,8 @@ class RewardPool:
             self._broken = reason
             pending = list(self._queue)
             self._queue.clear()
-        for task in pending:
-            if task.future.set_running_or_notify_cancel():
+        for task in pending:  # (a task put back after a failed send is already running)
+            if not task.future.done() and (task.future.running() or task.future.set_running_or_notify_cancel()):
                 task.future.set_exception(RewardPoolError(reason))
 
     def _shutdown(self) -> None:
