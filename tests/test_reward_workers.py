@@ -470,6 +470,21 @@ def test_workers_stuck_in_a_reward_die_with_a_killed_owner(tmp_path):
         proc.wait()
 
 
+def test_workers_skip_the_owners_main_by_their_name_not_by_editing_it():
+    """The owner's __main__ is left out of a worker's start by the process's name: the pool used to delete
+    __main__.__file__ for the moment of a start, from its dispatcher thread, under the user's running code."""
+    from multiprocessing import spawn
+
+    import llamarl.rewards.workers  # noqa: F401 - installs the preparation wrapper
+
+    main = sys.modules["__main__"]
+    records_main = getattr(main.__spec__, "name", None) is not None or getattr(main, "__file__", None) is not None
+    worker = spawn.get_preparation_data("llamarl-reward-0")
+    assert "init_main_from_name" not in worker and "init_main_from_path" not in worker
+    other = spawn.get_preparation_data("someone-else")
+    assert ("init_main_from_name" in other or "init_main_from_path" in other) == records_main
+
+
 def test_workers_do_not_import_their_owners_main_module(tmp_path):
     # Regression: 'spawn' re-imported the owner's __main__ (llamarl.train, hence torch) in every worker:
     # ~2 s and ~250 MB per worker, paid again at every restart after a timeout.

@@ -43,14 +43,13 @@ a KeyboardInterrupt traceback) and sets SIGINT to ignored before unblocking it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import multiprocessing as mp
 import multiprocessing.connection as mpc
+import multiprocessing.spawn as mp_spawn
 import os
 import signal
-import sys
 import threading
 import time
 from collections import deque
@@ -156,10 +155,10 @@ class _Worker:
     def __init__(self, ctx: Any, args: tuple, index: int, start_timeout_s: float) -> None:
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
-            target=_worker_main, args=(child_conn, *args), daemon=True, name=f"llamarl-reward-{index}"
+            target=_worker_main, args=(child_conn, *args), daemon=True, name=f"{_WORKER_NAME}{index}"
         )
-        # the child inherits the mask (no KeyboardInterrupt while it imports) and skips the owner's __main__
-        with sigint_blocked(), _main_not_reimported():
+        # the child inherits the mask (no KeyboardInterrupt while it imports); it skips the owner's __main__
+        with sigint_blocked():  # (_preparation_without_main)
             self.process.start()
         child_conn.close()
         self.conn = parent_conn
@@ -196,23 +195,28 @@ class _Worker:
             self.process.kill()
 
 
-@contextlib.contextmanager
-def _main_not_reimported():
-    """Start a spawn child without re-importing ``__main__`` in it. Spawn children normally import the
-    parent's main module (``python -m llamarl.train`` → torch, ~2 s and ~250 MB per worker, at every
-    restart after a timeout). Workers load the reward by its spec, never from ``__main__``, so they need
-    none of it: multiprocessing only records the main module when it has a ``__spec__`` or ``__file__``."""
-    main = sys.modules.get("__main__")
-    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if main is not None and k in main.__dict__}
-    try:
-        if main is not None:
-            main.__dict__.pop("__file__", None)
-            main.__dict__["__spec__"] = None
-        yield
-    finally:
-        if main is not None:
-            main.__dict__.pop("__spec__", None)
-            main.__dict__.update(saved)
+_WORKER_NAME = "llamarl-reward-"
+
+
+def _preparation_without_main(get_preparation_data):
+    """``multiprocessing.spawn.get_preparation_data`` that leaves the owner's ``__main__`` out for reward
+    workers. Spawn children normally import the parent's main module (``python -m llamarl.train`` → torch,
+    ~2 s and ~250 MB per worker, at every restart after a timeout); workers load the reward by its spec,
+    never from ``__main__``, so they need none of it. Chosen by the process's name, so the user's
+    ``__main__`` is never touched (editing its ``__file__`` from the pool's thread raced with their code)."""
+    def prepare(name: str) -> dict:
+        data = get_preparation_data(name)
+        if name.startswith(_WORKER_NAME):
+            data.pop("init_main_from_name", None)
+            data.pop("init_main_from_path", None)
+        return data
+
+    prepare.llamarl_wrapped = True
+    return prepare
+
+
+if not getattr(mp_spawn.get_preparation_data, "llamarl_wrapped", False):
+    mp_spawn.get_preparation_data = _preparation_without_main(mp_spawn.get_preparation_data)
 
 
 class RewardPool:
