@@ -122,6 +122,11 @@ def test_time_and_memory_limits():
     slow = run_tests("import time\ndef f():\n    time.sleep(60)\n", asserts("f()", "assert True", timeout_s=0.3),
                      stop_on_failure=False)
     assert (slow.passed, slow.failure) == (1, "test 0: timeout")  # each test has its own timer
+    # one C call the child's alarm cannot interrupt: the parent stops the test at its own limit (the sample
+    # used to run the whole budget of every test, past the reward pool's timeout: an error, not a 0.0)
+    c_call = run_tests("def f():\n    return sum(range(10**12))\n", asserts("f()", "assert True", "assert True",
+                                                                          timeout_s=0.5))
+    assert (c_call.passed, c_call.failure) == (0, "test 0: timeout")
     stubborn = "while True:\n    try:\n        while True:\n            pass\n    except BaseException:\n        pass\n"
     t0 = time.monotonic()
     assert run_tests(stubborn, asserts("assert True", timeout_s=0.3)).failure == "timeout"  # the wall-clock kill

@@ -26,7 +26,9 @@ goes to a file, no core file), deletes the test file from disk, and replaces the
 chmod files, signal processes, fork or start programs (``os.remove``, ``shutil.rmtree``, ``subprocess.Popen``,
 ``os.system``, ``os.kill``, ``os.fork``, ``os.exec*``, ...) by ones that raise. The parent kills the child's
 process group at the wall-clock limit; on Linux a child also dies with the reward worker (PR_SET_PDEATHSIG),
-which the reward pool kills at ``reward.timeout_s``. A test passes only when the harness reports it, after
+which the reward pool kills at ``reward.timeout_s``. Each test's limit is kept by the harness (an alarm) and,
+for what an alarm cannot interrupt (one long C call), by the parent, which the harness tells as each test
+starts. A test passes only when the harness reports it, after
 running it, through a pipe with a random token: a program that exits early, crashes or is killed passes
 nothing, and a test that exits (``exit()`` inside the tested function) fails. A stdin/stdout program runs as
 a script (``__name__ == "__main__"``; its non-daemon threads finish before its output is read, as at
@@ -47,10 +49,12 @@ import math
 import os
 import re
 import secrets
+import select
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +64,7 @@ from llamarl._procs import describe_exit
 DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_MEMORY_MB = 2048
 STARTUP_S = 1.0  # wall-clock allowance per child for the interpreter and the harness to start
+STAGE_SLACK_S = 0.5  # beyond a test's own limit, before the parent stops a test the child's alarm did not
 MAX_FILE_BYTES = 16 << 20
 _PYTHON_TAGS = ("python", "py", "python3", "")
 _FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(```|\Z)", re.DOTALL)  # tag, body, end
@@ -235,13 +240,11 @@ def _run_child(program: str, spec: CodeTests, tests: tuple[str, ...], *, stdin_t
             os.close(write_fd)
             write_fd = -1
             try:
-                proc.wait(timeout=wall)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out = True
+                lines, timed_out = _follow(read_fd, first=spec.timeout_s * (1 + bool(spec.setup)) + STARTUP_S,
+                                           each=spec.timeout_s + STAGE_SLACK_S, wall=wall)
             finally:
                 _kill_group(proc)
-            lines = _read_available(read_fd).decode("utf-8", "replace").splitlines()
+            lines += _read_available(read_fd).decode("utf-8", "replace").splitlines()
         finally:
             os.close(read_fd)
             if write_fd >= 0:
@@ -249,10 +252,11 @@ def _run_child(program: str, spec: CodeTests, tests: tuple[str, ...], *, stdin_t
         reports = [line.split(" ", 2)[1:] for line in lines if line.startswith(token + " ")]
         passed = len({r[1] for r in reports if len(r) == 2 and r[0] == "pass"})
         failed = next((r[1] for r in reports if len(r) == 2 and r[0] == "fail"), None)
+        started = [r[1] for r in reports if len(r) == 2 and r[0] == "start"]
         if failed is not None:
             why = failed
-        elif timed_out:
-            why = "timeout"
+        elif timed_out:  # the test that started last never reported: stuck (a C call the alarm cannot stop)
+            why = f"test {started[-1]}: timeout" if len(started) > passed else "timeout"
         else:
             why = f"{describe_exit(proc.returncode)} before its tests ran"
         if tests:
@@ -260,6 +264,27 @@ def _run_child(program: str, spec: CodeTests, tests: tuple[str, ...], *, stdin_t
         if passed:
             return 1, (work / "stdout.txt").read_bytes()[:MAX_FILE_BYTES].decode("utf-8", "replace")
         return 0, why
+
+
+def _follow(fd: int, *, first: float, each: float, wall: float) -> tuple[list[str], bool]:
+    """The harness's report lines as they come, until it closes the pipe; (lines, timed out). The first
+    line may take ``first`` s (start-up, setup and program), every later one ``each`` (one test, which it
+    announces with "start i"): so a test stuck where the harness's alarm cannot reach (one long C call)
+    is stopped at its own limit by the parent, not at the end of the whole budget ``wall``."""
+    start = time.monotonic()
+    deadline, buf, lines = start + first, b"", []
+    while True:
+        left = min(deadline, start + wall) - time.monotonic()
+        if left <= 0:
+            return lines, True
+        if not select.select([fd], [], [], left)[0]:
+            continue
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return lines + ([buf.decode("utf-8", "replace")] if buf else []), False
+        *complete, buf = (buf + chunk).split(b"\n")
+        lines += [line.decode("utf-8", "replace") for line in complete]
+        deadline = time.monotonic() + each
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -348,6 +373,7 @@ except BaseException as e:
 if not spec["tests"]:
     report("pass", "0")
 for i, test in enumerate(spec["tests"]):
+    report("start", str(i))
     try:
         run(test, "<test %d>" % i, False)
         report("pass", str(i))
