@@ -508,3 +508,26 @@ def test_fuzz_boxed_latex_never_raises(parts, answer):
     completion = "\\boxed{" + "".join(parts) + "}"
     assert math_reward(completion, answer) in (0.0, 1.0)
     assert format_reward(completion, "math") in (0.0, 1.0)
+
+
+def test_a_deadline_stops_a_function_that_starts_threads():
+    """A strike while ``fn`` started a thread landed in the new thread (CPython gives it its creator's id until it
+    boots): it died before saying it started, and ``start()`` in ``fn`` waited forever (from the first call)."""
+    def starts_threads():
+        while True:
+            t = threading.Thread(target=lambda: None)
+            t.start()
+            t.join()
+
+    for _ in range(20):
+        done, out = threading.Event(), {}
+
+        def run():
+            try:
+                call_with_deadline(starts_threads, 0.01)
+            except DeadlineExceeded:
+                out["raised"] = True
+            done.set()
+
+        threading.Thread(target=run, daemon=True).start()  # daemon: a hang fails the test, not the session
+        assert done.wait(30) and out.get("raised")

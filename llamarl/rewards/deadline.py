@@ -14,10 +14,13 @@ Invariants:
   * ``call_with_deadline`` returns ``fn()``'s value or raises ``DeadlineExceeded``/``fn``'s exception;
     no injected exception ever escapes after it returns (a pending injection is cleared under the
     same lock that stops the watchdog), and none lands outside ``fn``: the watchdog strikes only while
-    ``fn``'s frame is on the calling thread's stack (a strike inside ``Thread.start`` could leave the
-    threading module's locks inconsistent and hang the caller; a strike after ``fn`` was unwound, before
-    the watchdog is stopped, would escape into the caller and keep the watchdog striking).
-  * Limits: an async exception is only delivered between Python bytecodes. A single long C call (a
+    ``fn``'s frame is on the calling thread's stack and no thread is being started (a strike then could
+    land in the new thread, whose state still carries its creator's id: it dies before saying it started,
+    and ``start()`` in ``fn`` waits forever; a strike after ``fn`` was unwound, before the watchdog is
+    stopped, would escape into the caller and keep the watchdog striking).
+  * Limits: nested deadlines can still hang: an outer strike may land in the thread an inner call is
+    starting for its watchdog (seen with many tight nested calls; the reward pool's per-sample kill bounds
+    it). An async exception is only delivered between Python bytecodes. A single long C call (a
     huge big-integer power, a blocking syscall), or code that catches every exception in an endless
     loop, cannot be stopped from inside the process; callers must screen such inputs out beforehand,
     and the reward worker pool's per-sample process kill is the hard bound behind it.
@@ -72,7 +75,7 @@ def call_with_deadline(fn: Callable[[], T], timeout_s: float) -> T:
             with lock:
                 if state["done"]:
                     return
-                if _on_stack(target, state["frame"]):
+                if _on_stack(target, state["frame"]) and not _threads_starting():
                     _inject(target, exc_type)
             if finished.wait(_REPEAT_S):
                 return
@@ -92,6 +95,13 @@ def _run(fn: Callable[[], T], state: dict) -> T:
     """``fn()``, in a frame of its own that marks "inside the deadline" for the watchdog."""
     state["frame"] = sys._getframe()
     return fn()
+
+
+def _threads_starting() -> bool:
+    """Whether a thread is being started (between ``Thread.start`` and its bootstrap). Until it boots, its
+    thread state carries its creator's id (CPython), so a strike aimed at the creator could land in it: the
+    new thread would die before saying it started, and ``start()`` in ``fn`` would wait forever."""
+    return bool(getattr(threading, "_limbo", None))
 
 
 def _on_stack(thread_id: int, frame: Any) -> bool:
