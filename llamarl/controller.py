@@ -279,8 +279,8 @@ class Controller:
 
     async def train(self, step: int, batch: RolloutBatch, result: Awaitable[list[dict]]) -> None:
         """The trainer's answer to step ``step``: an applied update was pushed as version + 1 (a non-finite
-        loss skips the update, and a step without a trained token has none: no new version). Steps finish in order, so ``self.version`` is the version
-        the step trained."""
+        loss skips the update, and a step without a trained token has none: no new version). Steps finish
+        in order, so ``self.version`` is the version the step trained."""
         per_rank = await result
         stats = dict(per_rank[0])
         pushed = stats.pop("version")

@@ -475,7 +475,9 @@ def test_workers_skip_the_owners_main_by_their_name_not_by_editing_it():
     __main__.__file__ for the moment of a start, from its dispatcher thread, under the user's running code."""
     from multiprocessing import spawn
 
-    import llamarl.rewards.workers  # noqa: F401 - installs the preparation wrapper
+    from llamarl.rewards import workers
+
+    assert getattr(workers.mp_spawn.get_preparation_data, "llamarl_wrapped", False)  # installed at import
 
     main = sys.modules["__main__"]
     records_main = getattr(main.__spec__, "name", None) is not None or getattr(main, "__file__", None) is not None

@@ -184,7 +184,8 @@ def test_a_template_with_a_literal_backslash_n_is_warned_about_but_latex_is_not(
     literal = config_warnings(load_config(SMOKE + ["--set", "data.template=Q: {prompt}\\nA: "]))
     assert any(w.startswith("data.template 'Q: {prompt}\\\\nA: ' holds a backslash") for w in literal), literal
     for fine in ("Q: {prompt}\nA: ", "Solve {prompt}, \\neq \\text{no} \\theta; put it in \\boxed{}"):
-        assert not any("backslash" in w for w in config_warnings(load_config(SMOKE + ["--set", f"data.template={fine}"])))
+        warnings = config_warnings(load_config(SMOKE + ["--set", f"data.template={fine}"]))
+        assert not any("backslash" in w for w in warnings)
 
 
 def test_truncated_sampling_with_raw_logprobs_is_warned_about_since_mu_is_then_the_full_softmax():

@@ -567,8 +567,9 @@ def _combine(parts: list[tuple[float, dict]]) -> dict:
 
 def _combine_updates(results: list[dict]) -> dict:
     """One step's stats from those of its updates: whether any was applied and how many (``updates``), how
-    many had no trained token (``empty_updates``: every completion truncated away), the mean loss and gradient norm, the last learning rate, the total time, and the loss metrics
-    combined as ``_combine`` does, each update weighted by its share of the trained tokens."""
+    many had no trained token (``empty_updates``: every completion truncated away), the mean loss and
+    gradient norm, the last learning rate, the total time, and the loss metrics combined as ``_combine``
+    does, each update weighted by its share of the trained tokens."""
     tokens = sum(r.get("tokens", 0.0) for r in results)
     own = ("applied", "empty", "loss", "grad_norm", "lr", "train_s")
     metrics = _combine([(r.get("tokens", 0.0) / max(tokens, 1.0), {k: v for k, v in r.items() if k not in own})

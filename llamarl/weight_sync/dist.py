@@ -215,7 +215,7 @@ class DistInbox:
                 torch.cuda.current_stream(dev).synchronize()
             self.control.finish(self.writer, slot, version)
         except BaseException:
-            give_up(self.control, version, self._unfinished, self.replica, self.writer)  # (retried next time if need be)
+            give_up(self.control, version, self._unfinished, self.replica, self.writer)  # (retried next time)
             raise
         return version
 
