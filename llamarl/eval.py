@@ -422,7 +422,7 @@ def run(args: argparse.Namespace) -> EvalResult:
         if literal_escapes(text):  # (--stop reads escapes; a template cannot: \boxed, \frac, \text are LaTeX)
             print(f"llamarl.eval: warning: {flag} {text!r} holds a backslash followed by n or t as two characters, "
                   "not a newline or a tab, so the model sees them as written; if the run was trained with a newline "
-                  "there, pass one (bash: --template $'Q: {prompt}\\nA: ')", file=sys.stderr)
+                  f"there, pass one (bash: {flag} $'...\\n...')", file=sys.stderr)
 
     from llamarl.checkpoint import training_dir_hint
 

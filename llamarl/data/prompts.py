@@ -23,8 +23,8 @@ batches per epoch, deterministically from ``(seed, epoch)``.
 
 from __future__ import annotations
 
-import re
 import random
+import re
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol, Sequence
 

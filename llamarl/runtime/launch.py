@@ -471,7 +471,7 @@ def group_backend(p: GroupPlacement, devices: list[str], hosts: list[str] | None
     gpus = list(zip(hosts, devices)) if hosts is not None else devices
     if p.backend != "nccl" or len(set(gpus)) == len(gpus):
         return p.backend
-    print(f"[llamarl] executor group '{p.name}': {len(devices)} ranks on {len(set(devices))} GPU(s) "
+    print(f"[llamarl] executor group '{p.name}': {len(devices)} ranks on {len(set(gpus))} GPU(s) "
           f"({', '.join(devices)}); NCCL needs one GPU per rank, so this group's collectives use gloo "
           "(host-staged)", file=sys.stderr, flush=True)
     return "gloo"
