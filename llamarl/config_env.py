@@ -4,7 +4,7 @@
 ``llamarl.config_cli.load_config``) raises ``ConfigError`` naming the field when: the policy is neither a
 built-in model nor a Hugging Face model directory; the tokenizer or dataset file is missing or of an
 unsupported type; a ``module:function`` reward does not import; a ``run.report_to`` backend is not
-installed; CUDA is asked for but absent; ``--resume`` holds no complete checkpoint or is already at
+installed; ``LLAMARL_START_METHOD`` is set to an unknown method; CUDA is asked for but absent; ``--resume`` holds no complete checkpoint or is already at
 ``run.max_steps``; ``--out`` already holds another run. The construction checks in ``llamarl.config``
 stay pure (no filesystem access); everything that reads the disk or imports user code is here.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from llamarl.config import BUILTIN_MODELS, DATASET_SUFFIXES, TrainConfig, resume_run_dir
-from llamarl.config_values import fail
+from llamarl.config_values import ConfigError, fail
 from llamarl.reporting import check_available, parse_report_to
 
 
@@ -52,6 +52,12 @@ def check_environment(config: TrainConfig) -> None:
             load_reward(spec)
         except RewardSpecError as exc:
             fail(path, str(exc))
+    from llamarl.runtime.starting import forced_method
+
+    try:
+        forced_method()
+    except ValueError as exc:
+        raise ConfigError(f"environment: {exc}") from None
     missing = check_available(parse_report_to(config.run.report_to))
     if missing:
         fail("run.report_to", missing, config.run.report_to)

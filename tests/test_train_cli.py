@@ -47,3 +47,15 @@ def test_the_early_fork_server_guess(monkeypatch, device, visible, driver, expec
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     monkeypatch.setattr(train.os.path, "exists", lambda path: driver and path in ("/dev/nvidiactl", "/dev/kfd"))
     assert train._may_use_a_gpu(cfg) is expected
+
+
+def test_a_bad_start_method_is_a_configuration_error(tmp_path, capsys, monkeypatch):
+    """An unknown ``LLAMARL_START_METHOD`` is refused with the configuration errors (exit 2), before the fork
+    server or anything else starts, not as a traceback from the launcher."""
+    from llamarl.train import main
+
+    monkeypatch.setenv("LLAMARL_START_METHOD", "fork")
+    assert main(["--preset", "smoke", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "invalid configuration: environment: LLAMARL_START_METHOD='fork': use 'spawn'" in err
+    assert not (tmp_path / "r").exists()

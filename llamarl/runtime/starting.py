@@ -42,16 +42,23 @@ _extra: list[str] = []
 def start_method(devices: Sequence[str]) -> str:
     """"forkserver" for a group whose ranks all work on the CPU (where the platform has it), else "spawn";
     ``LLAMARL_START_METHOD`` set to either one applies it to every group."""
-    forced = os.environ.get("LLAMARL_START_METHOD", "")
-    if forced not in ("", "spawn", "forkserver"):
-        raise ValueError(f"LLAMARL_START_METHOD={forced!r}: use 'spawn' (every rank a fresh interpreter), "
-                         "'forkserver' (every rank forked from the preloaded server) or leave it unset (CPU ranks "
-                         "forked, CUDA ranks spawned)")
+    forced = forced_method()
     if forced == "spawn" or "forkserver" not in mp.get_all_start_methods():
         return "spawn"
     if forced == "forkserver":
         return "forkserver"
     return "forkserver" if all(str(d).startswith("cpu") for d in devices) else "spawn"
+
+
+def forced_method() -> str:
+    """``LLAMARL_START_METHOD`` ("" when unset); ValueError naming the choices for any other value
+    (``llamarl.config_env`` turns it into a configuration error before anything starts)."""
+    forced = os.environ.get("LLAMARL_START_METHOD", "")
+    if forced not in ("", "spawn", "forkserver"):
+        raise ValueError(f"LLAMARL_START_METHOD={forced!r}: use 'spawn' (every rank a fresh interpreter), "
+                         "'forkserver' (every rank forked from the preloaded server) or leave it unset (CPU ranks "
+                         "forked, CUDA ranks spawned)")
+    return forced
 
 
 def warm(modules: Iterable[str] = ()) -> None:
