@@ -1,12 +1,12 @@
 """What a run configuration needs of this machine, checked before any process starts.
 
-``check_environment(config)`` (``TrainConfig.check_environment``, called by
-``llamarl.config_cli.load_config``) raises ``ConfigError`` naming the field when: the policy is neither a
-built-in model nor a Hugging Face model directory; the tokenizer or dataset file is missing or of an
-unsupported type; a ``module:function`` reward does not import; a ``run.report_to`` backend is not
-installed; ``LLAMARL_START_METHOD`` is set to an unknown method; CUDA is asked for but absent; ``--resume`` holds no complete checkpoint or is already at
-``run.max_steps``; ``--out`` already holds another run. The construction checks in ``llamarl.config``
-stay pure (no filesystem access); everything that reads the disk or imports user code is here.
+``check_environment(config)`` (``TrainConfig.check_environment``, called by ``llamarl.config_cli.load_config``)
+raises ``ConfigError`` naming the field when: the policy is neither a built-in model nor a Hugging Face model
+directory; the tokenizer or dataset file is missing or of an unsupported type; a ``module:function`` reward does
+not import; a ``run.report_to`` backend is not installed; ``LLAMARL_START_METHOD`` is set to an unknown method;
+CUDA is asked for but absent; ``--resume`` holds no complete checkpoint or is already at ``run.max_steps``;
+``--out`` already holds another run. The construction checks in ``llamarl.config`` stay pure (no filesystem
+access); everything that reads the disk or imports user code is here.
 """
 
 from __future__ import annotations
