@@ -23,6 +23,7 @@ from llamarl.runtime import (
     TorchrunEnv,
     TrainerSpec,
 )
+from llamarl.runtime.admission import knock
 from llamarl.runtime.launch import layout_rank
 from llamarl.runtime.net import free_port
 
@@ -82,7 +83,6 @@ def test_stray_connections_to_the_controller_neither_abort_nor_block_the_start()
     import datetime
     import pickle
     import socket
-    from multiprocessing.connection import Client
 
     from torch.distributed import TCPStore
 
@@ -106,12 +106,12 @@ def test_stray_connections_to_the_controller_neither_abort_nor_block_the_start()
     socket.create_connection(address).close()
     with socket.create_connection(address) as http:
         http.sendall(b"GET /health HTTP/1.0\r\n\r\n")
-    with pytest.raises(Exception):
-        Client(address, family="AF_INET", authkey=b"wrong key")
+    with pytest.raises(ConnectionError, match="refused this rank's key"):
+        knock(*address, b"wrong key")
     ranks = []
     try:
         for rank in (1, 2):
-            ranks.append(Client(address, family="AF_INET", authkey=bytes.fromhex(key)))
+            ranks.append(knock(*address, bytes.fromhex(key)))
             ranks[-1].send_bytes(pickle.dumps(Hello(rank, rank, layout.spec, "here", free_port(), 0)))
         thread.join(timeout=60)
         assert "runtime" in outcome, outcome  # admitted while the silent stranger was still connected
@@ -121,6 +121,30 @@ def test_stray_connections_to_the_controller_neither_abort_nor_block_the_start()
             outcome["runtime"].shutdown()
         for conn in ranks:
             conn.close()
+
+
+def test_a_rank_knocking_at_a_silent_or_closed_port_fails_with_the_address():
+    """A rank whose rendezvous store names a port that accepts and stays silent (a stale address, another
+    service) fails after the handshake deadline naming the address; ``Client`` waited there for ever. A port
+    nobody listens on, or one that closes mid-handshake, fails at once."""
+    import socket
+    import time
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        host, port = silent.getsockname()[:2]
+        start = time.monotonic()
+        with pytest.raises(ConnectionError, match=rf"controller at {host}:{port} .*accepted the connection but "
+                           r"did not answer within 0.5 s"):
+            knock(host, port, b"key", handshake_s=0.5)
+        assert time.monotonic() - start < 10
+    with socket.create_server(("127.0.0.1", 0)) as closing:
+        closer = threading.Thread(target=lambda: closing.accept()[0].close())
+        closer.start()
+        with pytest.raises(ConnectionError, match=r"closed the connection during the handshake"):
+            knock(*closing.getsockname()[:2], b"key", handshake_s=30)
+        closer.join()
+    with pytest.raises(ConnectionError, match=rf"cannot connect to the controller at {host}:{port}"):
+        knock(host, port, b"key", handshake_s=5)
 
 
 def test_torchrun_env_detection():

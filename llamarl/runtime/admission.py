@@ -7,6 +7,10 @@ holds it, and with it every real rank behind. Here ``accept()`` only accepts; ea
 a connection that has not passed within ``handshake_s`` is shut down. What passes goes to ``arrivals`` as
 (connection, first message, peer address); what fails is dropped with one line on stderr. A failure of the
 listener itself goes to ``arrivals`` as the exception.
+
+``knock`` is the rank's side: ``Client``'s connect and challenges, bounded by the same deadline, so a rank
+whose rendezvous store names something that accepts and stays silent (a stale address, another service on
+the port, a controller stopped mid-start) fails with a message instead of blocking in ``Client`` for ever.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import queue
 import socket
 import sys
 import threading
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 
 from llamarl.runtime.links import shutdown_socket
@@ -77,3 +82,42 @@ class Door:
             pass
         self._thread.join(timeout=5.0)
         self._listener.close()
+
+
+def knock(host: str, port: int, authkey: bytes, handshake_s: float = HANDSHAKE_S) -> Connection:
+    """Connect to the controller's door at ``host:port`` and pass the challenges (as ``Client`` does: answer,
+    then deliver); ConnectionError naming the address if either takes longer than ``handshake_s``, the
+    connection is refused, or the key does not match."""
+    where = f"the controller at {host}:{port} (from the rendezvous store)"
+    try:
+        sock = socket.create_connection((host, port), timeout=handshake_s)
+    except OSError as exc:
+        raise ConnectionError(f"cannot connect to {where}: {exc}; did the controller (global rank 0) "
+                              "stop?") from exc
+    sock.settimeout(None)
+    conn = Connection(sock.detach())
+    fired = threading.Event()
+
+    def cut() -> None:
+        fired.set()
+        shutdown_socket(conn)
+
+    timer = threading.Timer(handshake_s, cut)  # wakes the read of a silent controller
+    timer.daemon = True
+    timer.start()
+    try:
+        answer_challenge(conn, authkey)
+        deliver_challenge(conn, authkey)
+    except AuthenticationError as exc:
+        conn.close()
+        raise ConnectionError(f"{where} refused this rank's key ({exc}): is the store shared with another "
+                              "job? give each job its own MASTER_PORT") from exc
+    except (OSError, EOFError) as exc:
+        conn.close()
+        what = (f"accepted the connection but did not answer within {handshake_s:g} s" if fired.is_set() else
+                f"closed the connection during the handshake ({type(exc).__name__}: {exc})")
+        raise ConnectionError(f"{where} {what}: a stale address in the store, or another service on that "
+                              "port? restart the whole job") from exc
+    finally:
+        timer.cancel()
+    return conn

@@ -47,12 +47,12 @@ import sys
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Connection
 from typing import Any, Awaitable, Callable, TypeVar
 
 from llamarl._procs import exit_when_parent_dies, ignore_sigint
 from llamarl.runtime import server
-from llamarl.runtime.admission import Door
+from llamarl.runtime.admission import Door, knock
 from llamarl.runtime.executor import ExecutorGroup, FailureCallback, RankLink
 from llamarl.runtime.futures import retrieve
 from llamarl.runtime.net import free_port, routable_address
@@ -421,7 +421,7 @@ def serve_torchrun(layout: Layout, tr: TorchrunEnv, *, timeout_s: float = 600.0,
     store = _store(tr, timeout_s)
     store.wait([STORE_KEY], datetime.timedelta(seconds=timeout_s))
     host, port, key = store.get(STORE_KEY).decode().rsplit(":", 2)
-    conn = Client((host, int(port)), family="AF_INET", authkey=bytes.fromhex(key))
+    conn = knock(host, int(port), bytes.fromhex(key))
     import torch
 
     send(conn, Hello(global_rank, tr.local_rank, layout.spec, socket.gethostname(), free_port(),
