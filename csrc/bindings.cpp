@@ -515,6 +515,7 @@ PYBIND11_MODULE(_C, m) {
           d["latest_version"] = c->latest_version.load();
           d["claim_version"] = c->claim_version.load();
           d["claim_slot"] = c->claim_slot.load();
+          d["last_claimed"] = c->last_claimed.load();
           d["done"] = c->done.load();
           py::list slots;
           for (int i = 0; i < c->nslots; ++i)

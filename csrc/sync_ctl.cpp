@@ -15,7 +15,7 @@ namespace llamarl {
 
 namespace {
 
-constexpr uint64_t kMagic = 0x324c52414d414c4cULL;  // "LLAMARL2"
+constexpr uint64_t kMagic = 0x334c52414d414c4cULL;  // "LLAMARL3"
 constexpr int64_t kNoClaim = -1;     // claim_version when no write is in flight
 constexpr int64_t kAbandoning = -2;  // while an abandoned claim's slot is being freed
 using Clock = std::chrono::steady_clock;
@@ -117,6 +117,7 @@ SyncCtl* ctl_init(void* mem, size_t nbytes, int nslots, int n_writers, int n_rea
   c->latest_version.store(-1);
   c->claim_version.store(-1);
   c->claim_slot.store(-1);
+  c->last_claimed.store(-1);
   c->done.store(0);
   for (int k = 0; k < kMaxPeers; ++k) {
     c->writer_pid[k].store(0);
@@ -238,6 +239,10 @@ int ctl_claim(SyncCtl* c, int64_t version, double timeout_s) {
   if (version <= c->latest_version.load())
     throw std::invalid_argument("policy version " + std::to_string(version) + " is not newer than the published " +
                                 std::to_string(c->latest_version.load()) + ": versions must strictly increase");
+  if (version <= c->last_claimed.load())  // (only this writer stores it)
+    throw std::invalid_argument("policy version " + std::to_string(version) + " is not newer than version " +
+                                std::to_string(c->last_claimed.load()) + ", claimed and abandoned before: an "
+                                "abandoned version is never written again; sync the next one");
   // Pick the slot: with one slot, the only one; else a non-latest slot, preferring free ones, then the
   // oldest version.
   const int latest = static_cast<int>(c->latest_slot.load());
@@ -281,6 +286,7 @@ int ctl_claim(SyncCtl* c, int64_t version, double timeout_s) {
   sl.version.store(-1);
   c->claim_slot.store(s);
   c->done.store(0);
+  c->last_claimed.store(version);
   c->claim_version.store(version);  // last: followers read claim_slot after seeing this
   return s;
 }
@@ -360,20 +366,15 @@ void ctl_abandon(SyncCtl* c, int writer, int64_t version) {
   }
   // One abandoner resets the claim: two writers giving up at once may both pass the checks above, and the
   // slot must be freed before the leader can claim again (it waits for kNoClaim, not kAbandoning). A claim
-  // published meanwhile (every writer finished) is left alone.
+  // published meanwhile (every writer finished) is left alone; cv cannot name a later claim (claimed versions
+  // strictly increase), so the swap frees exactly the claim checked above.
   if (!c->claim_version.compare_exchange_strong(cv, kAbandoning)) return;
   const int s = static_cast<int>(c->claim_slot.load());
   if (s >= 0) {
     c->slots[s].version.store(-1);
     c->slots[s].state.store(kSlotFree);
   }
-  for (int k = 0; k < c->n_writers; ++k) {  // the version may be written again: its finishes start over
-    int64_t expected = cv;
-    c->writer_done[k].compare_exchange_strong(expected, -1);
-    expected = cv;
-    c->writer_gave_up[k].compare_exchange_strong(expected, -1);
-  }
-  c->claim_version.store(kNoClaim);
+  c->claim_version.store(kNoClaim);  // the writers' marks of cv stay: cv is never claimed again
 }
 
 }  // namespace llamarl

@@ -16,7 +16,9 @@
 //
 // Writers: `n_writers` ranks (the trainer ranks) write parts of one version. Writer 0 (the leader)
 // claims a slot for version v; the others wait for that claim; each calls finish when its copies are
-// complete, and the last one publishes (slot READY, latest = slot). Versions strictly increase.
+// complete, and the last one publishes (slot READY, latest = slot). Claimed versions strictly increase,
+// abandoned ones included: an abandoned version is never claimed again, so a claim_version value names one
+// claim for ever, and an abandoner's compare-and-swap on it cannot free a later claim (no ABA).
 // Waits are bounded: every wait takes a timeout and checks that the peers it waits for are alive, and
 // throws SyncTimeout / PeerDied with a message that says who, what, and what to do.
 #pragma once
@@ -49,6 +51,7 @@ struct SyncCtl {
   std::atomic<int64_t> latest_version;  // its version, -1 before the first version
   std::atomic<int64_t> claim_version;   // version being written; -1: no write in flight, -2: being abandoned
   std::atomic<int64_t> claim_slot;
+  std::atomic<int64_t> last_claimed;   // newest version ever claimed (published or abandoned), -1 before any
   std::atomic<int64_t> done;            // writers finished with claim_version
   std::atomic<int64_t> writer_pid[kMaxPeers];
   std::atomic<int64_t> writer_done[kMaxPeers];  // last version each writer finished

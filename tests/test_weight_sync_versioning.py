@@ -175,8 +175,8 @@ def test_dead_writer_is_named_and_abandon_recovers():
 
 def test_a_sync_that_fails_on_one_replica_leaves_no_claim_behind_on_the_others():
     """Replica 1's reader holds its only slot: the claim there times out after replica 0's succeeded. The
-    claim on replica 0 is dropped, so once the reader lets go the same sync goes through (it waited forever
-    behind its own unfinished version before)."""
+    claim on replica 0 is dropped, so once the reader lets go the next sync goes through (it waited forever
+    behind its own unfinished version before); the abandoned version itself is never written again."""
     plan = plan_sync(SPECS, TrainerLayout(1), GeneratorLayout(replicas=2))
     buckets = [GeneratorBuckets.create(plan, g, storage="shm", slots=1) for g in range(2)]
     try:
@@ -187,11 +187,13 @@ def test_a_sync_that_fails_on_one_replica_leaves_no_claim_behind_on_the_others()
             assert v == 1
             with pytest.raises(SyncTimeout, match="must release"):
                 sender.sync(filled(plan, 0, 2), 2)
-        sender.sync(filled(plan, 0, 2), 2)
+        with pytest.raises(ValueError, match="claimed and abandoned before"):
+            sender.sync(filled(plan, 0, 2), 2)
+        sender.sync(filled(plan, 0, 3), 3)
         for b in buckets:
             r = WeightReceiver(b)
             with r.reading() as v:
-                assert v == 2 and torn(r.named_tensors(), 2) == []
+                assert v == 3 and torn(r.named_tensors(), 3) == []
             r.close()
         reader.close()
         sender.close()
@@ -327,6 +329,24 @@ def test_abandon_names_its_version_and_leaves_another_alone():
         assert snap["slots"][s] == dict(state="FREE", version=-1, readers=0)
         with pytest.raises(ValueError, match="writer 2 is not in"):
             c.abandon(2)
+    finally:
+        c.close()
+
+
+def test_an_abandoned_version_is_never_claimed_again():
+    """Claimed versions strictly increase, abandoned ones included: so a claim_version value names one claim,
+    and an abandoner that checked it and was preempted cannot free a later claim of the same number (which
+    made the writers of that later claim fail their sync)."""
+    c = VersionControl.create(nslots=2, n_writers=1)
+    try:
+        c.register_writer(0)
+        c.claim(4)
+        c.abandon(0, version=4)
+        assert c.snapshot()["claim_version"] == -1 and c.snapshot()["last_claimed"] == 4
+        with pytest.raises(ValueError, match="version 4 is not newer than version 4, claimed and abandoned"):
+            c.claim(4, timeout=1)
+        s = c.claim(5)
+        assert c.finish(0, s, 5) and c.latest_version == 5
     finally:
         c.close()
 

@@ -31,7 +31,9 @@ that the peers it waits for are alive (pids registered in the control block; sam
 that dies mid-write leaves its slot WRITING, never READY: readers keep the last complete version and
 ``wait_version`` raises ``PeerDied`` naming the writer; ``abandon()`` frees the slot for a restarted
 trainer. A write that fails gives its claim up (``abandon(writer)``): the version is dropped once every live
-writer has finished it or given it up, whichever of them comes last. A reader that dies while holding a slot
+writer has finished it or given it up, whichever of them comes last. Claimed versions strictly increase,
+abandoned ones included (a retry syncs the next version): so a version number names one claim, and a
+preempted abandoner cannot free a later claim of the same number. A reader that dies while holding a slot
 pins it: the writer that needs that slot raises
 ``PeerDied`` naming the reader (the generator replica has to be recreated). Across hosts (dist.py) the
 same protocol runs locally on the generator host, with the generator's DistInboxes as the writers.
