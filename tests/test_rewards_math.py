@@ -484,6 +484,96 @@ def test_nested_deadlines_keep_their_own_budgets():
     assert call_with_deadline(inner, 30.0) == "inner timed out, outer still fine"
 
 
+def test_an_outer_deadline_stops_a_loop_of_inner_deadlines():
+    """A reward that tries candidates, each under its own short budget, inside an overall one: the outer call
+    must end at its budget. Before, each inner call started a watchdog thread inside the outer ``fn`` (an outer
+    strike landed in it, and the call hung from the first try), an inner call that ended cleared the outer's
+    pending strike, and ``except DeadlineExceeded`` around the inner calls swallowed the outer's strike."""
+    def spin(n):
+        total = 0
+        for i in range(n):
+            total += i
+        return total
+
+    def try_candidates():
+        while True:
+            try:
+                call_with_deadline(lambda: spin(20000), 0.001)
+            except DeadlineExceeded:
+                pass
+
+    for _ in range(30):
+        done, out = threading.Event(), {}
+
+        def run():
+            try:
+                call_with_deadline(try_candidates, 0.01)
+            except DeadlineExceeded:
+                out["raised"] = True
+            done.set()
+
+        threading.Thread(target=run, daemon=True).start()  # daemon: a hang fails the test, not the session
+        assert done.wait(30) and out.get("raised")
+
+
+IMPORT_STRESS = """
+import importlib, sys, threading
+from llamarl.rewards.deadline import call_with_deadline, DeadlineExceeded
+sys.setswitchinterval(1e-5)
+def imports():
+    while True:
+        for name in ("json", "email.utils", "xml.dom", "http.client", "decimal"):
+            importlib.import_module(name)
+def worker():
+    for _ in range(100):
+        try:
+            call_with_deadline(imports, 0.002)
+        except DeadlineExceeded:
+            pass
+threads = [threading.Thread(target=worker, daemon=True) for _ in range(3)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join(90)
+print("ok" if not any(t.is_alive() for t in threads) else "hung")
+"""
+
+
+def test_strikes_wait_for_an_import_to_end():
+    """A strike inside importlib could leave a module lock held, and every later import of that module (in
+    any thread) waited for ever: math_reward hung in sympy's lazy imports from worker threads."""
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", IMPORT_STRESS], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+def test_a_forked_child_has_a_watchdog_of_its_own():
+    """The watchdog thread does not survive a fork: the child starts its own (and a lock its parent's watchdog
+    held at the fork is not inherited held)."""
+    call_with_deadline(lambda: None, 5.0)  # the parent's watchdog runs
+    pid = os.fork()
+    if pid == 0:  # the child: a stuck call must still be stopped
+        code = 1
+        try:
+            call_with_deadline(_busy, 0.05)
+        except DeadlineExceeded:
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's deadline never struck")
+
+
 @pytest.mark.parametrize(
     "completion,expected",
     [(r"so \boxed{12}", 1.0), (r"\boxed{\frac{1}{2}}", 1.0), ("12", 0.0), (r"\boxed{}", 0.0), (r"\boxed{12", 0.0)],

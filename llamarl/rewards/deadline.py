@@ -6,21 +6,26 @@ exception into the calling thread with ``PyThreadState_SetAsyncExc`` once the bu
 re-injects it every ``_REPEAT_S`` until the call returns (so a library's ``except BaseException`` that
 swallows an injection and carries on is struck again).
 
-Each call injects its own subclass of ``DeadlineExceeded`` (a ``BaseException``, so library code that
-catches ``Exception`` cannot swallow it), so nested deadlines never catch each other's exception, and
-re-raises a plain ``DeadlineExceeded`` to its caller.
+One watchdog thread per process watches every call in flight (started by the first call, again in a forked
+child): a call registers (thread, budget, exception class), runs, and deregisters; it never starts a
+thread itself, so a call nested in another's ``fn`` starts none inside it either. Each call injects an
+exception class of its own (a ``BaseException``, so library code that catches ``Exception`` cannot swallow
+it, and not a ``DeadlineExceeded``, so code that handles an inner call's timeout cannot either), so nested
+deadlines never catch each other's strike, and raises ``DeadlineExceeded`` to its caller.
 
 Invariants:
   * ``call_with_deadline`` returns ``fn()``'s value or raises ``DeadlineExceeded``/``fn``'s exception;
     no injected exception ever escapes after it returns (a pending injection is cleared under the
-    same lock that stops the watchdog), and none lands outside ``fn``: the watchdog strikes only while
-    ``fn``'s frame is on the calling thread's stack and no thread is being started (a strike then could
-    land in the new thread, whose state still carries its creator's id: it dies before saying it started,
-    and ``start()`` in ``fn`` waits forever; a strike after ``fn`` was unwound, before the watchdog is
-    stopped, would escape into the caller and keep the watchdog striking).
-  * Limits: nested deadlines can still hang: an outer strike may land in the thread an inner call is
-    starting for its watchdog (seen with many tight nested calls; the reward pool's per-sample kill bounds
-    it). An async exception is only delivered between Python bytecodes. A single long C call (a
+    lock the watchdog strikes under, and a strike delivered while deregistering is caught there: its own
+    dropped, an outer call's carried on once deregistered), and none lands outside ``fn``: the watchdog
+    strikes only while ``fn``'s frame is on the calling thread's stack, no thread is being started (a
+    strike then could land in the new thread, whose state still carries its creator's id: it dies before
+    saying it started, and ``start()`` in ``fn`` waits forever) and the thread is not importing (a strike
+    inside importlib can leave a module lock held: every later import of that module would hang).
+  * Nested calls on one thread: each keeps its own budget; an outer strike unwinds the inner call (its
+    class is not the inner's) and is raised by the outer one. An inner call that ends clears the strike
+    pending on its thread, which may be an outer call's: it strikes an outer call past its budget again.
+  * Limits: an async exception is only delivered between Python bytecodes. A single long C call (a
     huge big-integer power, a blocking syscall), or code that catches every exception in an endless
     loop, cannot be stopped from inside the process; callers must screen such inputs out beforehand,
     and the reward worker pool's per-sample process kill is the hard bound behind it.
@@ -29,8 +34,11 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
+import math
+import os
 import sys
 import threading
+import time
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
@@ -42,7 +50,94 @@ _set_async_exc.restype = ctypes.c_int
 
 
 class DeadlineExceeded(BaseException):
-    """Raised inside a call that ran past its ``call_with_deadline`` budget."""
+    """Raised by ``call_with_deadline`` when its call ran past its budget."""
+
+
+class _Strike(BaseException):
+    """What the watchdog injects: each call its own subclass, which only that call turns into
+    ``DeadlineExceeded``. Not a ``DeadlineExceeded``: code that handles an inner call's timeout with
+    ``except DeadlineExceeded`` does not swallow an outer call's strike."""
+
+
+class _Call:
+    """One call in flight: ``due`` is when the watchdog strikes next (monotonic seconds)."""
+
+    __slots__ = ("target", "exc_type", "due", "frame", "expired")
+
+    def __init__(self, exc_type: type[BaseException], timeout_s: float):
+        self.target = threading.get_ident()
+        self.exc_type = exc_type
+        self.due = time.monotonic() + timeout_s
+        self.frame: Any = None  # set by _run: strikes only while it is on the target's stack
+        self.expired = False  # past its budget: struck (or to be struck) until it ends
+
+
+class _Watchdog:
+    """The process's watchdog: the calls in flight, and the lock every registration, strike and disarm
+    takes (so a strike is never set after its call deregistered)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        self.calls: set[_Call] = set()
+        self.pid = -1  # the process whose thread runs _watch
+
+    def register(self, call: _Call) -> None:
+        with self.lock:
+            if self.pid != os.getpid():  # before the first call's fn runs: never a thread started inside one
+                self.pid = os.getpid()
+                threading.Thread(target=self._watch, name="reward-deadline", daemon=True).start()
+            self.calls.add(call)
+            self.wake.notify()
+
+    def _watch(self) -> None:
+        with self.lock:
+            while True:
+                now = time.monotonic()
+                for call in self.calls:
+                    if call.due <= now:
+                        call.expired = True
+                        if _strikable(call.target, call.frame) and not _threads_starting():
+                            _inject(call.target, call.exc_type)
+                        call.due = now + _REPEAT_S
+                due = min((c.due for c in self.calls), default=math.inf)
+                self.wake.wait(None if math.isinf(due) else max(due - time.monotonic(), 0.0))
+
+    def disarm(self, call: _Call) -> None:
+        """Deregister ``call`` and drop a strike pending on its thread. A strike delivered meanwhile is caught
+        and the disarming repeated: ``call``'s own is dropped (the caller raises DeadlineExceeded anyway), an
+        outer call's is raised once ``call`` is deregistered. Dropping the pending strike may drop an outer
+        call's: an outer call already past its budget is struck again at once (else inner calls that end
+        more often than every ``_REPEAT_S`` would keep it running for ever)."""
+        outer: BaseException | None = None
+        while True:
+            try:
+                with self.lock:
+                    self.calls.discard(call)
+                    _inject(call.target, None)
+                    if outer is None:
+                        for other in self.calls:
+                            if (other.target == call.target and other.expired and
+                                    _strikable(other.target, other.frame)):
+                                _inject(other.target, other.exc_type)
+                                break
+                break
+            except BaseException as exc:  # noqa: BLE001 - a strike; sorted below
+                if not isinstance(exc, call.exc_type) and outer is None:
+                    outer = exc
+        if outer is not None:
+            raise outer
+
+
+_watchdog = _Watchdog()
+
+
+def _reset_after_fork() -> None:
+    global _watchdog  # the parent's lock may have been held by its watchdog at the fork; its thread is gone
+    _watchdog = _Watchdog()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def _inject(thread_id: int, exc_type: type[BaseException] | None) -> None:
@@ -58,42 +153,26 @@ def call_with_deadline(fn: Callable[[], T], timeout_s: float) -> T:
 
     The watchdog strikes only while ``fn`` runs: while this call's ``_run`` frame is on the calling
     thread's stack (checked from the watchdog, under the GIL, before each strike). So a strike never
-    lands in ``Thread.start`` or in the caller's code after an earlier strike unwound ``fn``; one that
-    races past the check into the ``finally`` is caught there and the disarming repeated."""
+    lands in the caller's code after an earlier strike unwound ``fn``; one that races past the check into
+    the ``finally`` is caught there."""
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    exc_type = type("DeadlineExceeded", (DeadlineExceeded,), {"timeout_s": timeout_s})
-    target = threading.get_ident()
-    lock = threading.Lock()
-    finished = threading.Event()
-    state: dict = {"frame": None, "done": False}
-
-    def watchdog() -> None:
-        if finished.wait(timeout_s):
-            return
-        while True:
-            with lock:
-                if state["done"]:
-                    return
-                if _on_stack(target, state["frame"]) and not _threads_starting():
-                    _inject(target, exc_type)
-            if finished.wait(_REPEAT_S):
-                return
-
+    exc_type = type("DeadlineStrike", (_Strike,), {"timeout_s": timeout_s})
+    call = _Call(exc_type, timeout_s)
+    watchdog = _watchdog
     try:
         try:
-            dog = threading.Thread(target=watchdog, name="reward-deadline", daemon=True)
-            dog.start()
-            return _run(fn, state)
+            watchdog.register(call)
+            return _run(fn, call)
         finally:
-            _disarm(lock, state, target, finished, exc_type)
+            watchdog.disarm(call)
     except exc_type:
         raise DeadlineExceeded(f"call exceeded its {timeout_s:g}s budget") from None
 
 
-def _run(fn: Callable[[], T], state: dict) -> T:
+def _run(fn: Callable[[], T], call: _Call) -> T:
     """``fn()``, in a frame of its own that marks "inside the deadline" for the watchdog."""
-    state["frame"] = sys._getframe()
+    call.frame = sys._getframe()
     return fn()
 
 
@@ -104,26 +183,16 @@ def _threads_starting() -> bool:
     return bool(getattr(threading, "_limbo", None))
 
 
-def _on_stack(thread_id: int, frame: Any) -> bool:
+def _strikable(thread_id: int, frame: Any) -> bool:
+    """Whether ``frame`` is on the thread's stack, and the thread is not importing above it: a strike inside
+    importlib can leave a module lock held (the exception lands between its acquire and its release), and
+    the next import of that module, in any thread, then waits for ever (seen with sympy's lazy imports in
+    math-verify). The strike waits for the import to end."""
     f = sys._current_frames().get(thread_id) if frame is not None else None
     while f is not None:
         if f is frame:
             return True
+        if f.f_code.co_filename.startswith("<frozen importlib"):
+            return False
         f = f.f_back
     return False
-
-
-def _disarm(lock: threading.Lock, state: dict, target: int, finished: threading.Event,
-            exc_type: type[BaseException]) -> None:
-    """Stop the watchdog and drop a pending strike. After ``done`` is set (one bytecode) the watchdog
-    starts no new strike, so at most one already in flight can still be delivered: it is caught here and
-    the disarming repeated; once the lock is ours, a strike set but not delivered is cleared."""
-    while True:
-        try:
-            state["done"] = True
-            with lock:
-                _inject(target, None)
-            finished.set()
-            return
-        except exc_type:
-            continue
