@@ -169,6 +169,8 @@ class TrainerConfig(_Section):
     # 0: no clip. A step of one update is plain AIPO either way (llamarl.algorithms.aipo)
     clip_ratio: float = 0.2
     clip_ratio_high: float | None = None  # None: clip_ratio
+    # the trainer's weights and AdamW state; float32 with policy.dtype=bfloat16 keeps full-precision weights for
+    # the updates and a bfloat16 generator (the weight sync casts). bfloat16 steps bf16 weights directly (warned)
     dtype: Literal["float32", "bfloat16"] = "float32"
     loss: Literal["auto", "fused", "reference"] = "auto"  # auto: fused Triton kernel where it runs
     rho: float = 2.0  # AIPO one-sided truncation of pi/mu
@@ -422,9 +424,10 @@ class TrainConfig:
         if g.quantization != "none" and g.tp > 1:
             fail("generator.quantization", "quantized generators run with generator.tp=1 (the tensor-parallel "
                  "linears are not quantized); use more generator.replicas, or quantization=none", g.quantization)
-        if t.dtype != self.policy.dtype:
-            fail("trainer.dtype", f"differs from policy.dtype={self.policy.dtype}, the generator's; the weight sync "
-                 "copies the trainer's weights byte for byte, so set both to the same dtype", t.dtype)
+        if t.dtype == "bfloat16" and self.policy.dtype == "float32":
+            fail("trainer.dtype", "bfloat16 with policy.dtype=float32 (the generator's) would give the generator "
+                 "weights rounded to bfloat16 in float32 storage; use trainer.dtype=float32 (the default), or set "
+                 "policy.dtype=bfloat16 too", t.dtype)
         part = batch // t.mini_batches
         if part % t.ranks:
             fail("trainer.mini_batches", f"each of the {t.mini_batches} mini-batches holds {part} sequences, "

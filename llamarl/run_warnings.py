@@ -41,6 +41,11 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
                        "is taken literally), so the model sees them as written; for a newline or a tab write the "
                        f"value in a YAML file with double quotes, e.g. {name}: \"Q: {{prompt}}\\nA: \"")
     t = cfg.trainer
+    if t.dtype == "bfloat16":
+        out.append(f"trainer.dtype=bfloat16 steps AdamW on bfloat16 weights (no float32 master copy): an update below "
+                   f"half a bfloat16 ulp is lost, so at trainer.lr={t.lr:g} most weights barely move (and norm weights "
+                   "near 1.0 never do); --set trainer.dtype=float32 keeps float32 weights for the updates while the "
+                   "generator stays in policy.dtype=bfloat16 (the weight sync casts)")
     if 0 < t.micro_batch_tokens <= g.max_new_tokens:
         out.append(f"trainer.micro_batch_tokens={t.micro_batch_tokens} is not above generator.max_new_tokens="
                    f"{g.max_new_tokens}: a sequence near the length limit does not fit the budget with its prompt, so "

@@ -354,7 +354,8 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
             generator_replicas=g.replicas, generator_tp=g.tp, generator_quantization=g.quantization,
             resume=str(resume.path) if resume else None, seed=cfg.run.seed, total_steps=cfg.run.max_steps,
             threads=threads, tokenizer_path=cfg.policy.tokenizer,
-            reference_path=str(reference_dir) if reference_dir else None, max_new_tokens=g.max_new_tokens),
+            reference_path=str(reference_dir) if reference_dir else None, max_new_tokens=g.max_new_tokens,
+            sync_dtype=cfg.policy.dtype),
             env={"LLAMARL_EXECUTOR": "trainer"}, wait=False)
         await rt.await_ready([*gens, trainer])  # the loop runs meanwhile: a Ctrl-C stops the start at once
         handles = [h for grp in gens for h in await grp.acall("handle")]  # every TP rank of every replica

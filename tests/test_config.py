@@ -218,8 +218,7 @@ def _messages(tmp_path):
         (["--config", f"{t}/missing.yaml"], r"--config: no such file"),
         (["--config", f"{t}/list.yaml"], r"--config: .*must hold a mapping of sections"),
         (["--config", f"{t}/run_text.yaml"], r"run: must be a mapping of keys in .*run_text.yaml, got 'fast'"),
-        (["--set", "trainer.dtype=float32", "--set", "policy.dtype=bfloat16"],
-         r"trainer.dtype: differs from policy.dtype=bfloat16"),
+        (["--set", "trainer.dtype=bfloat16"], r"trainer.dtype: bfloat16 with policy.dtype=float32"),
         (["--set", "trainer.lr"], r"--set: expects SECTION.KEY=VALUE"),
         (["--max_steps", "3"], r"--max_steps: unknown option \(did you mean '--max-steps'\?\)"),
     ]

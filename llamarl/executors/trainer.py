@@ -30,9 +30,14 @@ so the trainer starts while the generators do); ``push_weights(version)`` then w
 straight into every generator's buckets with the cached plan (llamarl.weight_sync.WeightSender) and
 publishes them as ``version``.
 
+Weights and AdamW state are in ``trainer.dtype``; the generator's (``sync_dtype``, policy.dtype) may be
+lower: a float32 trainer pushes its weights cast to bfloat16 (staged in buffers kept between pushes), so
+updates below a bfloat16 ulp accumulate in the float32 weights instead of rounding away. Checkpoints hold
+the trainer's weights (float32 then), so a resume continues them exactly.
+
 Sharded trainer (``trainer.ranks`` = R_t > 1, FSDP2; the executor group's process group is the mesh).
 Every rank loads the policy and keeps its dim-0 shard of each parameter (``llamarl.parallel.apply_fsdp``,
-in the policy dtype, no mixed-precision policy: the numerics are those of one process); AdamW runs on the
+in the trainer dtype, no mixed-precision policy: the numerics are those of one process); AdamW runs on the
 shards. Protocol of one command (the controller calls every rank with the same arguments):
 
     train_step    every rank gets the same collated batch of B sequences (B % R_t == 0, checked by the
@@ -107,7 +112,7 @@ class TrainerExecutor:
                  generator_replicas: int = 1, generator_tp: int = 1, generator_quantization: str = "none",
                  resume: str | None = None, seed: int = 0, total_steps: int | None = None,
                  threads: int | None = None, tokenizer_path: str | None = None, reference_path: str | None = None,
-                 max_new_tokens: int | None = None, rank_info: RankInfo):
+                 max_new_tokens: int | None = None, sync_dtype: str | None = None, rank_info: RankInfo):
         self.rank, self.world = rank_info.rank, rank_info.world_size
         self.distributed = self.world > 1
         if self.distributed and trainer["parallel"] not in ("fsdp", "ddp"):
@@ -160,7 +165,10 @@ class TrainerExecutor:
             if ckpt.rng_state:
                 restore_rng_state(ckpt.rng_state)
         source = TrainerLayout(world_size=self.world, replicated=self.distributed and not self.sharded)
-        self.plan = plan_sync(llama_param_specs(self.model.config, dtype=dtype), source,
+        # the generator's dtype (policy.dtype): a float32 trainer feeds a bfloat16 generator, cast at each push
+        self.sync_dtype = DTYPES[sync_dtype] if sync_dtype is not None else dtype
+        self._cast: dict[str, torch.Tensor] = {}  # reused staging of the cast shards
+        self.plan = plan_sync(llama_param_specs(self.model.config, dtype=self.sync_dtype), source,
                               generator_layout(generator_tp, generator_replicas, generator_quantization))
         self.sender: WeightSender | None = None
         if generator_handles is not None:
@@ -303,10 +311,22 @@ class TrainerExecutor:
             shards = parallel.sync_sources(self.model)  # this rank's dim-0 shards, views of FSDP's storage
         else:
             shards = {name: p.detach() for name, p in self.model.named_parameters()}
+        if self.sync_dtype != self._dtype():
+            shards = {name: self._cast_shard(name, t) for name, t in shards.items()}
         stats = self.sender.sync(shards, version)
         self.version = version
         return {"seconds": stats.seconds, "bytes": stats.bytes, "copy_seconds": stats.copy_seconds,
                 "wait_seconds": stats.wait_seconds}
+
+    def _dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def _cast_shard(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in the generator's dtype, in a buffer kept for the next push (round to nearest even)."""
+        buf = self._cast.get(name)
+        if buf is None or buf.shape != t.shape:
+            buf = self._cast[name] = torch.empty(t.shape, dtype=self.sync_dtype, device=t.device)
+        return buf.copy_(t)
 
     def save_checkpoint(self, run_dir: str, step: int, policy_version: int, data_cursor,
                         keep: int = 3) -> str:
