@@ -136,9 +136,11 @@ def test_epochs_repeat_the_step_and_the_schedule_counts_rl_steps(tmp_path):
             ex.train_step(parts[0])
         four_steps = weights_of(ex)
     with single_process_trainer(tmp_path / "model", CFG, dict(TRAINER, epochs=2)) as ex:
-        ex.train_step(parts[0])
+        first = ex.train_step(parts[0])
         ex.train_step(parts[0])
         _assert_same(weights_of(ex), four_steps)
+    # a second pass trains the same tokens again: the step's trained tokens count them once (it was twice)
+    assert first["updates"] == 2 and first["tokens"] == int(parts[0]["mask"].sum())
     assert any(not torch.equal(w, four_steps[n]) for n, w in two_epochs.items())  # the warm-up did matter
 
 

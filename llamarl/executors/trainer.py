@@ -213,7 +213,7 @@ class TrainerExecutor:
             olds = [self._old_logprobs(p) if i or epochs > 1 else None for i, p in enumerate(parts)]
         updates = [p if (e == 0 and i == 0) or olds[i] is None else dict(p, old_logprobs=olds[i])
                    for e in range(epochs) for i, p in enumerate(parts)]
-        stats = _combine_updates([update(part) for part in updates])
+        stats = _combine_updates([update(part) for part in updates], epochs)
         if push and stats["applied"]:
             stats["sync"] = self.push_weights(self.version + 1)
         stats["version"] = self.version
@@ -585,15 +585,18 @@ def _combine(parts: list[tuple[float, dict]]) -> dict:
     return out
 
 
-def _combine_updates(results: list[dict]) -> dict:
-    """One step's stats from those of its updates: whether any was applied and how many (``updates``), how
-    many had no trained token (``empty_updates``: every completion truncated away), the mean loss and
-    gradient norm, the last learning rate, the total time, and the loss metrics combined as ``_combine``
-    does, each update weighted by its share of the trained tokens."""
+def _combine_updates(results: list[dict], epochs: int = 1) -> dict:
+    """One step's stats from those of its updates (``epochs`` passes over the same mini-batches): whether any
+    was applied and how many (``updates``), how many had no trained token (``empty_updates``: every completion
+    truncated away), the mean loss and gradient norm, the last learning rate, the total time, and the loss
+    metrics combined as ``_combine`` does, each update weighted by its share of the trained tokens; ``tokens``
+    counts the step's trained tokens once (one epoch's updates), ``train_positions`` every pass's work."""
     tokens = sum(r.get("tokens", 0.0) for r in results)
     own = ("applied", "empty", "loss", "grad_norm", "lr", "train_s")
     metrics = _combine([(r.get("tokens", 0.0) / max(tokens, 1.0), {k: v for k, v in r.items() if k not in own})
                         for r in results])
+    if "tokens" in metrics:
+        metrics["tokens"] = sum(r.get("tokens", 0.0) for r in results[:len(results) // epochs])
     return {"applied": any(r["applied"] for r in results), "updates": sum(r["applied"] for r in results),
             "empty_updates": sum(r.get("empty", False) for r in results),
             "loss": math.fsum(r["loss"] for r in results) / len(results),
