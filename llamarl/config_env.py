@@ -84,6 +84,13 @@ def check_environment(config: TrainConfig) -> None:
             fail("run.max_steps", f"the run at {config.run.resume} is already at step {step}; pass --max-steps "
                  f"above it to continue (nothing was changed)", config.run.max_steps)
         resumed_run = resume_run_dir(config.run.resume).resolve()
+        from llamarl.checkpoint import MANIFEST
+
+        bare = (Path(config.run.resume) / MANIFEST).is_file() and resumed_run == Path(config.run.resume).resolve()
+        if bare and config.run.out is not None and Path(config.run.out).resolve() == resumed_run:
+            fail("run.out", f"--resume {config.run.resume} is a checkpoint outside its run directory, and the "
+                 "continued run would be written into it (a checkpoint is never modified, and a later --resume of it "
+                 "would start from it again); pass --out NEW_DIR for the continued run")
     if config.run.out is not None:
         out = Path(config.run.out)
         if out.exists() and not out.is_dir():

@@ -144,3 +144,26 @@ def test_runs_started_in_the_same_second_without_out_get_their_own_directories(t
     outs = [training.default_out() for _ in range(3)]
     assert [p.name for p in outs] == ["20261201-120000", "20261201-120000-2", "20261201-120000-3"]
     assert all(p.is_dir() and not any(p.iterdir()) for p in outs)
+
+
+def test_a_checkpoint_copied_out_of_its_run_is_resumed_into_a_new_directory(tmp_path, capsys):
+    """A checkpoint directory outside a run's checkpoints/ (copied, shared): without --out the continued run
+    was written into the checkpoint itself (config, logs, checkpoints/), and a later --resume of it started
+    from it again; now that is refused, naming --out, and the checkpoint is left as it was."""
+    import shutil
+
+    from llamarl.config_cli import load_config
+    from llamarl.config_values import ConfigError
+
+    out = tmp_path / "run"
+    assert main(SMOKE + ["--out", str(out), "--max-steps", "1"]) == 0
+    copied = tmp_path / "my_ckpt"
+    shutil.copytree(out / "checkpoints" / "step_000001", copied)
+    before = sorted(p.name for p in copied.rglob("*"))
+    capsys.readouterr()
+    assert main(["--resume", str(copied), "--max-steps", "2"]) == 2
+    assert "run.out: --resume" in capsys.readouterr().err
+    assert sorted(p.name for p in copied.rglob("*")) == before
+    with pytest.raises(ConfigError, match="outside its run directory"):
+        load_config(["--resume", str(copied), "--max-steps", "2", "--out", str(copied)])
+    assert load_config(["--resume", str(copied), "--max-steps", "2", "--out", str(tmp_path / "next")]).run.resume
