@@ -25,7 +25,8 @@ import torch
 
 from llamarl._fs import write_text_atomic
 from llamarl.checkpoint import load_latest
-from llamarl.config import REWARD_NAMES, ConfigError, TrainConfig
+from llamarl.config import REWARD_NAMES, ConfigError, TrainConfig, resume_run_dir
+from llamarl.config_cli import saved_config
 from llamarl.controller import Controller, Executors
 from llamarl.eval import eos_ids, evaluate
 from llamarl.executors import MODULES as EXECUTOR_MODULES
@@ -313,9 +314,40 @@ def train(cfg: TrainConfig) -> dict:
     lock = claim_run_dir(out, cfg.with_absolute_paths().to_yaml(), resume_step=resume.step if resume else None,
                          warn=lambda message: log(f"warning: {message}"))
     try:
+        _keep_starting_config(out, cfg, resume)
         return _train_in(out, cfg, resume, tokenizer, data, t_start)
     finally:
         lock.release()
+
+
+START_CONFIG = "config.start.yaml"
+
+
+def _keep_starting_config(out: Path, cfg: TrainConfig, resume) -> None:
+    """``out/config.start.yaml``: the settings the run started with (its first segment's), kept through every
+    resume, into a new --out too (config.yaml is each segment's own). The KL reference is rebuilt from them."""
+    dest = out / START_CONFIG
+    if dest.is_file():
+        return
+    if resume is None:
+        write_text_atomic(dest, cfg.with_absolute_paths().to_yaml())
+        return
+    source = resume_run_dir(resume.path) / START_CONFIG
+    if source.is_file():
+        write_text_atomic(dest, source.read_text(encoding="utf-8"))
+
+
+def _starting_policy(out: Path, cfg: TrainConfig, tokenizer, data: TrainData) -> Path:
+    """The policy a resumed run started from, its KL reference: the model, or the warm start of the run's
+    starting settings (cached; else trained again from them), whatever this resume changed (the reward, the
+    generation length, warm_start.*: all part of the warm start's cache key)."""
+    start = out / START_CONFIG
+    if start.is_file():
+        return prepare_policy(saved_config(start), tokenizer, data)[0]
+    log(f"warning: {out} has no {START_CONFIG} (a run of an earlier llamarl): the KL reference is the warm start of "
+        "this command's settings, which differs from the run's if they changed the reward, the generation length "
+        "or warm_start.*")
+    return prepare_policy(cfg, tokenizer, data)[0]
 
 
 def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t_start: float) -> dict:
@@ -325,7 +357,7 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
         policy_dir, warm = resume.policy_dir, {"cached": None, "seconds": 0.0}
         log(f"resuming from {resume.path} (step {resume.step}, policy version {resume.policy_version})")
         # the KL reference stays the policy the run started from (the model, or its cached warm start)
-        reference_dir = prepare_policy(cfg, tokenizer, data)[0] if cfg.trainer.kl_coef > 0 else None
+        reference_dir = _starting_policy(out, cfg, tokenizer, data) if cfg.trainer.kl_coef > 0 else None
     else:
         policy_dir, warm = prepare_policy(cfg, tokenizer, data)
         reference_dir = policy_dir

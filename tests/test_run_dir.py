@@ -167,3 +167,23 @@ def test_a_checkpoint_copied_out_of_its_run_is_resumed_into_a_new_directory(tmp_
     with pytest.raises(ConfigError, match="outside its run directory"):
         load_config(["--resume", str(copied), "--max-steps", "2", "--out", str(copied)])
     assert load_config(["--resume", str(copied), "--max-steps", "2", "--out", str(tmp_path / "next")]).run.resume
+
+
+def test_a_resume_keeps_the_kl_reference_the_run_started_from(tmp_path, capsys):
+    """With trainer.kl_coef > 0 a resume rebuilt its KL reference from the resumed command's settings: one that
+    changed the reward (part of the warm start's cache key) trained a new warm start and used it as the
+    reference. The reference now comes from config.start.yaml (kept through resumes, into a new --out too)."""
+    out = tmp_path / "run"
+    reward = tmp_path / "alt_reward.py"
+    reward.write_text("def f(completion, answer):\n    return float(completion.strip() == answer.strip())\n")
+    kl = ["--set", "trainer.kl_coef=0.1"]
+    assert main(SMOKE + kl + ["--out", str(out), "--max-steps", "1"]) == 0
+    started = (out / "config.start.yaml").read_text()
+    capsys.readouterr()
+    assert main(["--resume", str(out), "--max-steps", "2", "--reward", f"{reward}:f"] + kl) == 0
+    err = capsys.readouterr().err
+    assert "warm start: cached at" in err and "supervised steps" not in err, err  # the original warm start
+    assert (out / "config.start.yaml").read_text() == started and f"{reward}:f" in (out / "config.yaml").read_text()
+    other = tmp_path / "next"
+    assert main(["--resume", str(out), "--max-steps", "3", "--out", str(other)] + kl) == 0
+    assert (other / "config.start.yaml").read_text() == started
