@@ -148,6 +148,16 @@ def test_bad_specs_name_the_problem(spec, message, user_file, monkeypatch):
         load_reward(spec)
 
 
+def test_a_ctrl_c_while_a_reward_module_loads_is_not_a_bad_spec(tmp_path, monkeypatch):
+    """KeyboardInterrupt raised while the module executes (Ctrl-C during a slow import) propagates as the user's
+    stop (exit 130), instead of becoming a RewardSpecError (an "invalid configuration", exit 2)."""
+    (tmp_path / "interrupted_reward.py").write_text("raise KeyboardInterrupt\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for spec in ("interrupted_reward:f", f"{tmp_path / 'interrupted_reward.py'}:f"):
+        with pytest.raises(KeyboardInterrupt):
+            load_reward(spec)
+
+
 def test_format_weight():
     fn = load_reward("gsm8k", format_weight=0.2)
     assert isinstance(fn, FormattedReward)

@@ -70,6 +70,8 @@ def _import_module(module: str, spec: str):
             file_spec.loader.exec_module(mod)
         except BaseException as e:
             del sys.modules[name]
+            if isinstance(e, KeyboardInterrupt):  # Ctrl-C while it loads: the user's stop, not a bad reward
+                raise
             raise RewardSpecError(
                 f"reward spec {spec!r}: executing {str(path)!r} failed with {type(e).__name__}: {e}"
             ) from e
@@ -87,6 +89,8 @@ def _import_module(module: str, spec: str):
             f"reward spec {spec!r}: cannot import module {module!r} ({e}); make sure it is on PYTHONPATH "
             "(or pass a file path, e.g. 'path/to/rewards.py:my_reward')"
         ) from e
+    except KeyboardInterrupt:
+        raise
     except BaseException as e:
         raise RewardSpecError(
             f"reward spec {spec!r}: importing module {module!r} failed with {type(e).__name__}: {e}"
