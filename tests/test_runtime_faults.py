@@ -212,6 +212,30 @@ def test_calls_abandoned_by_a_shutdown_fail_as_shut_down_and_are_not_logged():
     assert children_of("survivor") == []
 
 
+def test_calls_queued_behind_a_death_are_not_logged_again():
+    """A rank dies while a second command waits behind the running one (async mode queues step s+1's
+    train_step): the death is reported once, by the awaited call; asyncio logged the queued call's
+    ExecutorDied again as "Future exception was never retrieved"."""
+    g = ExecutorGroup.spawn("doomed", TOY, world_size=1, start_timeout_s=120, env={"OMP_NUM_THREADS": "1"})
+    messages: list[str] = []
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: messages.append(ctx["message"]))
+        running = g.acall("exit_hard", 3)
+        g.acall("echo", "next step")  # queued behind it, never awaited
+        with pytest.raises(ExecutorDied, match="exit code 3"):
+            await running
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    try:
+        asyncio.run(main())
+        gc.collect()
+        assert messages == []
+    finally:
+        g.shutdown(timeout=2.0)
+
+
 def test_a_group_call_reports_a_ranks_own_error_before_a_shut_down():
     """Rank 1 raised; rank 0 was then stopped by the shutdown that failure caused: the call's error is rank
     1's, with its traceback, not rank 0's ShutDown (which callers count as retrieved and never log)."""

@@ -79,14 +79,16 @@ def first_result(fut: Future) -> Future:
 
 
 def awaitable(fut: Future) -> asyncio.Future:
-    """``fut`` as an asyncio future of the running loop. If a shutdown abandons the call, its error counts
-    as retrieved: the controller that would await it was typically cancelled by the failure that stopped
-    the run, and asyncio would log "Future exception was never retrieved" after that real error."""
+    """``fut`` as an asyncio future of the running loop. If a shutdown abandons the call, or its group's death
+    or hang fails it (a call queued behind the one that died), its error counts as retrieved: the controller
+    that would await it was typically cancelled by the failure that stopped the run (which ``supervise``
+    reports), and asyncio would log "Future exception was never retrieved" after that real error. An awaiter
+    still gets the error."""
     afut = asyncio.wrap_future(fut)
     loop = afut.get_loop()
 
     def mark_abandoned(f: Future) -> None:  # runs after wrap_future's own callback: queued behind it
-        if not f.cancelled() and is_shut_down(f.exception()):
+        if not f.cancelled() and (is_shut_down(f.exception()) or isinstance(f.exception(), ExecutorDied)):
             try:
                 loop.call_soon_threadsafe(retrieve, afut)
             except RuntimeError:
