@@ -34,7 +34,7 @@ from llamarl.generation.engine import cache_slots
 from llamarl.models import CharTokenizer, Llama, LlamaConfig, LLAMA_CONFIGS, load_tokenizer
 from llamarl.models.hf_io import check_checkpoint
 from llamarl.parallel.tensor_parallel import check_tp_size
-from llamarl.rewards import RewardPool, load_reward
+from llamarl.rewards import RewardPool, RewardPoolError, load_reward
 from llamarl.rewards.registry import info_params
 from llamarl.reporting import make_reporters, parse_report_to
 from llamarl.run_warnings import config_warnings, resume_warnings
@@ -85,9 +85,14 @@ def prepare_policy(cfg: TrainConfig, tokenizer, data: TrainData) -> tuple[Path, 
                                                        timeout_s=cfg.reward.timeout_s))
 
         def probe() -> float:  # greedy accuracy on training problems (never the held-out split)
-            return evaluate(model, tokenizer, probe_samples, reward_fn, max_new_tokens=cfg.generator.max_new_tokens,
-                            batch_size=len(probe_samples), fmt=stream.formatter.fmt,
-                            shots=stream.formatter.shots, stop=cfg.generator.stop).accuracy
+            result = evaluate(model, tokenizer, probe_samples, reward_fn, max_new_tokens=cfg.generator.max_new_tokens,
+                              batch_size=len(probe_samples), fmt=stream.formatter.fmt,
+                              shots=stream.formatter.shots, stop=cfg.generator.stop)
+            if result.records and result.num_errors == len(result.records):  # as RL's reward.max_failed_steps would
+                raise RewardPoolError(f"the reward failed on every one of the warm start's {len(result.records)} probe "
+                                      f"samples (first: {result.records[0].error}); fix the reward function (nothing "
+                                      "was cached)")
+            return result.accuracy
 
         info = train_supervised(model, stream.next, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size,
                                 encode_prompt=stream.formatter.encode, encode_answer=tokenizer.encode,

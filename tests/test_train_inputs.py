@@ -282,3 +282,18 @@ def test_the_first_complete_warm_start_entry_wins_and_is_never_replaced(tmp_path
     (tmp_path / "half" / "model.safetensors").write_text("not a complete entry")
     assert save_atomic(models[2], tok, tmp_path / "half", {"steps": 2})
     assert json.loads((tmp_path / "half" / "warmstart.json").read_text()) == {"steps": 2}
+
+
+def test_a_reward_failing_on_every_probe_sample_stops_the_warm_start(tmp_path, capsys):
+    """A reward that fails on every sample (here: returns None) was counted as 0.0 by the warm start's probe,
+    so the warm start ran all its steps and cached its entry before RL's reward.max_failed_steps stopped the
+    run; it stops at the first probe now, naming the error, and caches nothing."""
+    reward = tmp_path / "forgot_return.py"
+    reward.write_text("def score(completion, answer):\n    completion.strip()\n")
+    out = tmp_path / "run"
+    assert main(["--preset", "smoke", "--max-steps", "3", "--reward", f"{reward}:score", "--set",
+                 "warm_start.steps=50", "--set", "warm_start.target_accuracy=0.3", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "failed on every one of the warm start's" in err and "None" in err, err
+    assert "warm start 50/50" not in err
+    assert not list((tmp_path / "cache").rglob("warmstart.json"))  # nothing cached
