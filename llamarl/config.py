@@ -326,7 +326,8 @@ class DataConfig(_Section):
 
 @dataclass(frozen=True)
 class WarmStartConfig(_Section):
-    """Supervised warm start of the policy on the task's answers before RL (0 steps: none)."""
+    """Supervised warm start of the policy on the task's answers before RL (0 steps: none), for the built-in
+    models only (their weights start random); a Hugging Face model directory starts RL from its own weights."""
 
     SECTION = "warm_start"
     steps: int = 200  # at most this many steps

@@ -7,11 +7,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from llamarl.config import TrainConfig, resume_run_dir
+from llamarl.config import TrainConfig, WarmStartConfig, resume_run_dir
 from llamarl.config_cli import saved_config
 from llamarl.config_values import ConfigError
 from llamarl.data.prompts import literal_escapes
 from llamarl.executors.trainer import lr_at
+from llamarl.models.config import LLAMA_CONFIGS
+from llamarl.presets import PRESETS
 
 
 def config_warnings(cfg: TrainConfig) -> list[str]:
@@ -40,6 +42,13 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
             out.append(f"data.{name} {text!r} holds a backslash followed by n or t as two characters (a --set value "
                        "is taken literally), so the model sees them as written; for a newline or a tab write the "
                        f"value in a YAML file with double quotes, e.g. {name}: \"Q: {{prompt}}\\nA: \"")
+    ws, base = dataclasses.replace(cfg.warm_start, cache_dir=None), PRESETS["default"].warm_start
+    given = [WarmStartConfig(), *(dataclasses.replace(p.warm_start, cache_dir=None) for p in PRESETS.values())]
+    if cfg.policy.model not in LLAMA_CONFIGS and ws not in given:  # set by the user, not by a preset
+        changed = ", ".join(f"warm_start.{f.name}={getattr(ws, f.name)}" for f in dataclasses.fields(ws)
+                            if getattr(ws, f.name) != getattr(base, f.name))
+        out.append(f"{changed}: the warm start trains the built-in models only; policy.model={cfg.policy.model} "
+                   "starts RL from its own weights, without a warm start")
     t = cfg.trainer
     if t.dtype == "bfloat16":
         out.append(f"trainer.dtype=bfloat16 steps AdamW on bfloat16 weights (no float32 master copy): an update below "

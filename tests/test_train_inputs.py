@@ -297,3 +297,19 @@ def test_a_reward_failing_on_every_probe_sample_stops_the_warm_start(tmp_path, c
     assert "failed on every one of the warm start's" in err and "None" in err, err
     assert "warm start 50/50" not in err
     assert not list((tmp_path / "cache").rglob("warmstart.json"))  # nothing cached
+
+
+def test_warm_start_settings_with_a_model_directory_are_warned_about(tmp_path):
+    """warm_start.* does nothing for a Hugging Face model directory (RL starts from its weights): it was
+    silently ignored."""
+    from llamarl.run_warnings import config_warnings
+
+    model = str(_model(tmp_path / "m"))
+
+    def warned(*extra):
+        return [w for w in config_warnings(load_config(["--model", model, *extra])) if "warm start trains" in w]
+
+    assert warned() == [] and [w for w in config_warnings(load_config(["--set", "warm_start.steps=100"]))
+                               if "warm start trains" in w] == []
+    got = warned("--set", "warm_start.steps=100", "--set", "warm_start.lr=0.01")
+    assert len(got) == 1 and got[0].startswith("warm_start.steps=100, warm_start.lr=0.01: the warm start trains"), got
