@@ -284,6 +284,12 @@ def evaluate(
 
 
 # ------------------------------------------------------------------------------------ CLI
+
+def _id_field(value: str) -> str | None:
+    """``--id-field``: a field name, or none/null/'' for ids by position."""
+    return None if value.strip().lower() in ("", "none", "null") else value
+
+
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m llamarl.eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="checkpoint directory (config.json + safetensors)")
@@ -304,7 +310,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N samples")
     p.add_argument("--prompt-field", default="question", help="dataset field of the prompt (default: question)")
     p.add_argument("--answer-field", default="answer", help="dataset field holding the answer (default: answer)")
-    p.add_argument("--id-field", default="id", help="dataset field of sample ids, if any (default: id)")
+    p.add_argument("--id-field", default="id", type=_id_field,
+                   help="dataset field of sample ids, if any (default: id); none: number the samples by position")
     p.add_argument("--template", default="{prompt}",
                    help="raw prompt template with a {prompt} placeholder (default: {prompt})")
     p.add_argument("--chat", action="store_true", help="render prompts with the tokenizer's chat template")

@@ -368,8 +368,12 @@ def test_other_record_fields_reach_the_reward_info_and_survive_a_rewrite(tmp_pat
     again, = load_dataset(write_jsonl([sample], tmp_path / "again.jsonl"))
     assert again.extra == sample.extra
     path.write_text("".join(json.dumps({"id": 7, "question": q, "answer": "2"}) + "\n" for q in ("1+1=", "2+0=")))
-    with pytest.raises(ValueError, match="duplicate id '7'"):
+    with pytest.raises(ValueError, match=r"duplicate id '7'.*set data.id_field=null \(llamarl.eval: --id-field none"):
         load_dataset(path)
+    from llamarl.eval import _build_parser
+
+    for spelled in ("none", "null", ""):  # llamarl.eval's spelling of "ids by position"
+        assert _build_parser().parse_args(["--model", "m", "--dataset", "d", "--id-field", spelled]).id_field is None
     numbered = load_dataset(path, id_field=None)  # ids that repeat: by position (data.id_field: null)
     assert [s.id for s in numbered] == ["d-0", "d-1"] and numbered[0].extra == {"id": 7}
     back = load_dataset(write_jsonl(numbered, tmp_path / "back.jsonl", id_field="key"), id_field="key")

@@ -198,7 +198,9 @@ def load_dataset(
                              "; every sample needs a reference answer to be scored against")
         sid = _as_text(rec[id_field], id_field, where, p, numbers_ok=True) if use_ids else f"{p.stem}-{index}"
         if sid in seen:
-            raise ValueError(f"{p} {where}: duplicate id {sid!r} (first seen at {seen[sid]}); ids must be unique")
+            raise ValueError(f"{p} {where}: duplicate id {sid!r} (first seen at {seen[sid]}); ids must be unique: "
+                             f"to number the samples by position instead, set data.id_field=null (llamarl.eval: "
+                             f"--id-field none)")
         seen[sid] = where
         extra = {k: v for k, v in rec.items() if k not in (prompt_field, answer_field)}  # the id too, as written
         samples.append(Sample(sid, prompt, answer, messages, extra or None,
