@@ -285,6 +285,20 @@ def evaluate(
 
 # ------------------------------------------------------------------------------------ CLI
 
+def _check_reward_on(spec: str, samples: list[Sample]) -> None:
+    """As llamarl.train does before a run: a user function's required keyword arguments must be fields of every
+    sample (ValueError), and gsm8k references that are not one number are warned about."""
+    from llamarl.config import FORMAT_REWARD_NAMES, REWARD_NAMES
+    from llamarl.rewards.data_checks import common_fields, gsm8k_unreadable, missing_fields
+
+    if spec not in REWARD_NAMES + FORMAT_REWARD_NAMES:
+        problem = missing_fields(spec, common_fields(samples))
+        if problem:
+            raise ValueError(f"--reward {problem}")
+    if spec == "gsm8k" and (problem := gsm8k_unreadable(samples)):
+        print(f"llamarl.eval: warning: {problem}", file=sys.stderr)
+
+
 def _id_field(value: str) -> str | None:
     """``--id-field``: a field name, or none/null/'' for ids by position."""
     return None if value.strip().lower() in ("", "none", "null") else value
@@ -413,6 +427,7 @@ def run(args: argparse.Namespace) -> EvalResult:
         raise ValueError("--reward is required for a dataset file (gsm8k, math, exact or module:function)")
     load_reward(reward_spec)  # a bad spec fails here, before the model is loaded
     args.reward = reward_spec
+    _check_reward_on(reward_spec, samples)
     n = args.n
     if n < 1:
         raise ValueError(f"-n must be >= 1 (completions per prompt), got {n}")

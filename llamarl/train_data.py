@@ -126,7 +126,9 @@ class TrainData:
     def info_fields(self) -> frozenset[str]:
         """What a reward function may ask for by name from every sample of the run (Sample.reward_info);
         computed when asked (a user reward function's check), not for every run."""
-        return frozenset.intersection(*(frozenset(s.reward_info()) for s in (self.samples or [Sample("", "", "")])))
+        from llamarl.rewards.data_checks import common_fields
+
+        return common_fields(self.samples)
 
     @property
     def samples(self) -> list[Sample]:

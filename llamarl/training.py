@@ -35,7 +35,7 @@ from llamarl.models import CharTokenizer, Llama, LlamaConfig, LLAMA_CONFIGS, loa
 from llamarl.models.hf_io import check_checkpoint
 from llamarl.parallel.tensor_parallel import check_tp_size
 from llamarl.rewards import RewardPool, RewardPoolError, load_reward
-from llamarl.rewards.registry import info_params
+from llamarl.rewards.data_checks import gsm8k_unreadable, missing_fields
 from llamarl.reporting import make_reporters, parse_report_to
 from llamarl.run_warnings import config_warnings, resume_warnings
 from llamarl.runlog import RunLog, claim_run_dir
@@ -191,22 +191,16 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
     except (OSError, ValueError, ImportError) as e:
         raise ConfigError(f"data.dataset: {e}") from None
     for path, spec in cfg.reward.user_functions():  # the keyword arguments it asks for must exist for every sample
-        missing = sorted(info_params(load_reward(spec)).required - data.info_fields)
-        if missing:
-            raise ConfigError(f"{path}: {spec} needs the keyword argument(s) {missing}, which not every sample "
-                              f"has (all have: {sorted(data.info_fields)}); give them defaults or add those fields "
-                              "to every record of the dataset")
+        problem = missing_fields(spec, data.info_fields)
+        if problem:
+            raise ConfigError(f"{path}: {problem}")
     if data.dropped:
         log(f"data: dropped {data.dropped} prompts longer than {max_prompt} tokens (the context {context} minus "
             f"generator.max_new_tokens)")
     if cfg.reward.reward == "gsm8k":  # a reference that is not one number rewards no completion
-        from llamarl.rewards.gsm8k import extract_reference_number
-
-        bad = [s for s in data.samples if extract_reference_number(s.answer) is None]
-        if bad:
-            log(f"warning: data: {len(bad)} of {len(data.samples)} answers are not one number (e.g. "
-                f"{bad[0].answer!r:.60}), so the gsm8k verifier scores every completion of them 0; use a reward "
-                "that reads them (math, exact, module:function) or fix the answers")
+        problem = gsm8k_unreadable(data.samples)
+        if problem:
+            log(f"warning: data: {problem}")
     return tokenizer, data
 
 

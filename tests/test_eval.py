@@ -269,6 +269,22 @@ def test_cli_errors_are_one_line_messages(tmp_path, capsys):
     assert rc == 2 and "nope_mod" in capsys.readouterr().err
 
 
+def test_cli_checks_the_reward_against_the_dataset_as_training_does(checkpoint, tmp_path, capsys):
+    """A user reward asking for a field not every record has is refused before the model loads (training
+    refused it; eval scored every sample as an error and exited 0); gsm8k references that are not one number
+    are warned about."""
+    _, path = checkpoint
+    (tmp_path / "needs_level.py").write_text("def score(completion, answer, level):\n    return 1.0\n")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"question": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": "x = 4 or 5"}\n')
+    base = ["--model", str(path), "--dataset", str(data), "--reward-workers", "1", "--no-progress",
+            "--output", str(tmp_path / "o.jsonl")]
+    assert main(base + ["--reward", f"{tmp_path / 'needs_level.py'}:score"]) == 2
+    assert "needs the keyword argument(s) ['level'], which not every sample has" in capsys.readouterr().err
+    assert main(base + ["--reward", "gsm8k", "--max-new-tokens", "2"]) == 0
+    assert "1 of 2 answers are not one number" in capsys.readouterr().err
+
+
 def test_cli_checks_lengths_counts_and_output_up_front(checkpoint, tmp_path, capsys):
     """An over-long prompt is named by its sample id before anything is generated; 0 for --limit or
     --max-new-tokens is an error, not the default; an --output that is a directory is refused first."""
