@@ -99,11 +99,27 @@ def _sigterm_as_ctrl_c():
 
 
 def main(argv: list[str] | None = None) -> int:
+    tr = TorchrunEnv.detect()
+    if tr is not None and tr.rank != 0:  # a torchrun executor rank: torchrun's SIGTERM simply ends it
+        return _main(argv, tr, [])
+    # from the first moment (reading the config, importing torch, starting the fork server): Ctrl-C and
+    # SIGTERM end the process with its message and status, never a traceback or an uncleaned exit
+    with _sigterm_as_ctrl_c() as terminated:
+        out: list[str] = []  # the run directory, once known
+        try:
+            return _main(argv, tr, out)
+        except KeyboardInterrupt:
+            what, status = ("terminated (SIGTERM)", 143) if terminated else ("interrupted", 130)
+            where = _where_it_stands(out[0]) if out else "the run had not started; nothing was written"
+            print(f"llamarl.train: {what}; {where}", file=sys.stderr)
+            return status
+
+
+def _main(argv: list[str] | None, tr: TorchrunEnv | None, out: list[str]) -> int:
     try:
         cfg = load_config(argv)
     except ConfigError as e:
         return _config_error(e)
-    tr = TorchrunEnv.detect()
     if tr is None and not _may_use_a_gpu(cfg):
         starting.warm(EXECUTOR_MODULES)  # before this process spends seconds importing torch: in parallel
     from llamarl import training
@@ -112,17 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         training.check_supported(cfg)
     except ConfigError as e:
         return _config_error(e)
-    if tr is not None and tr.rank != 0:  # a torchrun executor rank: torchrun's SIGTERM simply ends it
+    if tr is not None and tr.rank != 0:
         return _run_main(cfg)
     if cfg.run.out is None:  # resolved here, so that an interrupted run can say where it stands
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out=str(training.default_out())))
-    with _sigterm_as_ctrl_c() as terminated:
-        try:
-            return _run_main(cfg)
-        except KeyboardInterrupt:
-            what, status = ("terminated (SIGTERM)", 143) if terminated else ("interrupted", 130)
-            print(f"llamarl.train: {what}; {_where_it_stands(cfg.run.out)}", file=sys.stderr)
-            return status
+    out.append(cfg.run.out)
+    return _run_main(cfg)
 
 
 def _may_use_a_gpu(cfg: TrainConfig) -> bool:
