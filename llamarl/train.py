@@ -101,13 +101,13 @@ def _sigterm_as_ctrl_c():
 def main(argv: list[str] | None = None) -> int:
     tr = TorchrunEnv.detect()
     if tr is not None and tr.rank != 0:  # a torchrun executor rank: torchrun's SIGTERM simply ends it
-        return _main(argv, tr, [])
+        return _main(argv, tr, [], None)
     # from the first moment (reading the config, importing torch, starting the fork server): Ctrl-C and
     # SIGTERM end the process with its message and status, never a traceback or an uncleaned exit
     with _sigterm_as_ctrl_c() as terminated:
         out: list[str] = []  # the run directory, once known
         try:
-            return _main(argv, tr, out)
+            return _main(argv, tr, out, terminated)
         except KeyboardInterrupt:
             what, status = ("terminated (SIGTERM)", 143) if terminated else ("interrupted", 130)
             where = _where_it_stands(out[0]) if out else "the run had not started; nothing was written"
@@ -115,25 +115,59 @@ def main(argv: list[str] | None = None) -> int:
             return status
 
 
-def _main(argv: list[str] | None, tr: TorchrunEnv | None, out: list[str]) -> int:
-    try:
-        cfg = load_config(argv)
-    except ConfigError as e:
-        return _config_error(e)
-    if tr is None and not _may_use_a_gpu(cfg):
-        starting.warm(EXECUTOR_MODULES)  # before this process spends seconds importing torch: in parallel
-    from llamarl import training
+def _main(argv: list[str] | None, tr: TorchrunEnv | None, out: list[str], terminated: list[int] | None) -> int:
+    with _ctrl_c_between_steps(terminated) as between:
+        try:
+            cfg = load_config(argv)
+        except ConfigError as e:
+            return _config_error(e)
+        between()
+        if tr is None and not _may_use_a_gpu(cfg):
+            starting.warm(EXECUTOR_MODULES)  # before this process spends seconds importing torch: in parallel
+        from llamarl import training
 
-    try:
-        training.check_supported(cfg)
-    except ConfigError as e:
-        return _config_error(e)
-    if tr is not None and tr.rank != 0:
-        return _run_main(cfg)
-    if cfg.run.out is None:  # resolved here, so that an interrupted run can say where it stands
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out=str(training.default_out())))
-    out.append(cfg.run.out)
+        between()
+        try:
+            training.check_supported(cfg)
+        except ConfigError as e:
+            return _config_error(e)
+        if cfg.run.out is None and not (tr is not None and tr.rank != 0):  # known now: an interrupted run says
+            cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out=str(training.default_out())))
+        out.append(cfg.run.out)
     return _run_main(cfg)
+
+
+@contextlib.contextmanager
+def _ctrl_c_between_steps(terminated: list[int] | None):
+    """While the run starts (reading the config, importing torch), a Ctrl-C (or a SIGTERM, which raises one)
+    is recorded and raised as KeyboardInterrupt between those steps (``between()``) or when the block ends,
+    never inside one: an interrupt that lands in a library's import can be swallowed there and leave the
+    module half-imported (numpy.linalg then recursed until a RecursionError). The torch import delays it by
+    seconds at most. ``terminated`` None (a torchrun executor rank): SIGINT is left alone."""
+    import signal
+
+    pending: list[int] = []
+
+    def between() -> None:
+        if pending:
+            raise KeyboardInterrupt
+
+    if terminated is None:
+        yield between
+        return
+    try:
+        previous = signal.getsignal(signal.SIGINT)
+        ignored = previous == signal.SIG_IGN  # (a background job: only SIGTERM's own SIGINT counts)
+        signal.signal(signal.SIGINT, lambda signum, frame: None if ignored and not terminated else
+                      pending.append(signum))
+    except ValueError:  # not the main thread
+        yield between
+        return
+    try:
+        yield between
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    between()
 
 
 def _may_use_a_gpu(cfg: TrainConfig) -> bool:

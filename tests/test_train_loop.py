@@ -129,18 +129,19 @@ def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
 def test_a_signal_in_the_first_second_is_a_clean_stop(tmp_path, sig, status, what):
     """Ctrl-C or SIGTERM while the run still reads its config and imports torch: the message and status of a
     clean stop (before: a KeyboardInterrupt traceback from inside torch, or death by SIGTERM, which left the
-    fork server's directory in TMPDIR)."""
+    fork server's directory in TMPDIR; an interrupt swallowed inside numpy's import let the run go on to a
+    RecursionError). Under load the signal may come later, in the warm start: the same clean stop."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = dict(os.environ, LLAMARL_CACHE_DIR=str(tmp_path / "cache"), TMPDIR=str(tmp))
     proc = subprocess.Popen([sys.executable, "-m", "llamarl.train", *SMOKE, "--out", str(tmp_path / "r")], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    time.sleep(0.8)
+    time.sleep(1.0)
     (os.killpg if sig == signal.SIGINT else os.kill)(proc.pid, sig)
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode == status, output
-    assert output.startswith(f"llamarl.train: {what}; ") and "Traceback" not in output, output
+    assert output.splitlines()[-1].startswith(f"llamarl.train: {what}; ") and "Traceback" not in output, output
     deadline = time.monotonic() + 30
     while any(p.name.startswith("pymp-") for p in tmp.iterdir()) and time.monotonic() < deadline:
         time.sleep(0.2)  # the fork server ends with its owner
