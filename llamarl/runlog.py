@@ -224,6 +224,16 @@ def _open_history(path: Path, initial_step: int) -> tuple[int, list[dict]]:
     return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), kept
 
 
+def carry_history(source: Path, out: Path, step: int) -> None:
+    """A run resumed at ``step`` from ``source`` (another run directory) into a new ``out``: its metrics.jsonl
+    and samples.jsonl up to that step are copied first, so the new directory's logs, plot and summary cover the
+    whole run (its accuracy before RL is the run's, not the resumed step's). Files ``out`` has are kept."""
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        if (source / name).is_file() and not (out / name).exists():
+            write_text_atomic(out / name, (source / name).read_text(encoding="utf-8", errors="replace"))
+            _keep_history(out / name, step)
+
+
 def _keep_history(path: Path, initial_step: int) -> list[dict]:
     """Rewrite ``path`` (atomically) with the lines a run resumed at ``initial_step`` continues: whole JSON
     rows of steps <= initial_step and evaluations before it; returns those rows."""

@@ -38,7 +38,7 @@ from llamarl.rewards import RewardPool, RewardPoolError, load_reward
 from llamarl.rewards.data_checks import gsm8k_unreadable, missing_fields
 from llamarl.reporting import make_reporters, parse_report_to
 from llamarl.run_warnings import config_warnings, resume_warnings
-from llamarl.runlog import RunLog, claim_run_dir
+from llamarl.runlog import RunLog, carry_history, claim_run_dir
 from llamarl.runtime import RewardSpec, TorchrunEnv, run, serve_torchrun, starting
 from llamarl.train_data import PromptsTooLong, TrainData
 from llamarl.warmstart import (cache_key, content_fingerprint, default_cache_dir, reward_source, save_atomic,
@@ -324,16 +324,19 @@ START_CONFIG = "config.start.yaml"
 
 def _keep_starting_config(out: Path, cfg: TrainConfig, resume) -> None:
     """``out/config.start.yaml``: the settings the run started with (its first segment's), kept through every
-    resume, into a new --out too (config.yaml is each segment's own). The KL reference is rebuilt from them."""
+    resume, into a new --out too (config.yaml is each segment's own). The KL reference is rebuilt from them.
+    A resume into a new --out also carries the run's logs up to the resumed step (``runlog.carry_history``)."""
     dest = out / START_CONFIG
     if dest.is_file():
         return
     if resume is None:
         write_text_atomic(dest, cfg.with_absolute_paths().to_yaml())
         return
-    source = resume_run_dir(resume.path) / START_CONFIG
-    if source.is_file():
-        write_text_atomic(dest, source.read_text(encoding="utf-8"))
+    source = resume_run_dir(resume.path)
+    if (source / START_CONFIG).is_file():
+        write_text_atomic(dest, (source / START_CONFIG).read_text(encoding="utf-8"))
+    if source.resolve() != out.resolve():  # resumed into a new directory: the history comes along
+        carry_history(source, out, resume.step)
 
 
 def _starting_policy(out: Path, cfg: TrainConfig, tokenizer, data: TrainData) -> Path:

@@ -187,3 +187,10 @@ def test_a_resume_keeps_the_kl_reference_the_run_started_from(tmp_path, capsys):
     other = tmp_path / "next"
     assert main(["--resume", str(out), "--max-steps", "3", "--out", str(other)] + kl) == 0
     assert (other / "config.start.yaml").read_text() == started
+    # the new directory carries the run's history: its logs and summary cover the whole run (the summary's
+    # accuracy before RL was the resumed step's evaluation, and its steps the last segment's)
+    steps, evals = read_metrics(other)
+    assert [r["step"] for r in steps] == [1, 2, 3] and evals[0]["step"] == 0
+    summary = json.loads((other / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["accuracy_before"] == evals[0]["accuracy"]
+    assert read_metrics(out)[0] == steps[:2]  # the source run is left as it was
