@@ -102,3 +102,34 @@ def test_a_cuda_rank_starts_either_way(monkeypatch, method):
     with ExecutorGroup.spawn(f"cuda-{method}", TOY, 1, devices=["cuda:0"], start_timeout_s=300) as g:
         assert g.call_rank(0, "device_sum", 1000).result(timeout=120) == 1000.0
         assert (g.call_rank(0, "info_dict").result(timeout=60)["ppid"] != os.getpid()) == (method == "forkserver")
+
+
+FORK_SERVER_KILLED = """
+import asyncio, os, signal
+from multiprocessing import forkserver
+from llamarl.runtime import ExecutorDied, Runtime
+
+async def controller(rt):
+    g = rt.spawn("trainer", "llamarl.runtime.testing:ToyExecutor")
+    await g.acall("echo", 1)
+    os.kill(forkserver._forkserver._forkserver_pid, signal.SIGKILL)
+    await g.acall("sleep", 30)
+
+with Runtime() as rt:
+    try:
+        asyncio.run(rt.supervise(controller(rt)))
+    except ExecutorDied as e:
+        print(e)
+"""
+
+
+def test_a_killed_fork_server_is_named_as_the_cause(monkeypatch):
+    """The fork server killed (OOM killer, a stray kill): its ranks exit with it, and the run named a rank with
+    multiprocessing's placeholder status 255 instead of the server's death."""
+    monkeypatch.delenv("LLAMARL_START_METHOD", raising=False)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", FORK_SERVER_KILLED], capture_output=True, text=True, env=env,
+                         timeout=240)
+    assert "executor 'trainer' rank 0 died (exit status unknown: the fork server (pid" in out.stdout, (out.stdout,
+                                                                                                   out.stderr[-2000:])

@@ -484,7 +484,8 @@ class ExecutorGroup:
                 link.pending.clear()
             else:
                 pending_method = next(iter(link.pending.values()), ("", None))[0]
-                self._death = ExecutorDied(self.name, rank, exitcode, pending_method)
+                self._death = ExecutorDied(self.name, rank, exitcode, pending_method,
+                                           starting.lost_rank_cause(link.process, exitcode))
         if expected:
             for method, fut in leftovers:
                 if self._death is not None:  # the group failed: its calls fail with that death
@@ -523,7 +524,7 @@ class ExecutorGroup:
         d = self._death
         assert d is not None
         if type(d) is ExecutorDied:
-            return ExecutorDied(d.group, d.rank, d.exitcode, method)
+            return ExecutorDied(d.group, d.rank, d.exitcode, method, d.cause)
         rebuild, args = d.__reduce__()  # a hang or a failed monitor: every call fails with what stopped the group
         return rebuild(*args)
 
@@ -596,3 +597,4 @@ def _shutdown_live_groups() -> None:
             group.shutdown(timeout=5.0)
         except Exception:  # noqa: BLE001 - best effort at interpreter exit
             kill_all(group._links, grace_s=1.0)
+

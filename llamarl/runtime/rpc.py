@@ -145,15 +145,16 @@ class ExecutorDied(ExecutorError):
     that rank when it died, or "" if it was idle.
     """
 
-    def __init__(self, group: str, rank: int, exitcode: int | None, method: str = ""):
-        self.exitcode = exitcode
-        how = describe_exit(exitcode)
+    def __init__(self, group: str, rank: int, exitcode: int | None, method: str = "", cause: str = ""):
+        self.exitcode, self.cause = exitcode, cause
+        how = cause or describe_exit(exitcode)
         super().__init__(group, rank, method or "<idle>", "ExecutorDied", how)
         pending = f" while running {method}()" if method else ""
         self.args = (f"executor '{group}' rank {rank} died ({how}){pending}",)
 
     def __reduce__(self):
-        return (type(self), (self.group, self.rank, self.exitcode, self.method if self.method != "<idle>" else ""))
+        return (type(self), (self.group, self.rank, self.exitcode, self.method if self.method != "<idle>" else "",
+                             self.cause))
 
 
 class ExecutorHung(ExecutorDied):

@@ -69,6 +69,33 @@ def warm(modules: Iterable[str] = ()) -> None:
         _ensure_running(modules)
 
 
+def server_exited() -> int | None:
+    """The fork server's pid if it has exited (every rank it forked then exits too, and multiprocessing reports
+    their status as 255: it cannot wait for processes that are not its children), else None. Read from /proc,
+    without reaping it (multiprocessing's ``ensure_running`` does, to start a new one)."""
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return pid  # gone (reaped), or no /proc to tell: only called after a forked rank was lost
+    return pid if state in ("Z", "X") else None
+
+
+def lost_rank_cause(process, exitcode: int | None) -> str:
+    """For a rank forked by the fork server whose status reads 255 (multiprocessing's placeholder when the
+    server cannot report it) while the server itself has exited: the server's death as the cause ("" else)."""
+    if exitcode != 255 or getattr(process, "_start_method", None) != "forkserver":
+        return ""
+    pid = server_exited()
+    if pid is None:
+        return ""
+    return (f"exit status unknown: the fork server (pid {pid}) that started the CPU ranks has exited, and every rank "
+            "it forked exits with it")
+
+
 def context(method: str, target_module: str) -> mp.context.BaseContext:
     """The multiprocessing context for ``method``; for "forkserver" the server is started (preloading
     ``target_module`` as well) if it is not running yet."""
