@@ -194,6 +194,10 @@ def load_config(argv: Sequence[str] | None = None, *, check_environment: bool = 
                "143 SIGTERM (the last checkpoint stays intact)."))
     args, unknown = parser.parse_known_args(argv)
     if unknown:
+        split = [item for item in args.overrides if "=" not in item]
+        if split and not unknown[0].startswith("-"):  # --set trainer.lr 3e-4: a space where '=' belongs
+            fail("--set", f"expects SECTION.KEY=VALUE, e.g. --set {split[0]}={unknown[0]} (one argument, joined by "
+                 "'=')", split[0])
         flag = unknown[0].split("=")[0]
         flags = [a for action in parser._actions for a in action.option_strings]
         fail(flag, f"unknown option{did_you_mean(flag, flags)}; see --help")

@@ -220,6 +220,7 @@ def _messages(tmp_path):
         (["--config", f"{t}/run_text.yaml"], r"run: must be a mapping of keys in .*run_text.yaml, got 'fast'"),
         (["--set", "trainer.dtype=bfloat16"], r"trainer.dtype: bfloat16 with policy.dtype=float32"),
         (["--set", "trainer.lr"], r"--set: expects SECTION.KEY=VALUE"),
+        (["--set", "trainer.lr", "3e-4"], r"--set: expects SECTION.KEY=VALUE, e.g. --set trainer.lr=3e-4 \(one arg"),
         (["--max_steps", "3"], r"--max_steps: unknown option \(did you mean '--max-steps'\?\)"),
     ]
 
