@@ -463,16 +463,20 @@ print("ok")
 """
 
 
+def _assert_script_prints_ok(script: str) -> None:
+    """Run ``script`` in a subprocess (a hang is then a failure rather than a stuck suite); it must print ok."""
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
 def test_strikes_never_land_outside_the_call_under_contention():
     """Budgets shorter than starting the watchdog thread, under GIL contention: a strike used to land in
     ``Thread.start``, or a second strike before the ``finally`` had stopped the watchdog, which then
     struck the caller forever (stray exceptions, a hang in a later ``Thread.start``; seen in the suite
     and in CI). Run in a subprocess, so a hang is a failure rather than a stuck suite."""
-    repo = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", STRIKE_STRESS], capture_output=True, text=True, env=env,
-                          timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    _assert_script_prints_ok(STRIKE_STRESS)
 
 
 def test_nested_deadlines_keep_their_own_budgets():
@@ -482,6 +486,23 @@ def test_nested_deadlines_keep_their_own_budgets():
         return "inner timed out, outer still fine"
 
     assert call_with_deadline(inner, 30.0) == "inner timed out, outer still fine"
+
+
+def _assert_each_call_is_stopped(fn, calls: int) -> None:
+    """``calls`` times: ``call_with_deadline(fn, 0.01)`` raises DeadlineExceeded within 30 s. Each call runs on a
+    daemon thread, so a hang fails the test rather than the session."""
+    for _ in range(calls):
+        done, out = threading.Event(), {}
+
+        def run():
+            try:
+                call_with_deadline(fn, 0.01)
+            except DeadlineExceeded:
+                out["raised"] = True
+            done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        assert done.wait(30) and out.get("raised")
 
 
 def test_an_outer_deadline_stops_a_loop_of_inner_deadlines():
@@ -502,18 +523,7 @@ def test_an_outer_deadline_stops_a_loop_of_inner_deadlines():
             except DeadlineExceeded:
                 pass
 
-    for _ in range(30):
-        done, out = threading.Event(), {}
-
-        def run():
-            try:
-                call_with_deadline(try_candidates, 0.01)
-            except DeadlineExceeded:
-                out["raised"] = True
-            done.set()
-
-        threading.Thread(target=run, daemon=True).start()  # daemon: a hang fails the test, not the session
-        assert done.wait(30) and out.get("raised")
+    _assert_each_call_is_stopped(try_candidates, calls=30)
 
 
 IMPORT_STRESS = """
@@ -542,11 +552,7 @@ print("ok" if not any(t.is_alive() for t in threads) else "hung")
 def test_strikes_wait_for_an_import_to_end():
     """A strike inside importlib could leave a module lock held, and every later import of that module (in
     any thread) waited for ever: math_reward hung in sympy's lazy imports from worker threads."""
-    repo = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", IMPORT_STRESS], capture_output=True, text=True, env=env,
-                          timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    _assert_script_prints_ok(IMPORT_STRESS)
 
 
 def test_a_forked_child_has_a_watchdog_of_its_own():
@@ -609,15 +615,4 @@ def test_a_deadline_stops_a_function_that_starts_threads():
             t.start()
             t.join()
 
-    for _ in range(20):
-        done, out = threading.Event(), {}
-
-        def run():
-            try:
-                call_with_deadline(starts_threads, 0.01)
-            except DeadlineExceeded:
-                out["raised"] = True
-            done.set()
-
-        threading.Thread(target=run, daemon=True).start()  # daemon: a hang fails the test, not the session
-        assert done.wait(30) and out.get("raised")
+    _assert_each_call_is_stopped(starts_threads, calls=20)
