@@ -555,6 +555,20 @@ def test_strikes_wait_for_an_import_to_end():
     _assert_script_prints_ok(IMPORT_STRESS)
 
 
+def test_a_thread_left_in_limbo_does_not_stop_every_deadline():
+    """A strike that races into ``Thread.start`` (or kills the new thread before it boots) leaves that thread in
+    ``threading._limbo`` for good; the watchdog took it for a thread being started and never struck again, in
+    any call of the process. An entry older than a second no longer counts."""
+    leaked = threading.Thread(target=lambda: None)
+    with threading._active_limbo_lock:
+        threading._limbo[leaked] = leaked  # what such a strike leaves behind
+    try:
+        _assert_each_call_is_stopped(_busy, calls=1)  # (on a daemon thread: a deadline that never strikes fails)
+    finally:
+        with threading._active_limbo_lock:
+            threading._limbo.pop(leaked, None)
+
+
 def test_a_forked_child_has_a_watchdog_of_its_own():
     """The watchdog thread does not survive a fork: the child starts its own (and a lock its parent's watchdog
     held at the fork is not inherited held)."""

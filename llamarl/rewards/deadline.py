@@ -25,7 +25,11 @@ Invariants:
   * Nested calls on one thread: each keeps its own budget; an outer strike unwinds the inner call (its
     class is not the inner's) and is raised by the outer one. An inner call that ends clears the strike
     pending on its thread, which may be an outer call's: it strikes an outer call past its budget again.
-  * Limits: an async exception is only delivered between Python bytecodes. A single long C call (a
+  * Limits: a ``fn`` that starts threads can still hang its call: the check for a thread being started and
+    the strike are two steps, and a thread started between them can get the strike before it boots (CPython
+    gives it its own id without the GIL, so the undo misses it); it dies, and ``start()`` waits for it in a
+    lock no strike can interrupt (seen under a stress of 3 threads starting threads under 1 ms budgets; the
+    watchdog strikes on for every other call). An async exception is only delivered between Python bytecodes. A single long C call (a
     huge big-integer power, a blocking syscall), or code that catches every exception in an endless
     loop, cannot be stopped from inside the process; callers must screen such inputs out beforehand,
     and the reward worker pool's per-sample process kill is the hard bound behind it.
@@ -39,6 +43,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
@@ -176,11 +181,25 @@ def _run(fn: Callable[[], T], call: _Call) -> T:
     return fn()
 
 
+_STALE_S = 1.0  # a thread in threading._limbo this long is not starting: its start() was struck before it began
+_limbo_seen: "weakref.WeakKeyDictionary[threading.Thread, float]" = weakref.WeakKeyDictionary()
+
+
 def _threads_starting() -> bool:
     """Whether a thread is being started (between ``Thread.start`` and its bootstrap). Until it boots, its
     thread state carries its creator's id (CPython), so a strike aimed at the creator could land in it: the
-    new thread would die before saying it started, and ``start()`` in ``fn`` would wait forever."""
-    return bool(getattr(threading, "_limbo", None))
+    new thread would die before saying it started, and ``start()`` in ``fn`` would wait forever. An entry of
+    ``threading._limbo`` older than ``_STALE_S`` does not count: a strike that raced into ``start()`` before
+    the thread began leaves it there for good (``start`` only cleans up after an ``Exception``), as does a new
+    thread killed by a strike that raced this check (CPython gives it its own id without the GIL, so our undo
+    can miss it), and such an entry must not keep every deadline of the process from striking again: the
+    creator waiting in ``start()`` for a thread that died is then struck out of that wait. (Called by the
+    watchdog, under its lock.)"""
+    now, starting = time.monotonic(), False
+    for thread in list(getattr(threading, "_limbo", {})):
+        if now - _limbo_seen.setdefault(thread, now) < _STALE_S:
+            starting = True
+    return starting
 
 
 def _strikable(thread_id: int, frame: Any) -> bool:
