@@ -99,10 +99,14 @@ class _Watchdog:
         with self.lock:
             while True:
                 now = time.monotonic()
-                for call in self.calls:
+                for call in list(self.calls):
                     if call.due <= now:
                         call.expired = True
-                        if _strikable(call.target, call.frame) and not _threads_starting():
+                        state = _state(call.target, call.frame)
+                        if state == "over":  # an outer strike skipped its disarm (landed before its try)
+                            self.calls.discard(call)
+                            continue
+                        if state == "strike" and not _threads_starting():
                             _inject(call.target, call.exc_type)
                         call.due = now + _REPEAT_S
                 due = min((c.due for c in self.calls), default=math.inf)
@@ -123,7 +127,7 @@ class _Watchdog:
                     if outer is None:
                         for other in self.calls:
                             if (other.target == call.target and other.expired and
-                                    _strikable(other.target, other.frame)):
+                                    _state(other.target, other.frame) == "strike"):
                                 _inject(other.target, other.exc_type)
                                 break
                 break
@@ -192,9 +196,8 @@ def _threads_starting() -> bool:
     ``threading._limbo`` older than ``_STALE_S`` does not count: a strike that raced into ``start()`` before
     the thread began leaves it there for good (``start`` only cleans up after an ``Exception``), as does a new
     thread killed by a strike that raced this check (CPython gives it its own id without the GIL, so our undo
-    can miss it), and such an entry must not keep every deadline of the process from striking again: the
-    creator waiting in ``start()`` for a thread that died is then struck out of that wait. (Called by the
-    watchdog, under its lock.)"""
+    can miss it), and such an entry must not keep every deadline of the process from striking again.
+    (Called by the watchdog, under its lock.)"""
     now, starting = time.monotonic(), False
     for thread in list(getattr(threading, "_limbo", {})):
         if now - _limbo_seen.setdefault(thread, now) < _STALE_S:
@@ -202,16 +205,18 @@ def _threads_starting() -> bool:
     return starting
 
 
-def _strikable(thread_id: int, frame: Any) -> bool:
-    """Whether ``frame`` is on the thread's stack, and the thread is not importing above it: a strike inside
-    importlib can leave a module lock held (the exception lands between its acquire and its release), and
-    the next import of that module, in any thread, then waits for ever (seen with sympy's lazy imports in
-    math-verify). The strike waits for the import to end."""
-    f = sys._current_frames().get(thread_id) if frame is not None else None
+def _state(thread_id: int, frame: Any) -> str:
+    """Where a call stands: "strike" (``frame``, its ``_run``, is on the thread's stack), "wait" (not running yet,
+    or importing above ``frame``: a strike inside importlib can leave a module lock held, the exception landing
+    between its acquire and its release, and every later import of that module, in any thread, then waits for
+    ever, as seen with sympy's lazy imports in math-verify; the strike waits for the import to end) or "over"
+    (``frame`` has returned: a call whose deregistration a strike skipped)."""
+    if frame is None:
+        return "wait"
+    f, importing = sys._current_frames().get(thread_id), False
     while f is not None:
         if f is frame:
-            return True
-        if f.f_code.co_filename.startswith("<frozen importlib"):
-            return False
+            return "wait" if importing else "strike"
+        importing = importing or f.f_code.co_filename.startswith("<frozen importlib")
         f = f.f_back
-    return False
+    return "over"
