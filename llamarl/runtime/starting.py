@@ -89,8 +89,14 @@ def lost_rank_cause(process, exitcode: int | None) -> str:
     server cannot report it) while the server itself has exited: the server's death as the cause ("" else)."""
     if exitcode != 255 or getattr(process, "_start_method", None) != "forkserver":
         return ""
-    pid = server_exited()
-    if pid is None:
+    import time
+
+    for _ in range(50):  # its ranks can notice its death (their parent watch) before it has finished exiting
+        pid = server_exited()
+        if pid is not None:
+            break
+        time.sleep(0.02)
+    else:
         return ""
     return (f"exit status unknown: the fork server (pid {pid}) that started the CPU ranks has exited, and every rank "
             "it forked exits with it")
