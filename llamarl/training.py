@@ -310,10 +310,11 @@ def train(cfg: TrainConfig) -> dict:
                         "warm_start.cache_dir")
     # the run directory is this run's from here until it ends (a second run on it is refused); a resumed
     # run's logs and checkpoints are cut back to the resumed step right away, before anything can fail
-    lock = claim_run_dir(out, cfg.with_absolute_paths().to_yaml(), resume_step=resume.step if resume else None,
+    config_yaml = cfg.with_absolute_paths().to_yaml()
+    lock = claim_run_dir(out, config_yaml, resume_step=resume.step if resume else None,
                          warn=lambda message: log(f"warning: {message}"))
     try:
-        _keep_starting_config(out, cfg, resume)
+        _carry_run_start(out, config_yaml, resume)
         return _train_in(out, cfg, resume, tokenizer, data, t_start)
     finally:
         lock.release()
@@ -322,15 +323,16 @@ def train(cfg: TrainConfig) -> dict:
 START_CONFIG = "config.start.yaml"
 
 
-def _keep_starting_config(out: Path, cfg: TrainConfig, resume) -> None:
-    """``out/config.start.yaml``: the settings the run started with (its first segment's), kept through every
-    resume, into a new --out too (config.yaml is each segment's own). The KL reference is rebuilt from them.
-    A resume into a new --out also carries the run's logs up to the resumed step (``runlog.carry_history``)."""
+def _carry_run_start(out: Path, config_yaml: str, resume) -> None:
+    """What a run keeps from its start in ``out``: ``config.start.yaml``, the settings of its first segment
+    (``config_yaml`` for a new run), kept through every resume, into a new --out too (config.yaml is each
+    segment's own; the KL reference is rebuilt from them), and, for a resume into a new --out, the run's logs
+    up to the resumed step (``runlog.carry_history``)."""
     dest = out / START_CONFIG
     if dest.is_file():
         return
     if resume is None:
-        write_text_atomic(dest, cfg.with_absolute_paths().to_yaml())
+        write_text_atomic(dest, config_yaml)
         return
     source = resume_run_dir(resume.path)
     if (source / START_CONFIG).is_file():

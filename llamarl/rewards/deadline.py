@@ -29,10 +29,10 @@ Invariants:
     the strike are two steps, and a thread started between them can get the strike before it boots (CPython
     gives it its own id without the GIL, so the undo misses it); it dies, and ``start()`` waits for it in a
     lock no strike can interrupt (seen under a stress of 3 threads starting threads under 1 ms budgets; the
-    watchdog strikes on for every other call). An async exception is only delivered between Python bytecodes. A single long C call (a
-    huge big-integer power, a blocking syscall), or code that catches every exception in an endless
-    loop, cannot be stopped from inside the process; callers must screen such inputs out beforehand,
-    and the reward worker pool's per-sample process kill is the hard bound behind it.
+    watchdog strikes on for every other call). An async exception is only delivered between Python
+    bytecodes. A single long C call (a huge big-integer power, a blocking syscall), or code that catches
+    every exception in an endless loop, cannot be stopped from inside the process; callers must screen such
+    inputs out beforehand, and the reward worker pool's per-sample process kill is the hard bound behind it.
 """
 
 from __future__ import annotations

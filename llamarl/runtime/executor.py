@@ -477,6 +477,7 @@ class ExecutorGroup:
         exitcode = None
         if link.process is not None:
             exitcode = link.join(timeout=2.0)
+        cause = starting.lost_rank_cause(link.process, exitcode)  # (may wait for the fork server: not under the lock)
         with self._lock:
             expected = self._closing or self._closed or self._start_failed or self._death is not None
             if expected:  # an exit we asked for, or a group that already failed: settle this rank's calls
@@ -484,8 +485,7 @@ class ExecutorGroup:
                 link.pending.clear()
             else:
                 pending_method = next(iter(link.pending.values()), ("", None))[0]
-                self._death = ExecutorDied(self.name, rank, exitcode, pending_method,
-                                           starting.lost_rank_cause(link.process, exitcode))
+                self._death = ExecutorDied(self.name, rank, exitcode, pending_method, cause)
         if expected:
             for method, fut in leftovers:
                 if self._death is not None:  # the group failed: its calls fail with that death
@@ -597,4 +597,3 @@ def _shutdown_live_groups() -> None:
             group.shutdown(timeout=5.0)
         except Exception:  # noqa: BLE001 - best effort at interpreter exit
             kill_all(group._links, grace_s=1.0)
-

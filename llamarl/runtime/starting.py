@@ -28,6 +28,7 @@ import multiprocessing as mp
 import os
 import sys
 import threading
+import time
 from multiprocessing import forkserver, reduction
 from typing import Iterable, Sequence
 
@@ -89,8 +90,6 @@ def lost_rank_cause(process, exitcode: int | None) -> str:
     server cannot report it) while the server itself has exited: the server's death as the cause ("" else)."""
     if exitcode != 255 or getattr(process, "_start_method", None) != "forkserver":
         return ""
-    import time
-
     for _ in range(50):  # its ranks can notice its death (their parent watch) before it has finished exiting
         pid = server_exited()
         if pid is not None:
