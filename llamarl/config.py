@@ -143,7 +143,7 @@ class TrainerConfig(_Section):
     ranks: int = 1
     parallel: Literal["fsdp", "ddp", "none"] = "fsdp"
     lr: float = 1e-5
-    # learning rate at RL step k (0-based; llamarl.executors.trainer.lr_at): linear warm-up to lr over the
+    # learning rate at RL step k (0-based; llamarl.algorithms.lr_schedule): linear warm-up to lr over the
     # first lr_warmup_steps steps, then "constant", or "cosine"/"linear" decay to min_lr_ratio * lr at
     # run.max_steps (a --resume that raises --max-steps stretches the rest of the decay to the new end)
     lr_warmup_steps: int = 0
@@ -172,6 +172,10 @@ class TrainerConfig(_Section):
     # the trainer's weights and AdamW state; float32 with policy.dtype=bfloat16 keeps full-precision weights for
     # the updates and a bfloat16 generator (the weight sync casts). bfloat16 steps bf16 weights directly (warned)
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # the forward/backward's precision; None: trainer.dtype. bfloat16 with dtype=float32 is mixed precision (the
+    # usual GPU recipe): bf16 matmuls, fp32 master weights, gradients and AdamW state (autocast on one rank or
+    # DDP; FSDP's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) when sharded)
+    compute_dtype: Literal["float32", "bfloat16"] | None = None
     loss: Literal["auto", "fused", "reference"] = "auto"  # auto: fused Triton kernel where it runs
     rho: float = 2.0  # AIPO one-sided truncation of pi/mu
     kl_coef: float = 0.0
@@ -205,6 +209,10 @@ class TrainerConfig(_Section):
     activation_checkpointing: bool = False
 
     def check(self) -> None:
+        if self.compute_dtype == "float32" and self.dtype == "bfloat16":
+            fail("trainer.compute_dtype", "float32 with trainer.dtype=bfloat16 would compute in float32 from weights "
+                 "already rounded to bfloat16; for full-precision weights with bfloat16 compute set "
+                 "trainer.dtype=float32 and trainer.compute_dtype=bfloat16", self.compute_dtype)
         self._positive("ranks")
         self._positive("lr")
         self._positive("lr_warmup_steps", strict=False)

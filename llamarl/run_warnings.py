@@ -11,7 +11,7 @@ from llamarl.config import TrainConfig, WarmStartConfig, resume_run_dir
 from llamarl.config_cli import saved_config
 from llamarl.config_values import ConfigError
 from llamarl.data.prompts import literal_escapes
-from llamarl.executors.trainer import lr_at
+from llamarl.algorithms import lr_at
 from llamarl.models.config import LLAMA_CONFIGS
 from llamarl.presets import PRESETS
 
@@ -54,7 +54,8 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
         out.append(f"trainer.dtype=bfloat16 steps AdamW on bfloat16 weights (no float32 master copy): an update below "
                    f"half a bfloat16 ulp is lost, so at trainer.lr={t.lr:g} most weights barely move (and norm weights "
                    "near 1.0 never do); --set trainer.dtype=float32 keeps float32 weights for the updates while the "
-                   "generator stays in policy.dtype=bfloat16 (the weight sync casts)")
+                   "generator stays in policy.dtype=bfloat16 (the weight sync casts), and --set "
+                   "trainer.compute_dtype=bfloat16 keeps the bfloat16 compute (mixed precision)")
     if 0 < t.micro_batch_tokens <= g.max_new_tokens:
         out.append(f"trainer.micro_batch_tokens={t.micro_batch_tokens} is not above generator.max_new_tokens="
                    f"{g.max_new_tokens}: a sequence near the length limit does not fit the budget with its prompt, so "

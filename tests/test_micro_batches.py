@@ -68,7 +68,11 @@ def test_take_rows_cuts_each_part_to_its_longest_row_and_keeps_its_logprobs(tmp_
         assert part["group"].tolist() == [0, 1, 0] and part["prompt_ids"].shape[0] == 2
     assert "total_tokens" not in part
 
-    from llamarl.executors.trainer import _logits
+    from llamarl.executors.trainer import _final_hidden
+
+    def _logits(model, part):
+        return model.lm_head(_final_hidden(model, part))
+
     model = random_model(CFG)
     with torch.no_grad():
         full = token_logprobs(_logits(model, take_rows(batch, rows, trim=False)), batch["targets"][rows], 1.0)[0]

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from llamarl.config_cli import load_config
-from llamarl.executors.trainer import lr_at
+from llamarl.algorithms import lr_at
 from llamarl.run_warnings import resume_warnings
 
 # a run of 10 steps on a linear schedule with 2 warm-up steps

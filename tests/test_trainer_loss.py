@@ -149,7 +149,7 @@ def test_the_uncorrected_ablation_keeps_the_kl_term_and_the_kl_estimator_reaches
 
 
 def test_learning_rate_schedule():
-    from llamarl.executors.trainer import lr_at
+    from llamarl.algorithms import lr_at
 
     cfg = dict(TRAINER, lr=1.0, lr_warmup_steps=4, min_lr_ratio=0.1)
     warm = [lr_at(k, dict(cfg, lr_schedule=s), 14) for s in ("constant", "cosine", "linear") for k in range(4)]

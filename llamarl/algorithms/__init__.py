@@ -6,5 +6,6 @@ The fused, memory-bounded version of the loss that starts from the last hidden s
 
 from llamarl.algorithms.advantages import group_advantages
 from llamarl.algorithms.aipo import aipo_loss, token_logprobs
+from llamarl.algorithms.lr_schedule import lr_at
 
-__all__ = ["aipo_loss", "group_advantages", "token_logprobs"]
+__all__ = ["aipo_loss", "group_advantages", "lr_at", "token_logprobs"]

@@ -33,11 +33,15 @@ publishes them as ``version``.
 Weights and AdamW state are in ``trainer.dtype``; the generator's (``sync_dtype``, policy.dtype) may be
 lower: a float32 trainer pushes its weights cast to bfloat16 (staged in buffers kept between pushes), so
 updates below a bfloat16 ulp accumulate in the float32 weights instead of rounding away. Checkpoints hold
-the trainer's weights (float32 then), so a resume continues them exactly.
+the trainer's weights (float32 then), so a resume continues them exactly. Mixed precision
+(``trainer.compute_dtype`` = bfloat16 over float32 weights): the forwards run under autocast (one rank, DDP)
+or FSDP's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); the fused kernels get the hidden states
+and the lm_head weight in bf16; gradients, the norm clip and AdamW stay fp32. The KL reference runs in the
+same precision, so KL = 0 at the start as in fp32.
 
 Sharded trainer (``trainer.ranks`` = R_t > 1, FSDP2; the executor group's process group is the mesh).
 Every rank loads the policy and keeps its dim-0 shard of each parameter (``llamarl.parallel.apply_fsdp``,
-in the trainer dtype, no mixed-precision policy: the numerics are those of one process); AdamW runs on the
+in the trainer dtype, with the mixed-precision policy only under ``compute_dtype``); AdamW runs on the
 shards. Protocol of one command (the controller calls every rank with the same arguments):
 
     train_step    every rank gets the same collated batch of B sequences (B % R_t == 0, checked by the
@@ -71,6 +75,7 @@ The single-rank path (R_t = 1) never touches torch.distributed.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -78,13 +83,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from llamarl.algorithms import aipo_loss, token_logprobs
+from llamarl.algorithms import aipo_loss, lr_at, token_logprobs
 from llamarl.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
 from llamarl.models import Llama
 from llamarl.models.shared_prefix import shared_prefix_hidden_states
 from llamarl import parallel  # FSDP/DDP helpers, imported on first use (a single rank never needs them)
 from llamarl.parallel.grads import clip_grad_norm_
 from llamarl.executors.generator import generator_layout
+from llamarl.executors.step_stats import combine_micro_batches, combine_updates, merge_ranks
 from llamarl.micro_batches import TOTAL_KEYS, extents, idle_part, part_positions, plan, take_rows
 from llamarl.runtime import RankInfo
 from llamarl.weight_sync import TrainerLayout, WeightSender, llama_param_specs, plan_sync
@@ -92,8 +98,6 @@ from llamarl.weight_sync import TrainerLayout, WeightSender, llama_param_specs, 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 MODEL_SIDE_FILES = ("generation_config.json",)
-SUM_METRICS = ("tokens", "train_positions")  # train_positions: padded positions the update forwards ran
-MAX_METRICS = ("ratio_max",)
 
 
 def policy_side_files(model_path: str, tokenizer_path: str | None = None) -> dict[str, bytes]:
@@ -133,10 +137,14 @@ class TrainerExecutor:
         self.temperature = temperature if temperature > 0 else 1.0
         self.device = torch.device(rank_info.device or "cpu")
         dtype = DTYPES[trainer["dtype"]]
+        # mixed precision: bf16 forward/backward over fp32 weights (the config refuses fp32 compute of bf16 weights)
+        self.compute_dtype = DTYPES[trainer["compute_dtype"] or trainer["dtype"]]
+        self.mixed = self.compute_dtype != dtype
+        fsdp = dict(mixed_precision=self.mixed, param_dtype=self.compute_dtype)
         self.model = Llama.from_pretrained(model_path, dtype=dtype, device=self.device)
         self.model.activation_checkpointing = trainer["activation_checkpointing"]
         if self.sharded:  # over this group's process group (the default group of an executor process)
-            parallel.apply_fsdp(self.model, None, parallel.FSDPConfig(grad_reduce="sum"))
+            parallel.apply_fsdp(self.model, None, parallel.FSDPConfig(grad_reduce="sum", **fsdp))
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=trainer["lr"], betas=tuple(trainer["betas"]),
                                      weight_decay=trainer["weight_decay"])
@@ -147,7 +155,7 @@ class TrainerExecutor:
             self.ref = Llama.from_pretrained(reference_path or model_path, dtype=dtype, device=self.device)
             self.ref.eval().requires_grad_(False)
             if self.sharded:
-                parallel.apply_fsdp(self.ref, None, parallel.FSDPConfig())
+                parallel.apply_fsdp(self.ref, None, parallel.FSDPConfig(**fsdp))
         loss = trainer["loss"]
         self.fused = loss == "fused" or (loss == "auto" and self.device.type == "cuda")
         # the reference loss's entropy: a term of the loss, or only the logged metric (no autograd tensors)
@@ -213,7 +221,7 @@ class TrainerExecutor:
             olds = [self._old_logprobs(p) if i or epochs > 1 else None for i, p in enumerate(parts)]
         updates = [p if (e == 0 and i == 0) or olds[i] is None else dict(p, old_logprobs=olds[i])
                    for e in range(epochs) for i, p in enumerate(parts)]
-        stats = _combine_updates([update(part) for part in updates], epochs)
+        stats = combine_updates([update(part) for part in updates], epochs)
         if push and stats["applied"]:
             stats["sync"] = self.push_weights(self.version + 1)
         stats["version"] = self.version
@@ -274,14 +282,14 @@ class TrainerExecutor:
         """No-grad logπ [rows, T] of ``part["targets"]`` under ``model`` (fp32; with the fused loss, from
         the trained positions only, through ``fused_logprobs``: no [rows, T, V] logits; 0 elsewhere)."""
         if not self.fused:
-            return token_logprobs(_logits(model, part), part["targets"], self.temperature, entropy="none")[0]
+            return token_logprobs(self._logits(model, part), part["targets"], self.temperature, entropy="none")[0]
         from llamarl_kernels import fused_logprobs
 
         idx, pick = _trained_positions(part)
-        hidden = _hidden(model, part)  # also without trained positions: an FSDP forward gathers on every rank
+        hidden = self._hidden(model, part)  # also without trained positions: an FSDP forward gathers on every rank
         if idx.numel() == 0:
             return torch.zeros(part["targets"].shape, dtype=torch.float32, device=hidden.device)
-        picked, _ = fused_logprobs(pick(hidden), model.lm_head_weight, pick(part["targets"]), self.temperature)
+        picked, _ = fused_logprobs(pick(hidden), self._head(model), pick(part["targets"]), self.temperature)
         out = torch.zeros(part["targets"].numel(), dtype=torch.float32, device=hidden.device)
         return out.index_copy_(0, idx, picked).view(part["targets"].shape)
 
@@ -301,7 +309,7 @@ class TrainerExecutor:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg["grad_clip"])
         applied = math.isfinite(loss_sum) and bool(torch.isfinite(grad_norm)) and bool(grads)
-        return self._apply_update(applied, loss_sum, grad_norm, t0, _combine(metrics), empty=not metrics)
+        return self._apply_update(applied, loss_sum, grad_norm, t0, combine_micro_batches(metrics), empty=not metrics)
 
     def push_weights(self, version: int) -> dict:
         if self.sender is None:
@@ -363,8 +371,8 @@ class TrainerExecutor:
             if not tokens:  # still the forwards and backward, FSDP's collectives need every rank
                 if self.ref is not None:  # the sharded KL reference's forward gathers too (as in _loss)
                     with torch.no_grad():
-                        _logits(self.ref, part)
-                return _logits(self.model, part).float().sum() * 0.0
+                        self._logits(self.ref, part)
+                return self._logits(self.model, part).float().sum() * 0.0
             loss, m = self._loss(part)
             metrics.append((float(part["mask"].sum() / kept_tokens), {**m, "train_positions": part_positions(part)}))
             return loss * share
@@ -384,7 +392,7 @@ class TrainerExecutor:
             parallel.allreduce_gradients(self.model)
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg["grad_clip"])  # global norm (FSDP: collective)
         local = {"loss": math.fsum(losses), "grads": any(p.grad is not None for p in self.model.parameters()),
-                 "trained": bool(metrics), "metrics": _combine(metrics)}
+                 "trained": bool(metrics), "metrics": combine_micro_batches(metrics)}
         per_rank: list = [None] * self.world
         dist.all_gather_object(per_rank, local)
         loss_sum = math.fsum(r["loss"] for r in per_rank)
@@ -392,7 +400,7 @@ class TrainerExecutor:
         empty = not any(r["trained"] for r in per_rank)
         applied = (math.isfinite(loss_sum) and bool(torch.isfinite(grad_norm)) and all(r["grads"] for r in per_rank)
                    and not empty)
-        return self._apply_update(applied, loss_sum, grad_norm, t0, _merge_ranks([r["metrics"] for r in per_rank]),
+        return self._apply_update(applied, loss_sum, grad_norm, t0, merge_ranks([r["metrics"] for r in per_rank]),
                                   empty=empty)
 
     def _distributed_save_checkpoint(self, run_dir: str, step: int, policy_version: int, data_cursor,
@@ -472,6 +480,31 @@ class TrainerExecutor:
         (``_units``) then make the step's loss Σ m ℓ / (all sequences x max_new_tokens)."""
         return part["mask"].shape[0] * self.max_new_tokens if self.cfg["norm"] == "constant" else None
 
+    # ------------------------------------------------------------------ the forward, in the compute dtype
+    def _precision(self):
+        """Mixed precision on one rank or DDP: autocast the forward to the compute dtype (matmuls in bf16,
+        the fp32 residual stream and norms as they are; backward runs outside, in the ops' recorded dtypes).
+        FSDP casts the gathered parameters itself (MixedPrecisionPolicy), so it needs no autocast."""
+        if not self.mixed or self.sharded:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def _hidden(self, model: Llama, part: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Final hidden states at the positions that predict ``part["targets"]``, in the compute dtype."""
+        with self._precision():
+            hidden = _final_hidden(model, part)
+        return hidden.to(self.compute_dtype) if self.mixed else hidden
+
+    def _head(self, model: Llama) -> torch.Tensor:
+        """The lm_head weight the fused kernels multiply by: in the compute dtype (a differentiable cast of the
+        fp32 master under autocast; FSDP's gathered bf16 parameter as it is)."""
+        weight = model.lm_head_weight
+        return weight.to(self.compute_dtype) if self.mixed else weight
+
+    def _logits(self, model: Llama, part: dict[str, torch.Tensor]) -> torch.Tensor:
+        hidden = self._hidden(model, part)
+        return torch.nn.functional.linear(hidden, self._head(model))
+
     # ------------------------------------------------------------------ the loss
     def _loss_options(self, part: dict[str, torch.Tensor]) -> dict:
         """The loss options for ``part``, the same for the eager loss and the fused kernel."""
@@ -496,14 +529,14 @@ class TrainerExecutor:
 
             width = part["mask"].shape[1]
             idx, pick = _trained_positions(part)  # before the forward is queued
-            hidden = _hidden(self.model, part)
-            return fused_aipo_loss(pick(hidden), self.model.lm_head_weight, pick(part["targets"]),
+            hidden = self._hidden(self.model, part)
+            return fused_aipo_loss(pick(hidden), self._head(self.model), pick(part["targets"]),
                                    pick(part["behavior_logprobs"]), pick(adv), pick(part["mask"]),
                                    temperature=self.temperature, ref_logprobs=pick(ref), old_logprobs=pick(old),
                                    sequence_ids=idx // width if "sequence" in (self.cfg["norm"],
                                                                                self.cfg["ratio_level"]) else None,
                                    **self._loss_options(part))
-        logprobs, entropy = token_logprobs(_logits(self.model, part), part["targets"], self.temperature,
+        logprobs, entropy = token_logprobs(self._logits(self.model, part), part["targets"], self.temperature,
                                            entropy=self._entropy_mode)
         return aipo_loss(logprobs, part["behavior_logprobs"], adv, part["mask"], ref_logprobs=ref, entropy=entropy,
                          old_logprobs=old, validate=False, **self._loss_options(part))
@@ -514,7 +547,7 @@ class TrainerExecutor:
         corrected loss.
 
         Mismatch metrics are still measured against the real μ, so the two runs are comparable."""
-        logprobs, entropy = token_logprobs(_logits(self.model, part), part["targets"], self.temperature,
+        logprobs, entropy = token_logprobs(self._logits(self.model, part), part["targets"], self.temperature,
                                            entropy=self._entropy_mode)
         behavior = logprobs.detach() if old is None else old
         loss, _ = aipo_loss(logprobs, behavior, adv, part["mask"], ref_logprobs=ref, entropy=entropy,
@@ -525,28 +558,7 @@ class TrainerExecutor:
         return loss, metrics
 
 
-def lr_at(step: int, cfg: dict, total_steps: int | None) -> float:
-    """The learning rate of RL step ``step`` (0-based). With W = lr_warmup_steps, S = total_steps,
-    r = min_lr_ratio and t = clamp((step − W) / max(1, S − W), 0, 1):
-
-        step < W:   lr · (step + 1) / W                     (linear warm-up; the first step is not 0)
-        constant:   lr
-        cosine:     lr · (r + (1 − r) · (1 + cos π t) / 2)
-        linear:     lr · (r + (1 − r) · (1 − t))
-
-    Decay needs S (``run.max_steps``); without it the rate stays at lr after the warm-up."""
-    lr, warmup = cfg["lr"], cfg["lr_warmup_steps"]
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    if cfg["lr_schedule"] == "constant" or not total_steps:
-        return lr
-    t = min(1.0, max(0.0, (step - warmup) / max(1, total_steps - warmup)))
-    r = cfg["min_lr_ratio"]
-    decay = (1.0 + math.cos(math.pi * t)) / 2.0 if cfg["lr_schedule"] == "cosine" else 1.0 - t
-    return lr * (r + (1.0 - r) * decay)
-
-
-def _hidden(model: Llama, part: dict[str, torch.Tensor]) -> torch.Tensor:
+def _final_hidden(model: Llama, part: dict[str, torch.Tensor]) -> torch.Tensor:
     """Final hidden states [rows, positions, D] at the positions that predict ``part["targets"]``, for
     either layout of llamarl.rollouts (shared prompts: one pass per prompt, llamarl.models.shared_prefix)."""
     if "prompt_ids" in part:
@@ -566,55 +578,6 @@ def _trained_positions(part: dict[str, torch.Tensor]):
     return idx, pick
 
 
-def _logits(model: Llama, part: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model.lm_head(_hidden(model, part))
-
-
-def _combine(parts: list[tuple[float, dict]]) -> dict:
-    """Token-weighted means of per-micro-batch metrics (sums for counts, max for maxima)."""
-    out: dict[str, float] = {}
-    for share, m in parts:
-        for k, v in m.items():
-            v = float(v)
-            if k in SUM_METRICS:
-                out[k] = out.get(k, 0.0) + v
-            elif k in MAX_METRICS:
-                out[k] = max(out.get(k, -math.inf), v)
-            else:
-                out[k] = out.get(k, 0.0) + share * v
-    return out
-
-
-def _combine_updates(results: list[dict], epochs: int = 1) -> dict:
-    """One step's stats from those of its updates (``epochs`` passes over the same mini-batches): whether any
-    was applied and how many (``updates``), how many had no trained token (``empty_updates``: every completion
-    truncated away), the mean loss and gradient norm, the last learning rate, the total time, and the loss
-    metrics combined as ``_combine`` does, each update weighted by its share of the trained tokens; ``tokens``
-    counts the step's trained tokens once (one epoch's updates), ``train_positions`` every pass's work."""
-    tokens = sum(r.get("tokens", 0.0) for r in results)
-    own = ("applied", "empty", "loss", "grad_norm", "lr", "train_s")
-    metrics = _combine([(r.get("tokens", 0.0) / max(tokens, 1.0), {k: v for k, v in r.items() if k not in own})
-                        for r in results])
-    if "tokens" in metrics:
-        metrics["tokens"] = sum(r.get("tokens", 0.0) for r in results[:len(results) // epochs])
-    return {"applied": any(r["applied"] for r in results), "updates": sum(r["applied"] for r in results),
-            "empty_updates": sum(r.get("empty", False) for r in results),
-            "loss": math.fsum(r["loss"] for r in results) / len(results),
-            "grad_norm": math.fsum(r["grad_norm"] for r in results) / len(results),
-            "lr": results[-1]["lr"], "train_s": math.fsum(r["train_s"] for r in results), **metrics}
-
-
-def _merge_ranks(per_rank: list[dict]) -> dict:
-    """Combine every rank's ``_combine`` output: the shares are global, so weighted means and counts add
-    up over ranks and maxima take the max (the same result as ``_combine`` over all micro-batches)."""
-    out: dict[str, float] = {}
-    for m in per_rank:
-        for k, v in m.items():
-            if k in MAX_METRICS:
-                out[k] = max(out.get(k, -math.inf), v)
-            else:
-                out[k] = out.get(k, 0.0) + v
-    return out
 
 
 def _llama_of(config, state: dict[str, torch.Tensor]) -> Llama:

@@ -100,8 +100,9 @@ _FUSED_DTYPES = (torch.bfloat16, torch.float16)
 def _fused(x: torch.Tensor):
     """The fused-op module for activations ``x`` (see the module docstring), or None for the eager ops:
     llamarl_kernels.fused_ops (Triton) for bf16/fp16 on CUDA, llamarl.models.cpu_fused (native) for
-    contiguous fp32 on the CPU; both only with autograd off."""
-    if not FUSED_OPS or torch.is_grad_enabled():
+    contiguous fp32 on the CPU; both only with autograd off, and not under autocast (its casts happen in the
+    eager ops: an autocast forward of fp32 activations has bf16 projections)."""
+    if not FUSED_OPS or torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
         return None
     if x.is_cuda and x.dtype in _FUSED_DTYPES:
         from llamarl_kernels import fused_ops  # imported on first use: Triton loads only when a kernel runs
