@@ -43,7 +43,7 @@ from typing import Any, Sequence
 import yaml
 
 from llamarl.config import REWARD_NAMES, TrainConfig, _build, _layout_fields, _merge, resume_run_dir
-from llamarl.config_values import Text, did_you_mean, fail, is_null_text
+from llamarl.config_values import Text, did_you_mean, fail, is_null_text, unquote
 from llamarl.presets import PRESETS
 
 # Named flags: flag -> (dotted field, help).
@@ -88,7 +88,8 @@ def config_from_args(args: argparse.Namespace, *, check_environment: bool = True
         key, sep, value = item.partition("=")
         if not sep or "." not in key or not all(part.strip() for part in key.split(".", 1)):
             fail("--set", "expects SECTION.KEY=VALUE, e.g. --set trainer.lr=3e-4", item)
-        overrides.append((key.strip(), value))  # a string field keeps its spaces (a template's trailing one)
+        # a string field keeps its spaces (a template's trailing one); "quoted" text is the string inside
+        overrides.append((key.strip(), unquote(value)))
     for dotted, value in overrides:
         if dotted == "run.resume" and is_null_text(value):
             # e.g. --resume "$RUN" with RUN unset: a resume was asked for, not a fresh run in the cwd (or ./none)

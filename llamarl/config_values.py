@@ -64,6 +64,19 @@ def _yaml_list(path: str, text: str) -> list:
     return [Text(v) if isinstance(v, str) else v for v in value]
 
 
+def unquote(text: str) -> str:
+    """A command-line value wrapped in one pair of YAML quotes (``"a b"``, ``'it''s'``) is the string inside,
+    as in a YAML file (double quotes read escapes such as \\n); any other text stays exactly as it is."""
+    inner = text.strip()
+    if len(inner) < 2 or not re.fullmatch(_QUOTED, inner, re.DOTALL):
+        return text
+    try:
+        value = yaml.safe_load(inner)
+    except yaml.YAMLError:  # e.g. an unknown escape ("\q"): the text as typed
+        return text
+    return value if isinstance(value, str) else text
+
+
 def plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 

@@ -279,6 +279,19 @@ def test_set_keeps_a_string_as_typed_and_parses_the_rest_around_spaces():
         ("sync", 0, False, (0.9, 0.95))
 
 
+def test_set_reads_a_quoted_value_as_the_string_inside():
+    """``--set k='"v"'`` (quotes that reach the program) is the string v, as in a YAML file; escapes are read
+    in double quotes; text with quotes inside, or only on one side, stays as typed."""
+    cfg = load_config(["--set", 'run.report_to="none"', "--set", "data.template='Q: {prompt} '",
+                       "--set", 'generator.stop="\\nQ:"', "--set", "trainer.lr='3e-4'"], check_environment=False)
+    assert (cfg.run.report_to, cfg.data.template, cfg.generator.stop, cfg.trainer.lr) == \
+        ("none", "Q: {prompt} ", ("\nQ:",), 3e-4)
+    for text in ('say "hi" {prompt}', '"a {prompt}', "'it''s' {prompt}", '"\\q {prompt}"'):
+        assert load_config(["--set", f"data.template={text}"], check_environment=False).data.template == text
+    with pytest.raises(ConfigError, match="^run.resume: must name"):
+        load_config(["--set", 'run.resume=""'])
+
+
 def test_stop_strings_from_yaml_and_the_command_line(tmp_path):
     """A YAML list of quoted items (escapes read in double quotes), else one string taken exactly: commas,
     brackets and all ("[INST]" is a stop string, in a --set and in a YAML file)."""
