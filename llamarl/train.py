@@ -43,8 +43,37 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
 import sys
 
+# python -m llamarl.train: the SIGINT/SIGTERM handlers replaced while the imports below run, and the signals seen
+_EARLY: dict = {"seen": []}
+
+
+def _record_early_signals() -> None:
+    """A Ctrl-C or SIGTERM that lands while this module imports (0.3 s; seconds on a loaded machine) is
+    recorded, not raised inside an import (a KeyboardInterrupt traceback from the stdlib, or death by SIGTERM
+    that leaves the fork server's directory behind); ``main`` puts the handlers back and stops cleanly. A
+    signal ignored by the parent (a background job's SIGINT) stays ignored."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous = signal.getsignal(sig)
+        if previous is not signal.SIG_IGN:
+            _EARLY[sig] = previous
+            signal.signal(sig, lambda signum, frame: _EARLY["seen"].append(signum))
+
+
+def _early_signals() -> list[int]:
+    """Restore the handlers ``_record_early_signals`` replaced; the signals that came meanwhile."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if sig in _EARLY:
+            signal.signal(sig, _EARLY.pop(sig))
+    return list(_EARLY["seen"])
+
+
+if __name__ == "__main__":
+    _record_early_signals()
+
+# (imported after the handlers above are in place)
 from llamarl.config import ConfigError, TrainConfig
 from llamarl.config_cli import load_config
 from llamarl.executors import MODULES as EXECUTOR_MODULES
@@ -76,8 +105,6 @@ def _sigterm_as_ctrl_c():
     """SIGTERM stops the run the way Ctrl-C does (executors shut down, the last checkpoint intact): the
     handler raises SIGINT, which the event loop turns into cancelling the run. Yields a list that records
     whether it happened."""
-    import signal
-
     terminated: list[int] = []
 
     def on_sigterm(signum, frame):
@@ -99,14 +126,18 @@ def _sigterm_as_ctrl_c():
 
 
 def main(argv: list[str] | None = None) -> int:
+    early = _early_signals()  # those that came while the module imported (python -m llamarl.train)
     tr = TorchrunEnv.detect()
     if tr is not None and tr.rank != 0:  # a torchrun executor rank: torchrun's SIGTERM simply ends it
-        return _main(argv, tr, [], None)
+        return 128 + early[0] if early else _main(argv, tr, [], None)
     # from the first moment (reading the config, importing torch, starting the fork server): Ctrl-C and
     # SIGTERM end the process with its message and status, never a traceback or an uncleaned exit
     with _sigterm_as_ctrl_c() as terminated:
         out: list[str] = []  # the run directory, once known
         try:
+            if early:
+                terminated.extend(s for s in early if s == signal.SIGTERM)
+                raise KeyboardInterrupt
             return _main(argv, tr, out, terminated)
         except KeyboardInterrupt:
             what, status = ("terminated (SIGTERM)", 143) if terminated else ("interrupted", 130)
@@ -144,8 +175,6 @@ def _ctrl_c_between_steps(terminated: list[int] | None):
     never inside one: an interrupt that lands in a library's import can be swallowed there and leave the
     module half-imported (numpy.linalg then recursed until a RecursionError). The torch import delays it by
     seconds at most. ``terminated`` None (a torchrun executor rank): SIGINT is left alone."""
-    import signal
-
     pending: list[int] = []
 
     def between() -> None:
