@@ -321,9 +321,16 @@ class DataConfig(_Section):
         if self.id_field is not None and not self.id_field.strip():
             fail("data.id_field", "must name a field of the dataset records, or be null (ids by position)",
                  self.id_field)
-        if self.dataset.startswith("synthetic:") and self.dataset.split(":")[1] not in SYNTHETIC_DATASETS:
-            fail("data.dataset", f"unknown synthetic dataset; known: "
-                 f"{', '.join('synthetic:' + n for n in SYNTHETIC_DATASETS)}", self.dataset)
+        if self.dataset.startswith("synthetic:"):
+            if self.dataset.split(":")[1] not in SYNTHETIC_DATASETS:
+                fail("data.dataset", f"unknown synthetic dataset; known: "
+                     f"{', '.join('synthetic:' + n for n in SYNTHETIC_DATASETS)}", self.dataset)
+            from llamarl.data.synthetic import parse_synthetic_spec  # (no torch: cheap) its options, up front
+
+            try:
+                parse_synthetic_spec(self.dataset)
+            except (ValueError, TypeError) as exc:
+                fail("data.dataset", str(exc))
         if "{prompt}" not in self.template:  # filled in literally (str.replace): other braces stay as written
             fail("data.template", "must contain {prompt} (where the problem text goes; other braces, e.g. "
                  "LaTeX's \\boxed{}, are kept as written)", self.template)

@@ -19,14 +19,16 @@ keys and options get a did-you-mean; the dataclasses check the values; ``load_co
 ``TrainConfig.check_environment()`` (files and directories exist, CUDA is there when asked for, a
 ``module:function`` reward imports, ``--out`` is not an earlier run).
 
-Mode and staleness: a config needs ``mode="sync"`` if and only if ``max_staleness == 0``. When the command
-line / YAML sets only one of the two, the other follows (``--mode sync`` implies staleness 0;
-``--max-staleness 0`` implies sync; ``--mode async`` keeps the preset's staleness if >= 1, else 1). Setting
-both inconsistently is an error.
+Mode and staleness: a config needs ``mode="sync"`` if and only if ``max_staleness == 0``. The one of the two
+set at the higher level (command line over ``--config`` file over preset) decides the other (``--mode sync``
+implies staleness 0, also over a file that says ``max_staleness: 1``; ``--max-staleness 0`` implies sync;
+``--mode async`` keeps the staleness if >= 1, else 1). Setting both inconsistently at one level is an error.
 
 Layout shorthand: ``run.layout`` / ``--layout`` ("trainer=2,generator=2x1,reward=2") sets the fields of the
 items it names (``trainer.ranks``/``trainer.parallel``, ``generator.tp``/``generator.replicas``,
-``reward.workers``, ``run.device``) unless they are given explicitly as well, in which case they must agree.
+``reward.workers``, ``run.device``) unless they are given at the same level as well, in which case they must
+agree; a field given at a higher level wins and drops the layout (``--set trainer.ranks=1`` on resuming a run
+saved with a layout).
 ``--resume DIR`` continues the run DIR belongs to with that run's saved ``config.yaml`` in place of the
 preset (its model, tokenizer, data, reward, ...: ``--config``, flags and ``--set`` still override it), in
 that run directory unless ``--out`` names another, new one; ``--max-steps`` must exceed the step reached.
@@ -37,13 +39,14 @@ variable) is an error, not a fresh run.
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
 import yaml
 
 from llamarl.config import REWARD_NAMES, TrainConfig, _build, _layout_fields, _merge, resume_run_dir
-from llamarl.config_values import Text, did_you_mean, fail, is_null_text, unquote
+from llamarl.config_values import ConfigError, Text, coerce, did_you_mean, fail, is_null_text, unquote
 from llamarl.presets import PRESETS
 
 # Named flags: flag -> (dotted field, help).
@@ -109,14 +112,14 @@ def config_from_args(args: argparse.Namespace, *, check_environment: bool = True
         saved = resume_run_dir(resume) / "config.yaml"
         base = saved_config(saved)
     data = base.to_dict()
-    explicit: set[str] = set()
+    explicit: dict[str, int] = {}  # field -> the level that set it: FILE, or COMMAND_LINE (flags and --set)
     if loaded:
         data = _merge(data, _as_text(loaded), str(args.config))
-        explicit |= {f"{s}.{k}" for s, sec in loaded.items() for k in (sec or {})}
+        explicit |= {f"{s}.{k}": FILE for s, sec in loaded.items() for k in (sec or {})}
     for dotted, value in overrides:
         section, _, name = dotted.partition(".")
         data = _merge(data, {section: {name: Text(value)}}, "command line")
-        explicit.add(dotted)
+        explicit[dotted] = COMMAND_LINE
     _apply_layout_shorthand(data, explicit)
     _apply_mode_rule(data, explicit, base)
     run = data["run"]
@@ -206,11 +209,51 @@ def load_config(argv: Sequence[str] | None = None, *, check_environment: bool = 
 
 
 # -------------------------------------------------------------------- internals
+class _ConfigLoader(yaml.SafeLoader):
+    """YAML as a config file needs it: a key given twice in one mapping is an error (the later one would
+    silently replace the earlier: a second ``trainer:`` section drops the first's fields), and integers are
+    decimal or 0x hex only (YAML 1.1 reads ``0042`` as octal 34 and ``1:30`` as 90; here they are text, so
+    ``seed: 0042`` is 42 and ``1:30`` is refused by the field)."""
+
+    def construct_mapping(self, node, deep=False):
+        lines: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = lines.setdefault(key, key_node.start_mark.line)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if first != key_node.start_mark.line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice (lines {first + 1} and {key_node.start_mark.line + 1}"
+                    "); the second would silently replace the first: keep one", key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
+_ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:int",
+                                    re.compile(r"^(?:[-+]?(?:0|[1-9][0-9_]*)|0x[0-9a-fA-F_]+)$"), list("-+0123456789"))
+_ConfigLoader.add_implicit_resolver(  # YAML 1.1's floats without the base-60 ones
+    "tag:yaml.org,2002:float", re.compile(r"^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*"
+                                          r"(?:[eE][-+][0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."))
+
+
 def _load_yaml(field: str, path: Path) -> dict:
-    if not path.is_file():
+    if not path.exists():
         fail(field, "no such file", str(path))
+    if path.is_dir():
+        fail(field, "is a directory; give the YAML file (a run's settings are in RUN_DIR/config.yaml)", str(path))
     try:
-        loaded = yaml.safe_load(path.read_text()) or {}
+        loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_ConfigLoader) or {}
+    except UnicodeDecodeError as exc:
+        fail(field, f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); save the file as UTF-8")
+    except OSError as exc:
+        fail(field, f"cannot read {path}: {exc.strerror or exc}")
     except yaml.YAMLError as exc:
         fail(field, f"{path} is not valid YAML: {exc}")
     if not isinstance(loaded, dict):
@@ -230,26 +273,42 @@ def _dest(flag: str) -> str:
     return "flag_" + flag.lstrip("-").replace("-", "_")
 
 
-def _apply_layout_shorthand(data: dict, explicit: set[str]) -> None:
+FILE, COMMAND_LINE = 1, 2  # the levels a field can be set at above the preset (or a resumed run's config): 0
+
+
+def _apply_layout_shorthand(data: dict, explicit: dict[str, int]) -> None:
+    """The layout sets the fields it names that were set at a lower level than itself (a file's fields under
+    --layout, the preset's under a file's layout); a field set at a higher level (--set trainer.ranks=2 over
+    a resumed run's saved layout) wins, and the layout, which no longer describes the run, is dropped. Both
+    at one level must agree (TrainConfig checks)."""
     spec = data["run"].get("layout")
-    if spec is None or is_null_text(spec):  # --set run.layout=null drops a layout (e.g. a resumed run's)
+    if spec is None or (isinstance(spec, str) and is_null_text(spec)):  # --set run.layout=null drops a layout
         data["run"]["layout"] = None
         return
-    for key, value in _layout_fields(str(spec)).items():
-        if key not in explicit:
+    if not isinstance(spec, str):
+        fail("run.layout", "must be a string like 'trainer=2,generator=2x1,reward=2'", spec)
+    level = explicit.get("run.layout", 0)
+    fields = _layout_fields(spec)
+    for key, value in fields.items():
+        if explicit.get(key, 0) < level:
             section, name = key.split(".")
             data[section][name] = value
+    if any(explicit.get(key, 0) > level for key in fields):
+        data["run"]["layout"] = None
 
 
-def _apply_mode_rule(data: dict, explicit: set[str], preset: TrainConfig) -> None:
+def _apply_mode_rule(data: dict, explicit: dict[str, int], preset: TrainConfig) -> None:
+    """Of run.mode and run.max_staleness, the one set at the higher level decides the other (--mode sync over
+    a file's max_staleness: 1 gives staleness 0); set at one level, both stand and must agree."""
     run = data["run"]
-    mode_set, stale_set = "run.mode" in explicit, "run.max_staleness" in explicit
-    if mode_set and not stale_set:
+    mode_level, stale_level = explicit.get("run.mode", 0), explicit.get("run.max_staleness", 0)
+    try:
+        stale = coerce("run.max_staleness", _as_text(run["max_staleness"]), int)
+    except ConfigError:
+        stale = None  # the type check reports it with the field name
+    if mode_level > stale_level:
         mode = str(run["mode"]).strip()  # (the field's own parsing strips it too)
-        run["max_staleness"] = 0 if mode == "sync" else max(1, preset.run.max_staleness)
-    elif stale_set and not mode_set:
-        try:
-            stale = int(str(run["max_staleness"]))
-        except ValueError:
-            return  # the type check reports it with the field name
+        keep = stale if stale_level and stale is not None and stale >= 1 else preset.run.max_staleness
+        run["max_staleness"] = 0 if mode == "sync" else max(1, keep)
+    elif stale_level > mode_level and stale is not None:
         run["mode"] = "sync" if stale == 0 else "async"

@@ -50,6 +50,8 @@ _QUOTED_LIST = re.compile(rf"\[\s*(?:{_QUOTED}(?:\s*,\s*{_QUOTED})*\s*,?)?\s*\]"
 def _string_list(path: str, text: str) -> list:
     """A VERBATIM field's text (strings that may hold anything, "[INST]" too): a YAML flow list whose items
     are all quoted, else the one string as it is."""
+    if not text:  # --set generator.stop= : none
+        return []
     return _yaml_list(path, text) if _QUOTED_LIST.fullmatch(text.strip()) else [text]
 
 
@@ -130,6 +132,9 @@ def coerce(path: str, value: Any, tp: Any) -> Any:
     if tp in (int, float):
         return _number(path, value, tp)
     if tp is str:
+        if isinstance(value, dict):  # YAML's {prompt} ... unquoted: a mapping
+            fail(path, "must be a string; in a YAML file quote text that starts with { or [ (template: \"{prompt} "
+                 "...\")", value)
         if not isinstance(value, str):
             fail(path, "must be a string", value)
         return str(value)

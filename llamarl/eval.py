@@ -287,9 +287,10 @@ def evaluate(
 
 def _check_reward_on(spec: str, samples: list[Sample]) -> None:
     """As llamarl.train does before a run: a user function's required keyword arguments must be fields of every
-    sample (ValueError), and gsm8k references that are not one number are warned about."""
+    sample (ValueError), gsm8k references that are not one number are warned about, and so are samples without
+    tests for the code verifier (ValueError when none has any)."""
     from llamarl.config import FORMAT_REWARD_NAMES, REWARD_NAMES
-    from llamarl.rewards.data_checks import common_fields, gsm8k_unreadable, missing_fields
+    from llamarl.rewards.data_checks import code_tests_unreadable, common_fields, gsm8k_unreadable, missing_fields
 
     if spec not in REWARD_NAMES + FORMAT_REWARD_NAMES:
         problem = missing_fields(spec, common_fields(samples))
@@ -297,6 +298,12 @@ def _check_reward_on(spec: str, samples: list[Sample]) -> None:
             raise ValueError(f"--reward {problem}")
     if spec == "gsm8k" and (problem := gsm8k_unreadable(samples)):
         print(f"llamarl.eval: warning: {problem}", file=sys.stderr)
+    if spec == "code":
+        problem, every = code_tests_unreadable(samples)
+        if every:
+            raise ValueError(f"--reward code, but {problem}")
+        if problem:
+            print(f"llamarl.eval: warning: {problem}", file=sys.stderr)
 
 
 def _id_field(value: str) -> str | None:

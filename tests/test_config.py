@@ -77,6 +77,76 @@ def test_mode_and_staleness_follow_each_other():
         load_config(["--mode", "async", "--max-staleness", "0"])
 
 
+def test_a_flag_over_a_config_file_decides_the_fields_it_implies(tmp_path):
+    """A run's config.yaml lists every field: --mode / --max-staleness / --layout over it (the command line
+    outranks the file) set the fields they imply instead of being refused as inconsistent with the file."""
+    saved = PRESETS["default"].save(tmp_path / "run1")  # async, max_staleness 1, one trainer rank
+    sync = load_config(["--config", str(saved), "--mode", "sync"], check_environment=False).run
+    assert (sync.mode, sync.max_staleness) == ("sync", 0)
+    assert load_config(["--config", str(saved), "--max-staleness", "0"], check_environment=False).run.mode == "sync"
+    (tmp_path / "a.yaml").write_text("run:\n  mode: async\n  max_staleness: 3\n")
+    kept = load_config(["--config", str(tmp_path / "a.yaml"), "--mode", "async"], check_environment=False).run
+    assert kept.max_staleness == 3  # the file's staleness stands where the flag agrees with it
+    (tmp_path / "zero.yaml").write_text("run:\n  max_staleness: 0.0\n")
+    assert load_config(["--config", str(tmp_path / "zero.yaml")], check_environment=False).run.mode == "sync"
+    two = load_config(["--config", str(saved), "--layout", "trainer=2"], check_environment=False)
+    assert two.trainer.ranks == 2
+    with pytest.raises(ConfigError, match=r"^run.max_staleness: must be 0 in sync mode"):  # one level: must agree
+        load_config(["--mode", "sync", "--max-staleness", "1"], check_environment=False)
+    # a resumed run saved with a layout, one of whose fields the command line changes: that field wins
+    run = tmp_path / "laid"
+    load_config(["--preset", "smoke", "--layout", "trainer=1,generator=1x1", "--out", str(run)]).save(run)
+    resumed = load_config(["--resume", str(run), "--max-steps", "9", "--set", "trainer.ranks=2"],
+                          check_environment=False)
+    assert resumed.trainer.ranks == 2 and resumed.run.layout is None
+
+
+@pytest.mark.parametrize("text", ["4", "[trainer=2, reward=2]", "no"])
+def test_a_layout_that_is_not_text_is_refused(tmp_path, text):
+    (tmp_path / "c.yaml").write_text(f"run:\n  layout: {text}\n")
+    with pytest.raises(ConfigError, match=r"^run.layout: must be a string like 'trainer=2"):
+        load_config(["--config", str(tmp_path / "c.yaml")], check_environment=False)
+
+
+def test_config_files_lose_nothing_silently(tmp_path):
+    """A key given twice (a second trainer: section) is refused; integers are decimal (no YAML 1.1 octal or
+    base 60); a directory, a non-UTF-8 file and a YAML mapping where text belongs get messages that say what
+    to do; a pipe (--config <(...)) is read."""
+    f = tmp_path / "c.yaml"
+    f.write_text("trainer:\n  lr: 1.0e-3\nrun:\n  seed: 3\ntrainer:\n  kl_coef: 0.1\n")
+    with pytest.raises(ConfigError, match=r"the key 'trainer' is given twice \(lines 1 and 5\)"):
+        load_config(["--config", str(f)], check_environment=False)
+    f.write_text("run:\n  seed: 0042\n  max_steps: 0x10\n")
+    assert (lambda r: (r.seed, r.max_steps))(load_config(["--config", str(f)], check_environment=False).run) == \
+        (42, 16)
+    f.write_text("run:\n  eval_every: 1:30\n")
+    with pytest.raises(ConfigError, match=r"^run.eval_every: must be an integer, got '1:30'"):
+        load_config(["--config", str(f)], check_environment=False)
+    with pytest.raises(ConfigError, match=r"^--config: is a directory; give the YAML file"):
+        load_config(["--config", str(tmp_path)], check_environment=False)
+    f.write_bytes("data:\n  template: 'Pregunta: {prompt} ¿'\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text .*; save the file as UTF-8"):
+        load_config(["--config", str(f)], check_environment=False)
+    f.write_text("data:\n  template: {prompt}\n")
+    with pytest.raises(ConfigError, match=r"^data.template: must be a string; in a YAML file quote text"):
+        load_config(["--config", str(f)], check_environment=False)
+    read, write = os.pipe()
+    os.write(write, b"run:\n  seed: 9\n")
+    os.close(write)
+    try:
+        assert load_config(["--config", f"/dev/fd/{read}"], check_environment=False).run.seed == 9
+    finally:
+        os.close(read)
+
+
+def test_synthetic_dataset_options_are_checked_up_front():
+    for spec, message in [("synthetic:arithmetic:digts=3", "unknown option(s) ['digts']"),
+                          ("synthetic:arithmetic:digits=12", "digits must be an int in [1, 9], got 12")]:
+        with pytest.raises(ConfigError, match=r"^data.dataset: .*" + re.escape(message)):
+            load_config(["--dataset", spec], check_environment=False)
+    assert load_config(["--set", "generator.stop="], check_environment=False).generator.stop == ()
+
+
 def test_layout_shorthand_sets_and_checks_the_fields():
     cfg = load_config(["--layout", "trainer=2:ddp,generator=2x3,reward=1"])
     assert (cfg.trainer.ranks, cfg.trainer.parallel, cfg.generator.tp, cfg.generator.replicas,

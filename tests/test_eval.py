@@ -283,6 +283,8 @@ def test_cli_checks_the_reward_against_the_dataset_as_training_does(checkpoint, 
     assert "needs the keyword argument(s) ['level'], which not every sample has" in capsys.readouterr().err
     assert main(base + ["--reward", "gsm8k", "--max-new-tokens", "2"]) == 0
     assert "1 of 2 answers are not one number" in capsys.readouterr().err
+    assert main(base + ["--reward", "code"]) == 2  # no sample has tests: every reward would fail
+    assert "--reward code, but 2 of 2 samples have no tests the code verifier can read" in capsys.readouterr().err
 
 
 def test_cli_checks_lengths_counts_and_output_up_front(checkpoint, tmp_path, capsys):

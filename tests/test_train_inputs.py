@@ -11,6 +11,7 @@ import re
 import pytest
 
 from llamarl.config_cli import load_config
+from llamarl.config_values import ConfigError
 from llamarl.models import LLAMA_CONFIGS, CharTokenizer, Llama
 from llamarl.train import load_inputs, main
 
@@ -124,6 +125,20 @@ def test_gsm8k_answers_that_are_not_one_number_are_warned_about(tmp_path, capsys
     assert "1 of 21 answers are not one number (e.g. '5 m^2')" in capsys.readouterr().err
     load_inputs(load_config(SMOKE + ["--dataset", str(data), "--reward", "math"]))
     assert "not one number" not in capsys.readouterr().err
+
+
+def test_code_reward_samples_without_tests_are_warned_about_or_refused(tmp_path, capsys):
+    """Every completion of a sample without readable tests is a failed reward: some such samples are warned
+    about, a dataset with none that has tests is refused before anything starts."""
+    data = tmp_path / "data.jsonl"
+    rows = [{"question": f"Print {i}.", "answer": json.dumps({"inputs": [""], "outputs": [str(i)]})} for i in range(20)]
+    rows[7]["answer"] = "7"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    load_inputs(load_config(SMOKE + ["--dataset", str(data), "--reward", "code"]))
+    assert "1 of 20 samples have no tests the code verifier can read (e.g. sample " in capsys.readouterr().err
+    data.write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(20)))
+    with pytest.raises(ConfigError, match=r"^reward.reward: code, but 20 of 20 samples have no tests"):
+        load_inputs(load_config(SMOKE + ["--dataset", str(data), "--reward", "code"]))
 
 
 def test_completions_cut_by_the_token_budget_are_warned_about_once(tmp_path, capsys):

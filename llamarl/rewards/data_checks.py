@@ -1,7 +1,7 @@
 """A reward checked against a dataset before any model loads, the same way by ``llamarl.train`` and
 ``llamarl.eval``: a user function's required keyword arguments must be fields of every sample (else every
-sample's reward fails), and the gsm8k verifier needs references that are one number (else it scores every
-completion of them 0)."""
+sample's reward fails), the gsm8k verifier needs references that are one number (else it scores every
+completion of them 0), and the code verifier needs tests it can read (else every completion's reward fails)."""
 
 from __future__ import annotations
 
@@ -35,3 +35,22 @@ def gsm8k_unreadable(samples: Sequence[Sample]) -> str | None:
     return (f"{len(bad)} of {len(samples)} answers are not one number (e.g. {bad[0].answer!r:.60}), so the gsm8k "
             "verifier scores every completion of them 0; use a reward that reads them (math, exact, module:function) "
             "or fix the answers")
+
+
+def code_tests_unreadable(samples: Sequence[Sample]) -> tuple[str | None, bool]:
+    """(None, False), or why some samples have no tests the code verifier can read (every completion of them is
+    a failed reward: a zero and a counter), and whether that is all of them (nothing could ever be learned)."""
+    from llamarl.rewards.code import parse_tests
+
+    bad = []
+    for s in samples:
+        try:
+            parse_tests(s.answer, s.reward_info())
+        except Exception as exc:  # malformed JSON, no tests, bad limits: what the verifier would raise per sample
+            bad.append((s, exc))
+    if not bad:
+        return None, False
+    sample, exc = bad[0]
+    return (f"{len(bad)} of {len(samples)} samples have no tests the code verifier can read (e.g. sample "
+            f"{sample.id!r}: {exc}); give each a JSON answer {{\"tests\": [...]}} or {{\"inputs\": [...], \"outputs\": "
+            "[...]}, or the dataset fields test_list / tests / input_output", len(bad) == len(samples))
