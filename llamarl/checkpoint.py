@@ -10,6 +10,7 @@ On-disk layout of a run directory::
                                        per-rank shards "optimizer.rank1.pt")
             rng.pt                     RNG states (torch.save, loadable with weights_only=True)
             state.json                 step, policy_version, data_cursor, extra (JSON)
+            config.yaml, config.start.yaml   the run's settings (copied from run_dir when it has them)
             MANIFEST.json              written last: every file with its size and SHA-256
         latest                         text "step_000123": the last committed checkpoint
         .tmp-step_000124-<host>-<pid>-<rand>/   a checkpoint being written (or torn by a crash)
@@ -60,6 +61,7 @@ import numpy as np
 import torch
 
 from llamarl._fs import fsync_dir, write_text_atomic
+from llamarl.config import RUN_CONFIG, START_CONFIG
 
 FORMAT_VERSION = 1
 MANIFEST = "MANIFEST.json"
@@ -425,10 +427,15 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, policy_state: Call
 
     ``policy_state(dir)`` writes the HF-format policy (e.g. ``model.save_pretrained``); ``optimizer_state``
     is saved with ``torch.save``; ``data_cursor``/``extra`` must be JSON-serialisable; ``rng_state``
-    defaults to ``capture_rng_state()``. Keeps the newest ``keep`` checkpoints.
+    defaults to ``capture_rng_state()``. Keeps the newest ``keep`` checkpoints. The run's settings files
+    (``run_dir/config.yaml`` and ``config.start.yaml``, llamarl.config.RUN_CONFIG / START_CONFIG) are copied in
+    too, so a checkpoint copied out of its run directory resumes with them.
     """
     try:
         with CheckpointWriter(run_dir, step, keep=keep) as ckpt:
+            for name in (RUN_CONFIG, START_CONFIG):  # the run's settings: a copied checkpoint resumes with them
+                if (Path(run_dir) / name).is_file():
+                    shutil.copyfile(Path(run_dir) / name, ckpt.path / name)
             if policy_state is not None:
                 ckpt.save_policy(policy_state)
             if optimizer_state is not None:

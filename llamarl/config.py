@@ -532,6 +532,20 @@ def resume_run_dir(resume: Any) -> Path:
     return path.parent.parent if path.parent.name == "checkpoints" else path
 
 
+# a run's settings: each segment's (config.yaml) and its first segment's (config.start.yaml: the KL reference),
+# in the run directory and, copied at each save, in every checkpoint (llamarl.checkpoint.save_checkpoint)
+RUN_CONFIG, START_CONFIG = "config.yaml", "config.start.yaml"
+
+
+def resume_file(resume: Any, name: str = RUN_CONFIG) -> Path | None:
+    """The settings file ``name`` a resume from ``resume`` continues with: its run directory's, else the copy
+    the checkpoint carries (a checkpoint copied out of its run); None without either."""
+    for directory in (resume_run_dir(resume), Path(str(resume))):
+        if (directory / name).is_file():
+            return directory / name
+    return None
+
+
 SECTIONS: dict[str, type] = {
     "policy": PolicyConfig, "generator": GeneratorConfig, "trainer": TrainerConfig, "reward": RewardConfig,
     "data": DataConfig, "warm_start": WarmStartConfig, "run": RunConfig,

@@ -45,7 +45,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from llamarl.config import REWARD_NAMES, TrainConfig, _build, _layout_fields, _merge, resume_run_dir
+from llamarl.config import REWARD_NAMES, TrainConfig, _build, _layout_fields, _merge, resume_file, resume_run_dir
 from llamarl.config_values import ConfigError, Text, coerce, did_you_mean, fail, is_null_text, unquote
 from llamarl.presets import PRESETS
 
@@ -107,9 +107,9 @@ def config_from_args(args: argparse.Namespace, *, check_environment: bool = True
                  "empty or null text); write the directory, or null (or leave the key out) to start a new run",
                  resume)
     base, saved = PRESETS[args.preset], None
-    if resume is not None and (resume_run_dir(resume) / "config.yaml").is_file():
+    if resume is not None and resume_file(resume) is not None:
         # a resumed run continues with its own settings (model, tokenizer, data, reward, ...), not the preset's
-        saved = resume_run_dir(resume) / "config.yaml"
+        saved = resume_file(resume)
         base = saved_config(saved)
     data = base.to_dict()
     explicit: dict[str, int] = {}  # field -> the level that set it: FILE, or COMMAND_LINE (flags and --set)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from llamarl.config import TrainConfig, WarmStartConfig, resume_run_dir
+from llamarl.config import TrainConfig, WarmStartConfig, resume_file
 from llamarl.config_cli import saved_config
 from llamarl.config_values import ConfigError
 from llamarl.data.prompts import literal_escapes
@@ -75,11 +75,13 @@ _LR_FIELDS = ("lr", "lr_schedule", "lr_warmup_steps", "min_lr_ratio")
 def resume_warnings(cfg: TrainConfig, step: int) -> list[str]:
     """A resume at ``step`` (steps done) whose settings move the learning-rate schedule: the rate jumps at
     the first resumed step instead of continuing the run's curve (``lr_at``). Compared with the run's saved
-    config.yaml; nothing to say without one (a checkpoint copied out of its run)."""
-    saved = resume_run_dir(cfg.run.resume) / "config.yaml"
+    config.yaml (or the checkpoint's copy); nothing to say without one (a checkpoint of an earlier llamarl)."""
+    saved = resume_file(cfg.run.resume)
     try:
-        old_cfg = saved_config(saved)  # as the resume read it ("lr: 3e-4" is a number, not YAML 1.1's string)
+        old_cfg = saved_config(saved) if saved is not None else None  # as the resume read it ("lr: 3e-4" is a number, not YAML 1.1's string)
     except (OSError, ConfigError):
+        old_cfg = None
+    if old_cfg is None:
         return []
     new = dataclasses.asdict(cfg.trainer)
     old = {**new, **{k: getattr(old_cfg.trainer, k) for k in _LR_FIELDS}}

@@ -25,7 +25,7 @@ import torch
 
 from llamarl._fs import write_text_atomic
 from llamarl.checkpoint import load_latest
-from llamarl.config import REWARD_NAMES, ConfigError, TrainConfig, resume_run_dir
+from llamarl.config import REWARD_NAMES, START_CONFIG, ConfigError, TrainConfig, resume_file, resume_run_dir
 from llamarl.config_cli import saved_config
 from llamarl.controller import Controller, Executors
 from llamarl.eval import eos_ids, evaluate
@@ -326,9 +326,6 @@ def train(cfg: TrainConfig) -> dict:
         lock.release()
 
 
-START_CONFIG = "config.start.yaml"
-
-
 def _carry_run_start(out: Path, config_yaml: str, resume) -> None:
     """What a run keeps from its start in ``out``: ``config.start.yaml``, the settings of its first segment
     (``config_yaml`` for a new run), kept through every resume, into a new --out too (config.yaml is each
@@ -340,9 +337,10 @@ def _carry_run_start(out: Path, config_yaml: str, resume) -> None:
     if resume is None:
         write_text_atomic(dest, config_yaml)
         return
+    start = resume_file(resume.path, START_CONFIG)  # the run directory's, or the checkpoint's copy
+    if start is not None:
+        write_text_atomic(dest, start.read_text(encoding="utf-8"))
     source = resume_run_dir(resume.path)
-    if (source / START_CONFIG).is_file():
-        write_text_atomic(dest, (source / START_CONFIG).read_text(encoding="utf-8"))
     if source.resolve() != out.resolve():  # resumed into a new directory: the history comes along
         carry_history(source, out, resume.step)
 

@@ -1,4 +1,6 @@
-"""Eager PyTorch specification of every Triton kernel in llamarl_kernels.
+"""Eager PyTorch specification of every Triton kernel in llamarl_kernels, except the fused inference ops of
+fused_ops.py (rms_norm, rope, rope_kv, silu_mul), whose specification is the eager code they replace in
+llamarl.models.llama (tests/test_fused_ops.py compares them with it).
 
 Each function here has the same signature as the kernel it specifies and is written to be read next
 to the math. Tests compare kernel and reference against float64 evaluations of these functions.

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from llamarl._fs import write_text_atomic
+from llamarl.presets import PRESETS
 from llamarl.train import main
 from test_train_loop import SMOKE, _start, _wait_for, read_metrics
 
@@ -149,14 +150,17 @@ def test_runs_started_in_the_same_second_without_out_get_their_own_directories(t
 def test_a_checkpoint_copied_out_of_its_run_is_resumed_into_a_new_directory(tmp_path, capsys):
     """A checkpoint directory outside a run's checkpoints/ (copied, shared): without --out the continued run
     was written into the checkpoint itself (config, logs, checkpoints/), and a later --resume of it started
-    from it again; now that is refused, naming --out, and the checkpoint is left as it was."""
+    from it again; now that is refused, naming --out, and the checkpoint is left as it was. Resumed with --out, it
+    continues with the run's own settings, which the checkpoint carries (before: the default preset's, which
+    named another dataset; with --preset smoke, silently the preset's learning rate and temperature)."""
     import shutil
 
     from llamarl.config_cli import load_config
     from llamarl.config_values import ConfigError
 
     out = tmp_path / "run"
-    assert main(SMOKE + ["--out", str(out), "--max-steps", "1"]) == 0
+    settings = ["--set", "trainer.lr=1e-3", "--set", "generator.temperature=0.7"]
+    assert main(SMOKE + settings + ["--out", str(out), "--max-steps", "1"]) == 0
     copied = tmp_path / "my_ckpt"
     shutil.copytree(out / "checkpoints" / "step_000001", copied)
     before = sorted(p.name for p in copied.rglob("*"))
@@ -166,7 +170,10 @@ def test_a_checkpoint_copied_out_of_its_run_is_resumed_into_a_new_directory(tmp_
     assert sorted(p.name for p in copied.rglob("*")) == before
     with pytest.raises(ConfigError, match="outside its run directory"):
         load_config(["--resume", str(copied), "--max-steps", "2", "--out", str(copied)])
-    assert load_config(["--resume", str(copied), "--max-steps", "2", "--out", str(tmp_path / "next")]).run.resume
+    cfg = load_config(["--resume", str(copied), "--max-steps", "2", "--out", str(tmp_path / "next")])
+    assert (cfg.trainer.lr, cfg.generator.temperature, cfg.data.dataset) == (1e-3, 0.7, PRESETS["smoke"].data.dataset)
+    assert main(["--resume", str(copied), "--max-steps", "2", "--out", str(tmp_path / "next")]) == 0
+    assert (tmp_path / "next" / "config.start.yaml").read_bytes() == (out / "config.start.yaml").read_bytes()
 
 
 def test_a_resume_keeps_the_kl_reference_the_run_started_from(tmp_path, capsys):
