@@ -492,9 +492,9 @@ class TrainConfig:
 
     def with_absolute_paths(self) -> TrainConfig:
         """This config with ``policy.model``, ``policy.tokenizer``, ``data.dataset``, reward function files
-        (``path/to/file.py:function`` in ``reward.reward`` and ``reward.extra``), ``run.out`` and ``run.resume``
-        absolute where they name an existing path (built-in names, synthetic datasets and importable modules
-        stay as they are)."""
+        (``path/to/file.py:function`` in ``reward.reward`` and ``reward.extra``) and ``run.resume`` absolute where
+        they name an existing path (built-in names, synthetic datasets and importable modules stay as they are),
+        and ``run.out`` absolute."""
         def absolute(value: str | None) -> str | None:
             return str(Path(value).resolve()) if value and Path(value).exists() else value
 
@@ -511,7 +511,9 @@ class TrainConfig:
                                      else absolute(self.data.dataset)),
             reward=dataclasses.replace(self.reward, reward=absolute_spec(self.reward.reward),
                                        extra=tuple(absolute_spec(s) for s in self.reward.extra)),
-            run=dataclasses.replace(self.run, out=absolute(self.run.out), resume=absolute(self.run.resume)))
+            # run.out: also before the directory exists (a new run's config.yaml is rendered first)
+            run=dataclasses.replace(self.run, out=str(Path(self.run.out).resolve()) if self.run.out else self.run.out,
+                                    resume=absolute(self.run.resume)))
 
     @classmethod
     def from_dict(cls, data: dict) -> TrainConfig:

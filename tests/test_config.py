@@ -401,3 +401,10 @@ def test_an_empty_resume_in_a_config_file_is_refused_and_yaml_null_is_no_resume(
             load_config(["--preset", "smoke", "--config", str(tmp_path / "c.yaml")])
     else:
         assert load_config(["--preset", "smoke", "--config", str(tmp_path / "c.yaml")]).run.resume is None
+
+
+def test_a_new_runs_relative_out_is_saved_absolute(tmp_path, monkeypatch):
+    """config.yaml is rendered before the run directory exists: run.out must still be saved absolute."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(["--out", "runs/new"], check_environment=False).with_absolute_paths()
+    assert cfg.run.out == str(tmp_path.resolve() / "runs" / "new") and not (tmp_path / "runs").exists()
