@@ -287,10 +287,12 @@ class Controller:
         if "tokens" in stats:  # the loss's token count; "tokens" in the row is what the generator sampled
             stats["trained_tokens"] = stats.pop("tokens")
         staleness = self.version - batch.oldest_version
-        sync_s = 0.0
+        sync_s = sync_wait_s = 0.0
         if stats.pop("sync", None) is not None:
             self.version += 1
             sync_s = max(r["sync"]["seconds"] for r in per_rank)  # published when the last rank is done
+            # of which waiting for a slot (a generation batch still reading the one the push needs)
+            sync_wait_s = max(r["sync"]["wait_seconds"] for r in per_rank)
         if pushed != self.version:
             raise RuntimeError(f"step {step + 1}: the trainer holds version {pushed}, the controller expected "
                                f"{self.version}; the two version counts diverged")
@@ -298,7 +300,7 @@ class Controller:
         self.log.step({
             "step": step + 1, "policy_version": self.version, "staleness": staleness,
             **batch.stats(self.term_names), "step_s": now - self._last_step_end,
-            "sync_s": sync_s, "generate_s": batch.generate_s, "score_s": batch.score_s,
+            "sync_s": sync_s, "sync_wait_s": sync_wait_s, "generate_s": batch.generate_s, "score_s": batch.score_s,
             "tokens": batch.num_tokens, "tokens_per_s": batch.num_tokens / max(batch.generate_s, 1e-9),
             "reward_errors": sum(r.reward_error is not None for r in batch.generated),
             "sample_batches": batch.meta["batches"],

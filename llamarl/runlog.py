@@ -3,7 +3,8 @@ a summary table.
 
 ``metrics.jsonl`` has one JSON object per training step with at least: step, policy_version, staleness
 (trainer version minus the oldest version among the batch's tokens), reward_mean, step_s (wall time since
-the previous step ended), sync_s (weight sync time after the step), and the AIPO metrics of the update
+the previous step ended), sync_s (weight sync time after the step; sync_wait_s of it waiting for a slot that a
+generation batch still reads, with run.max_staleness >= 2), and the AIPO metrics of the update
 (ratio_mean, ratio_max, truncated_frac, mismatch_kl, ...). Evaluation rows are separate objects with
 ``"event": "eval"``. ``samples.jsonl`` holds a few decoded completions of each step (``run.log_samples``:
 prompt, completion, answer, reward, advantage, ...), to read what the policy actually writes. Each line is

@@ -64,7 +64,8 @@ class FakeTrainer(_Serial):
         self.batches.append(tensors)
         await asyncio.sleep(self.delay)
         self.world["published"] += 1
-        return [{"applied": True, "loss": 0.0, "version": self.world["published"], "sync": {"seconds": 0.0}}]
+        return [{"applied": True, "loss": 0.0, "version": self.world["published"],
+                 "sync": {"seconds": 0.0, "wait_seconds": 0.0}}]
 
 
 class FakeRewards:

@@ -53,6 +53,7 @@ def test_loop_runs_and_never_exceeds_the_staleness_bound(tmp_path, mode, stalene
         assert r["tokens"] == sum(x["tokens"] for x in samples if x["step"] == r["step"]) >= r["trained_tokens"]
         for key in ("reward_mean", "step_s", "sync_s", "ratio_mean", "truncated_frac", "mismatch_kl"):
             assert key in r
+        assert 0 <= r["sync_wait_s"] <= r["sync_s"]
     if mode == "sync":
         # lock step: the generator always samples with the newest weights, so π = μ exactly
         assert all(r["staleness"] == 0 for r in steps)
