@@ -110,7 +110,7 @@ def single_process_trainer(model_dir, cfg: LlamaConfig, trainer: dict, **kwargs)
     plan = plan_sync(llama_param_specs(cfg), TrainerLayout(world_size=1), GeneratorLayout())
     buckets = GeneratorBuckets.create(plan, 0, storage="shm")
     try:
-        ex = TrainerExecutor(model_path=str(model_dir), trainer=trainer, temperature=1.0,
+        ex = TrainerExecutor(model_path=str(model_dir), trainer=trainer, temperature=kwargs.pop("temperature", 1.0),
                              generator_handles=[buckets.handle()],
                              rank_info=RankInfo("trainer", "trainer", 0, 1, 1, 0, "cpu", "gloo"), **kwargs)
         try:

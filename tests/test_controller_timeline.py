@@ -228,3 +228,52 @@ def test_overlong_punishment_top_k_and_logprobs_mode_reach_the_rollouts():
     assert row["reward_mean"] == pytest.approx(0.8) and [e["accuracy"] for e in log.evals] == [1.0, 1.0]
     params = ctrl[0].ex.generators[0].params
     assert {(p.top_k, p.logprobs_mode) for p in params if p.temperature > 0} == {(5, "raw")}
+
+
+class RecordingRewards(FakeRewards):
+    """Records what each sample was scored against: (sample id, answer, reward info)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple] = []
+
+    async def score_async(self, items, verifier_only=False):
+        if not verifier_only:
+            self.seen += [(sid, answer, info) for sid, _, answer, info in items]
+        return await super().score_async(items, verifier_only)
+
+
+@pytest.mark.parametrize("mode, staleness", [("sync", 0), ("async", 2)])
+def test_each_sample_is_scored_against_its_own_records_answer_and_fields(mode, staleness):
+    """The reference is the data stream drawn again on its own: sample ``arith-train-k#j`` is scored with
+    record k's answer and reward info (prompt, sample_id), never a neighbour's."""
+    rewards, ctrl = RecordingRewards(), []
+    _run(dict(mode=mode, max_staleness=staleness, max_steps=3, eval_every=0), rewards=rewards, controller=ctrl)
+    drawn = TrainData(ctrl[0].cfg.data, CharTokenizer(), seed=0).next(ctrl[0].data.cursor)
+    records = {s.id: s for s in drawn}
+    assert len({answer for _, answer, _ in rewards.seen}) > 1  # the answers differ, so a mix-up would show
+    assert len(rewards.seen) == 3 * 2 * 2
+    for sid, answer, info in rewards.seen:
+        record = records[sid.rsplit("#", 1)[0]]
+        assert (answer, info) == (record.answer, record.reward_info()), sid
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_async_mode_runs_ahead_to_its_staleness_bound(staleness):
+    """A fast generator and a slow trainer: once the pipeline is full the sampler is ``max_staleness``
+    versions ahead (the bound is reached, not only respected), so async mode really overlaps the work."""
+    log = _run(dict(mode="async", max_staleness=staleness, max_steps=6, eval_every=0), trainer_delay=0.1)
+    assert max(r["staleness"] for r in log.rows) == staleness, [r["staleness"] for r in log.rows]
+
+
+@pytest.mark.parametrize("trainer, dropped", [(dict(), True), (dict(kl_coef=0.1), False),
+                                              (dict(entropy_coef=0.01), False)])
+def test_zero_advantage_rows_are_dropped_only_where_that_is_exact(trainer, dropped):
+    """Every sample earns the same reward (all advantages 0): without KL and entropy terms those rows add
+    nothing and are dropped (their tokens still count in the denominator; llamarl.rollouts); with either term
+    they change the gradient and must reach the trainer."""
+    ctrl = []
+    _run(dict(mode="sync", max_staleness=0, max_steps=1, eval_every=0), trainer=trainer, controller=ctrl)
+    batch, = ctrl[0].ex.trainer.batches
+    assert float(batch["total_rows"]) == 4 and float(batch["total_tokens"]) == 8
+    assert batch["mask"].shape[0] == (1 if dropped else 4)  # dropped: one filler row keeps the step an update

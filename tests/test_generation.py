@@ -99,6 +99,21 @@ def test_logprobs_equal_fp32_recomputation(models, params):
     assert worst < 5e-5
 
 
+@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=10, temperature=0.7, n=2, seed=3),
+                                    SamplingParams(max_new_tokens=10, temperature=0.0)])
+def test_the_torch_samplers_logprobs_equal_fp32_recomputation(models, params, monkeypatch):
+    """The torch sampling path (what CUDA runs; the CPU takes the native sampler when there is no top-k/top-p)
+    reports log_softmax(z / T)[y] too."""
+    import llamarl.generation.sampling as sampling
+
+    monkeypatch.setattr(sampling, "NATIVE_CPU", False)
+    _, model = models
+    outs = generate(model, PROMPTS, params, eos_token_id=())
+    worst = max((recompute_logprobs(model, o.prompt_token_ids, o.token_ids, params)
+                 - torch.tensor(o.logprobs, dtype=torch.float64)).abs().max().item() for o in outs)
+    assert worst < 5e-5
+
+
 def test_inverse_cdf_sampler_matches_the_distribution_and_skips_zeros():
     from llamarl.generation.sampling import sample_inverse_cdf
 

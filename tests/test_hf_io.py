@@ -77,12 +77,16 @@ def test_sharded_save_roundtrip_and_transformers(tmp_path):
 
 
 def test_loads_transformers_sharded_checkpoint(tmp_path):
+    """A transformers checkpoint in shards, with rms_norm_eps 1e-6 (Llama 2, Qwen2; transformers' init keeps
+    hidden states small, so eps 1e-5 instead would move the logits by ~6e-3)."""
     torch.manual_seed(3)
-    hc = transformers.LlamaConfig(**{k: v for k, v in CFG.to_hf_dict().items() if k not in ("architectures", "model_type")})
+    fields = {k: v for k, v in CFG.to_hf_dict().items() if k not in ("architectures", "model_type")}
+    hc = transformers.LlamaConfig(**fields | {"rms_norm_eps": 1e-6})
     hf = transformers.LlamaForCausalLM(hc).eval()
     hf.save_pretrained(tmp_path, max_shard_size="50KB")
     assert (tmp_path / INDEX_FILE).exists()
     m = Llama.from_pretrained(tmp_path)
+    assert m.config.rms_norm_eps == 1e-6
     x = torch.randint(0, CFG.vocab_size, (1, 12))
     with torch.no_grad():
         torch.testing.assert_close(m(x), hf(x).logits, rtol=1e-5, atol=1e-5)

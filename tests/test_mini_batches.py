@@ -121,6 +121,10 @@ def test_clipped_updates_follow_the_decoupled_ppo_loss(tmp_path, mini_batches, e
         ex.train_step(parts)
         unclipped = weights_of(ex)
     assert _relative_distance(unclipped, expected, initial) > 0.1
+    if loss == "reference" and mini_batches == 2:  # the upper bound reaches the loss: 10 is no bound here
+        with single_process_trainer(tmp_path / "model", CFG, dict(cfg, clip_ratio_high=10.0)) as ex:
+            ex.train_step(parts)
+            assert _relative_distance(weights_of(ex), expected, initial) > 0.1
 
 
 def test_epochs_repeat_the_step_and_the_schedule_counts_rl_steps(tmp_path):

@@ -128,18 +128,19 @@ def test_mixed_precision_steps_float32_weights_with_a_bfloat16_gradient(tmp_path
     assert errors[None] <= (1e-5 if device == "cpu" else 1e-4) and 1e-4 <= errors["bfloat16"] <= 2e-2, errors
 
 
-@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
-def test_mixed_precision_on_two_trainer_ranks(tmp_path, parallel):
+@pytest.mark.parametrize("parallel, loss", [("fsdp", "reference"), ("ddp", "reference"), ("fsdp", "fused")])
+def test_mixed_precision_on_two_trainer_ranks(tmp_path, parallel, loss):
     """Two ranks: the step's loss and (global, unclipped) gradient norm are the fp64 specification's up to
     bfloat16 rounding, and differ from the float32 trainer's; every rank reports the same numbers; the
-    checkpoint holds the float32 master weights."""
+    checkpoint holds the float32 master weights. FSDP with the fused loss is the GPU recipe: the kernel
+    multiplies by FSDP's gathered bf16 lm_head."""
     model_dir = tmp_path / "model"
     random_model(LOSS_CFG).save_pretrained(model_dir)
     batch = collate(_batch_rollouts(), ADV, 0)
     spec_loss, spec_grads = _spec_gradient(model_dir, batch)
     spec_norm = sum(float(g.norm()) ** 2 for g in spec_grads.values()) ** 0.5
-    fp32 = single_process_train_step(model_dir, LOSS_CFG, batch, dict(UNCLIPPED, parallel=parallel))[0]
-    cfg = dict(UNCLIPPED, parallel=parallel, compute_dtype="bfloat16")
+    fp32 = single_process_train_step(model_dir, LOSS_CFG, batch, dict(UNCLIPPED, parallel=parallel, loss=loss))[0]
+    cfg = dict(UNCLIPPED, parallel=parallel, compute_dtype="bfloat16", loss=loss)
     with Runtime(Layout.parse("trainer=2,generator=1x1,reward=0")) as rt:
         gen, = rt.spawn_role("generator", "llamarl.executors.generator:GeneratorExecutor", init_kwargs=dict(
             model_config=LOSS_CFG.to_hf_dict(), dtype="float32", trainer_ranks=2, max_batch_size=8, threads=1))

@@ -278,3 +278,21 @@ def test_diverged_weights_skip_the_update_instead_of_failing_the_step(tmp_path, 
         assert len(after) == len(state) > 0
         assert all(a[:2] == b[:2] and torch.equal(torch.as_tensor(a[2]), torch.as_tensor(b[2]))
                    for a, b in zip(after, state))
+
+
+def test_the_trainer_scores_tokens_at_the_sampling_temperature(tmp_path):
+    """On-policy samples drawn by the generation engine at T = 0.6 (μ = log_softmax(z / 0.6)), trained by a
+    trainer told T = 0.6: π = μ, so every ratio is 1 (at T = 1 it is not)."""
+    from llamarl.generation import SamplingParams, generate
+
+    model = random_model(CFG)
+    model.save_pretrained(tmp_path / "model")
+    outs = generate(model, [[3, 4, 5], [6, 7], [8, 9, 10, 11]],
+                    SamplingParams(max_new_tokens=6, temperature=0.6, n=2, seed=1), eos_token_id=())
+    rollouts = [Rollout(f"s{i}", i // 2, o.prompt_token_ids, o.token_ids, o.logprobs, [0] * len(o.token_ids), "",
+                        "length") for i, o in enumerate(outs)]
+    batch = collate(rollouts, torch.tensor([1.0, -1.0] * 3), 0)
+    stats = {t: single_process_train_step(tmp_path / "model", CFG, batch, dict(TRAINER, kl_coef=0.0),
+                                          temperature=t)[0] for t in (0.6, 1.0)}
+    assert stats[0.6]["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and stats[0.6]["mismatch_kl"] < 1e-6
+    assert abs(stats[1.0]["ratio_mean"] - 1.0) > 1e-2
