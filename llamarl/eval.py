@@ -481,6 +481,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, ImportError, RewardPoolError) as e:
         print(f"llamarl.eval: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the reward workers are shut down on the way out (RewardPool's context)
+        print(f"llamarl.eval: interrupted; nothing was written to {args.output}", file=sys.stderr)
+        return 130
     out = result.write_jsonl(args.output)
     summary_path = out.with_name(out.stem + ".summary.json")
     summary_path.write_text(json.dumps({"dataset": args.dataset, "model": args.model, "reward": args.reward,

@@ -436,3 +436,16 @@ def test_a_run_or_checkpoint_directory_as_model_names_the_policy_directory(tmp_p
                         ("run/checkpoints/step_000004", "run/checkpoints/step_000004/policy")):
         assert main(["--model", str(tmp_path / given), "--dataset", "synthetic:arithmetic", "--limit", "1"]) == 2
         assert f"pass {tmp_path / want}" in capsys.readouterr().err
+
+
+def test_ctrl_c_ends_eval_with_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    import llamarl.eval as ev
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ev, "run", interrupted)
+    out = tmp_path / "o.jsonl"
+    assert main(["--model", "tiny", "--dataset", "synthetic:arithmetic", "--output", str(out)]) == 130
+    assert capsys.readouterr().err == f"llamarl.eval: interrupted; nothing was written to {out}\n"
+    assert not out.exists()
