@@ -19,6 +19,7 @@ from the same weights (the variants are exact up to float summation order).
     python -m benchmarks.train_step [--model small] [--prompts 4] [--samples 8] [--max-new-tokens 128]
     python -m benchmarks.train_step --device cuda --dtype bfloat16 --model llama-3.2-1b \
         --prompts 8 --samples 16 --max-new-tokens 1024 --median-new-tokens 200 --micro-batch-size 16
+    python -m benchmarks.train_step --compute-dtype bfloat16 ...   (mixed precision over float32 weights)
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (one GPU; the trainer's loss is then the fused "
                                                    "kernel, trainer.loss=auto)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--compute-dtype", default=None, choices=("float32", "bfloat16"),
+                   help="trainer.compute_dtype: bfloat16 over --dtype float32 is mixed precision (default: --dtype)")
     p.add_argument("--iters", type=positive_int, default=3)
     p.add_argument("--threads", type=positive_int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
     base = dataclasses.asdict(TrainerConfig(lr=1e-4, micro_batch_size=args.micro_batch_size, dtype=args.dtype,
-                                            loss="auto"))
+                                            compute_dtype=args.compute_dtype, loss="auto"))
     grouped = dict(base, length_grouping=True)
     ext = micro_batches.extents(batch)
     parts = micro_batches.plan(batch, range(len(ext)), rows_per=args.micro_batch_size, ext=ext)
@@ -153,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"{args.prompt_len} tokens, completions lognormal (median {args.median_new_tokens}) capped at "
                 f"{args.max_new_tokens}: {int(batch['mask'].sum())} trained tokens, widest completion {max(ext)}")
     report.note(f"model {args.model} ({sum(t.numel() for t in first['padded'].values()) / 1e6:.1f}M parameters, "
-                f"{args.dtype}), {'fused' if executors_fused else 'eager'} loss, AdamW lr 1e-4, "
+                f"{args.dtype}{', ' + args.compute_dtype + ' compute' if args.compute_dtype else ''}), "
+                f"{'fused' if executors_fused else 'eager'} loss, AdamW lr 1e-4, "
                 f"micro_batch_size {args.micro_batch_size}; "
                 f"median of {args.iters} steps per variant, timed alternately; threads={torch.get_num_threads()}; "
                 "peak_MiB: resident memory a step adds (the harness's sampled estimate, largest of the "

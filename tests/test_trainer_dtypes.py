@@ -166,7 +166,7 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMARL_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def test_a_run_with_a_bfloat16_generator_and_a_mixed_precision_trainer(tmp_path, _cache):
+def test_a_run_with_a_bfloat16_generator_and_a_mixed_precision_trainer(tmp_path, _cache, capsys):
     out = tmp_path / "run"
     summary = train(load_config(["--preset", "smoke", "--set", "warm_start.steps=3", "--max-steps", "2",
                                  "--set", "policy.dtype=bfloat16", "--set", "trainer.compute_dtype=bfloat16",
@@ -176,3 +176,4 @@ def test_a_run_with_a_bfloat16_generator_and_a_mixed_precision_trainer(tmp_path,
     assert [r["step"] for r in rows] == [1, 2]
     saved = json.loads((out / "checkpoints" / "step_000002" / "policy" / "config.json").read_text())
     assert saved["torch_dtype"] == "float32"  # the trainer's weights: a resume continues them exactly
+    assert "warning: trainer.compute_dtype=bfloat16 on the CPU" in capsys.readouterr().err
