@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -541,11 +542,14 @@ RUN_CONFIG, START_CONFIG = "config.yaml", "config.start.yaml"
 
 def resume_file(resume: Any, name: str = RUN_CONFIG) -> Path | None:
     """The settings file ``name`` a resume from ``resume`` continues with: its run directory's, else the copy
-    the checkpoint carries (a checkpoint copied out of its run); None without either."""
-    for directory in (resume_run_dir(resume), Path(str(resume))):
-        if (directory / name).is_file():
-            return directory / name
-    return None
+    the checkpoint carries (a checkpoint copied out of its run; for a run directory without the file, e.g. only
+    its checkpoints/ copied, the newest checkpoint's); None without any."""
+    run_dir, path = resume_run_dir(resume), Path(str(resume))
+    candidates = [run_dir, path]
+    if path == run_dir and (run_dir / "checkpoints").is_dir():
+        steps = [d for d in (run_dir / "checkpoints").iterdir() if re.fullmatch(r"step_\d+", d.name)]
+        candidates += sorted(steps, key=lambda d: int(d.name[5:]), reverse=True)
+    return next((d / name for d in candidates if (d / name).is_file()), None)
 
 
 SECTIONS: dict[str, type] = {

@@ -221,14 +221,14 @@ class _ConfigLoader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
             key = self.construct_object(key_node, deep=deep)
-            try:
-                first = lines.setdefault(key, key_node.start_mark.line)
-            except TypeError:  # an unhashable key: the base class reports it
+            if not isinstance(key, (str, int, float, bool, type(None))):  # unhashable: the base class reports it
                 continue
-            if first != key_node.start_mark.line:
+            if key in lines:  # (also two on one line: {lr: 1, lr: 2})
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"the key {key!r} is given twice (lines {first + 1} and {key_node.start_mark.line + 1}"
-                    "); the second would silently replace the first: keep one", key_node.start_mark)
+                    None, None, f"the key {key!r} is given twice (lines {lines[key] + 1} and "
+                    f"{key_node.start_mark.line + 1}); the second would silently replace the first: keep one",
+                    key_node.start_mark)
+            lines[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep)
 
 

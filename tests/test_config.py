@@ -116,6 +116,10 @@ def test_config_files_lose_nothing_silently(tmp_path):
     f.write_text("trainer:\n  lr: 1.0e-3\nrun:\n  seed: 3\ntrainer:\n  kl_coef: 0.1\n")
     with pytest.raises(ConfigError, match=r"the key 'trainer' is given twice \(lines 1 and 5\)"):
         load_config(["--config", str(f)], check_environment=False)
+    for text in ("trainer: {lr: 1.0e-3, lr: 5.0e-4}\n", "{trainer: {lr: 1.0e-3}, trainer: {kl_coef: 0.1}}\n"):
+        f.write_text(text)  # two on one line (flow style)
+        with pytest.raises(ConfigError, match=r"the key '(lr|trainer)' is given twice \(lines 1 and 1\)"):
+            load_config(["--config", str(f)], check_environment=False)
     f.write_text("run:\n  seed: 0042\n  max_steps: 0x10\n")
     assert (lambda r: (r.seed, r.max_steps))(load_config(["--config", str(f)], check_environment=False).run) == \
         (42, 16)

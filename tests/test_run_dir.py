@@ -172,6 +172,9 @@ def test_a_checkpoint_copied_out_of_its_run_is_resumed_into_a_new_directory(tmp_
         load_config(["--resume", str(copied), "--max-steps", "2", "--out", str(copied)])
     cfg = load_config(["--resume", str(copied), "--max-steps", "2", "--out", str(tmp_path / "next")])
     assert (cfg.trainer.lr, cfg.generator.temperature, cfg.data.dataset) == (1e-3, 0.7, PRESETS["smoke"].data.dataset)
+    shutil.copytree(out / "checkpoints", tmp_path / "backup" / "checkpoints")  # only the checkpoints/ of the run
+    again = load_config(["--resume", str(tmp_path / "backup"), "--max-steps", "2", "--out", str(tmp_path / "b2")])
+    assert again.trainer == cfg.trainer and again.generator == cfg.generator and again.data == cfg.data
     assert main(["--resume", str(copied), "--max-steps", "2", "--out", str(tmp_path / "next")]) == 0
     assert (tmp_path / "next" / "config.start.yaml").read_bytes() == (out / "config.start.yaml").read_bytes()
 

@@ -108,16 +108,18 @@ def _trainer_step(model_dir, trainer: dict, batch, device: str) -> tuple[dict, d
     return ex.train_step(batch), seen, ex
 
 
-@pytest.mark.parametrize("loss, device", [("reference", "cpu"), ("fused", "cpu"),
-                                          pytest.param("fused", "cuda", marks=pytest.mark.gpu)])
-def test_mixed_precision_steps_float32_weights_with_a_bfloat16_gradient(tmp_path, loss, device):
+@pytest.mark.parametrize("loss, device, rows", [("reference", "cpu", 3), ("fused", "cpu", 3), ("reference", "cpu", 1),
+                                                pytest.param("fused", "cuda", 3, marks=pytest.mark.gpu)])
+def test_mixed_precision_steps_float32_weights_with_a_bfloat16_gradient(tmp_path, loss, device, rows):
+    """``rows`` sequences per micro-batch; 1 gives forwards of <= 8 positions, which the no-grad forwards (the KL
+    reference) would otherwise run through the native fp32 CPU linear (llamarl.models.linear), past autocast."""
     random_model(LOSS_CFG).save_pretrained(tmp_path / "model")
     batch = collate(_batch_rollouts(), ADV, 0)
     spec_loss, spec_grads = _spec_gradient(tmp_path / "model", batch)
     errors = {}
     for compute in (None, "bfloat16"):
-        stats, grads, ex = _trainer_step(tmp_path / "model", dict(UNCLIPPED, compute_dtype=compute, loss=loss), batch,
-                                         device)
+        cfg = dict(UNCLIPPED, compute_dtype=compute, loss=loss, micro_batch_size=rows)
+        stats, grads, ex = _trainer_step(tmp_path / "model", cfg, batch, device)
         assert stats["applied"] and stats["loss"] == pytest.approx(spec_loss, rel=2e-3)
         assert stats["kl_ref"] == 0.0  # the reference runs in the same precision: KL 0 at the start
         errors[compute] = _relative_error(grads, spec_grads)

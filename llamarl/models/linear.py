@@ -40,7 +40,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     if (CPU_LINEAR and x.is_cpu and x.dtype is _FP32 and w.dtype is _FP32 and w.is_cpu and bias is None
             and x.shape[-1] == w.shape[1] and x.numel() <= CPU_DECODE_MAX_ROWS * w.shape[1]
             and x.is_contiguous() and w.is_contiguous()
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+            and not torch.is_autocast_enabled("cpu")):  # autocast casts inside F.linear: mixed precision
         return linear_f32_cpu_unchecked(x, w)
     return F.linear(x, w, bias)
 
