@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from llamarl._procs import describe_exit
+from llamarl.rewards.inputs import completion_text
 
 DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_MEMORY_MB = 2048
@@ -205,8 +206,7 @@ def run_tests(program: str, spec: CodeTests, *, stop_on_failure: bool = True) ->
 def code_reward(completion: str, answer: str, **info: Any) -> float:
     """1.0 iff the completion's program passes every test of the sample (module docstring), else 0.0."""
     spec = parse_tests(answer, info)  # raises for a sample without tests: a data problem, not a wrong answer
-    if not isinstance(completion, str):
-        return 0.0
+    completion = completion_text(completion, "code_reward")
     program = extract_program(completion)
     if program is None or not program.strip():
         return 0.0

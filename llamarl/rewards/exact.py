@@ -5,10 +5,13 @@ equal the stripped reference answer character for character: ``"579\\n..."`` mat
 ``" 579 "`` matches, ``"5790"``, ``"57"``, ``"579.0"`` and ``"+579"`` do not. There is no partial
 credit: the tiny character-level model either produces the answer or it does not.
 
-Invariant: returns exactly 1.0 or 0.0 and never raises (a non-string scores 0.0).
+Invariant: returns exactly 1.0 or 0.0 and never raises for strings (a chat completion or a numeric answer is
+read as llamarl.rewards.inputs says; other types raise TypeError).
 """
 
 from __future__ import annotations
+
+from llamarl.rewards.inputs import answer_text, completion_text
 
 
 def first_line(completion: str) -> str:
@@ -18,7 +21,6 @@ def first_line(completion: str) -> str:
 
 def exact_reward(completion: str, answer: str) -> float:
     """1.0 iff the first line of ``completion``, stripped, equals ``answer`` stripped."""
-    if not isinstance(completion, str) or not isinstance(answer, str):
-        return 0.0
+    completion, answer = completion_text(completion, "exact_reward"), answer_text(answer, "exact_reward")
     expected = answer.strip()
     return 1.0 if expected and first_line(completion) == expected else 0.0

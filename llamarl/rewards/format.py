@@ -1,6 +1,6 @@
 """Format rewards: does a completion state its answer in the form the verifier expects?
 
-Styles (``format_reward(completion, style)`` returns 1.0 or 0.0, never raises):
+Styles (``format_reward(completion, style)`` returns 1.0 or 0.0, never raises for a string or chat completion):
   * ``"gsm8k"``: the marker that declares the answer (the last ``####`` that is not a markdown heading, as
     ``gsm8k_reward`` reads it) is followed (after spaces and an optional ``$``) by a number;
   * ``"math"``:  the completion holds a closed, non-empty ``\\boxed{...}`` (see ``math.last_boxed``);
@@ -25,6 +25,7 @@ from typing import Callable
 from llamarl.rewards.code import closed_python_block
 from llamarl.rewards.exact import first_line
 from llamarl.rewards.gsm8k import marked_number
+from llamarl.rewards.inputs import completion_text
 from llamarl.rewards.math import last_boxed
 
 _NUMBER_LINE_RE = re.compile(r"[-+]?\d+(?:\.\d+)?")
@@ -61,8 +62,7 @@ def _check_style(style: str) -> Callable[[str], bool]:
 def format_reward(completion: str, style: str) -> float:
     """1.0 iff ``completion`` states an answer in the format of ``style`` (module docstring)."""
     check = _check_style(style)
-    if not isinstance(completion, str):
-        return 0.0
+    completion = completion_text(completion, "format_reward")
     try:
         return 1.0 if check(completion) else 0.0
     except Exception:  # defensive: the checks are plain regex/brace scans

@@ -35,9 +35,10 @@ or ``－`` (fullwidth).
 Values compare exactly as ``decimal.Decimal`` (``72.00 == 72``; ``720 != 72``; ``7.2 != 72``). No
 fractions or scientific notation: GSM8K answers are plain decimals.
 
-Invariant: ``gsm8k_reward`` returns exactly 1.0 or 0.0 and never raises, for any pair of strings (and
-for non-strings, which score 0.0). The regexes have no nested unbounded quantifiers and the marker scan
-visits each character a bounded number of times, so the cost stays linear in the input length.
+Invariant: ``gsm8k_reward`` returns exactly 1.0 or 0.0 and never raises, for any pair of strings (a chat
+completion or a numeric answer is read as llamarl.rewards.inputs says; other types raise TypeError). The
+regexes have no nested unbounded quantifiers and the marker scan visits each character a bounded number of
+times, so the cost stays linear in the input length.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
+from llamarl.rewards.inputs import answer_text, completion_text
 from llamarl.rewards.math import last_boxed
 
 # sign: only where it cannot be a binary minus/plus (not after a word char, digit, ')' or ']').
@@ -174,8 +176,7 @@ def extract_reference_number(answer: str) -> Decimal | None:
 
 def gsm8k_reward(completion: str, answer: str) -> float:
     """1.0 iff the completion's final number equals the reference answer's number, else 0.0."""
-    if not isinstance(completion, str) or not isinstance(answer, str):
-        return 0.0
+    completion, answer = completion_text(completion, "gsm8k_reward"), answer_text(answer, "gsm8k_reward")
     try:
         ref = extract_reference_number(answer)
         pred = extract_predicted_number(completion)

@@ -36,7 +36,8 @@ Bounding the cost (the verifier must never hang a run, in any thread):
     value would need too many digits, are rejected too (such answers score 0.0; infinite and symbolic
     bounds are kept).
 
-Invariant: ``math_reward`` returns exactly 1.0 or 0.0 and never raises, for any pair of strings.
+Invariant: ``math_reward`` returns exactly 1.0 or 0.0 and never raises, for any pair of strings (a chat
+completion or a numeric answer is read as llamarl.rewards.inputs says; other types raise TypeError).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from functools import lru_cache
 from typing import Any
 
 from llamarl.rewards.deadline import DeadlineExceeded, call_with_deadline
+from llamarl.rewards.inputs import answer_text, completion_text
 
 MAX_ANSWER_CHARS = 1000
 MAX_RESULT_DIGITS = 20_000  # rejects a numeric subexpression that may need more decimal digits
@@ -434,8 +436,7 @@ def warm_up() -> None:
 
 def math_reward(completion: str, answer: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> float:
     """1.0 iff the last box of ``completion`` is equivalent to ``answer`` (see module docstring)."""
-    if not isinstance(completion, str) or not isinstance(answer, str):
-        return 0.0
+    completion, answer = completion_text(completion, "math_reward"), answer_text(answer, "math_reward")
     try:
         pred = last_boxed(completion)
         gold = reference_answer(answer)
