@@ -219,7 +219,8 @@ INTERPRETED = isinstance(_rms_norm_kernel, InterpretedFunction)
 # checks
 # ----------------------------------------------------------------------------------------------------
 def _check_float(op: str, **tensors: torch.Tensor) -> torch.dtype:
-    """All tensors: torch.Tensor, one float dtype of float32/bfloat16/float16, one device, unit last stride."""
+    """All tensors: torch.Tensor, one float dtype of float32/bfloat16/float16, one device, unit last stride, and
+    no gradient asked for (these ops have no backward)."""
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -234,6 +235,10 @@ def _check_float(op: str, **tensors: torch.Tensor) -> torch.dtype:
         raise ValueError(f"{op}: all tensors must be on one device, got "
                          f"{ {name: str(t.device) for name, t in tensors.items()} }")
     check_device_runnable(op, devices.pop())
+    needs_grad = [name for name, t in tensors.items() if t.requires_grad]
+    if needs_grad and torch.is_grad_enabled():  # the output would be detached: gradients silently lost
+        raise RuntimeError(f"{op}: the fused inference ops have no backward, but {needs_grad} require grad; run "
+                           "them under torch.no_grad() / torch.inference_mode(), or use the eager op for training")
     for name, t in tensors.items():
         if t.dim() == 0:
             raise ValueError(f"{op}: {name} must have at least one dimension, got a scalar")

@@ -296,6 +296,8 @@ def _bad(**overrides):
         (_bad(kl_coef=0.1), "needs ref_logprobs"),
         (_bad(kl_coef=-0.1, ref_logprobs=torch.zeros(2, 3)), "kl_coef"),
         (_bad(entropy_coef=0.1), "needs entropy"),
+        (_bad(logprobs=torch.zeros(2, 3, requires_grad=True), entropy_coef=0.1, entropy=torch.ones(2, 3)),
+         "entropy that carries no gradient"),  # the bonus would reach the loss's value, not its gradient
         (_bad(ref_logprobs=torch.zeros(2, 2)), "ref_logprobs has shape"),
         (_bad(logprobs=torch.zeros(6), behavior_logprobs=torch.zeros(6), advantages=torch.zeros(6),
               mask=torch.ones(6), norm="sequence"), "norm='sequence' needs"),

@@ -236,6 +236,15 @@ def test_bad_inputs_raise_clear_errors(device, monkeypatch):
         rms_norm(torch.randn(8, 3, dtype=bf, device=device).t(), w, 1e-5)
     with pytest.raises(ValueError, match="eps"):
         rms_norm(x, w, -1.0)
+    # no backward: an input that asks for a gradient is refused (the output was silently detached), unless
+    # autograd is off
+    trainable = torch.ones(8, dtype=bf, device=device, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"rms_norm: the fused inference ops have no backward, but \['weight'\]"):
+        rms_norm(x, trainable, 1e-5)
+    with pytest.raises(RuntimeError, match="silu_mul: the fused inference ops have no backward"):
+        silu_mul(x.clone().requires_grad_(), x)
+    with torch.no_grad():
+        torch.testing.assert_close(rms_norm(x, trainable, 1e-5), rms_norm(x, w, 1e-5), rtol=0, atol=0)
 
     q = torch.randn(1, 2, 4, 8, dtype=f32, device=device)
     k = torch.randn(1, 2, 2, 8, dtype=f32, device=device)

@@ -312,6 +312,11 @@ def _check_inputs(logprobs, behavior_logprobs, advantages, mask, rho, norm, ref_
         raise ValueError(f"aipo_loss: entropy_coef must be a finite number, got {entropy_coef!r}")
     if entropy_coef != 0.0 and entropy is None:
         raise ValueError(f"aipo_loss: entropy_coef={entropy_coef} needs entropy (see token_logprobs)")
+    if (entropy_coef != 0.0 and torch.is_grad_enabled() and isinstance(logprobs, torch.Tensor)
+            and logprobs.requires_grad and isinstance(entropy, torch.Tensor) and not entropy.requires_grad):
+        raise ValueError(f"aipo_loss: entropy_coef={entropy_coef} with an entropy that carries no gradient (e.g. "
+                         "token_logprobs(..., entropy='detached')): the bonus would change the loss value but not the "
+                         "update; compute it with entropy='grad'")
     check_clip("aipo_loss", clip)
     if old_logprobs is not None and clip is None:
         raise ValueError("aipo_loss: old_logprobs is only read with clip=(eps_low, eps_high), the decoupled PPO "
