@@ -99,6 +99,13 @@ def test_bad_input_raises_clear_error(rewards, group_size, method, eps, match):
         group_advantages(rewards, group_size, method, eps)
 
 
+def test_numpy_integers_are_group_sizes():
+    import numpy as np
+
+    rewards = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    assert torch.equal(group_advantages(rewards, np.int64(2)), group_advantages(rewards, 2))
+
+
 def test_non_tensor_rejected():
     with pytest.raises(TypeError, match="torch.Tensor"):
         group_advantages([1.0, 0.0], 2)

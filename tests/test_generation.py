@@ -314,8 +314,10 @@ def test_a_cache_too_small_for_the_batch_warns_once(models):
 
 
 def test_bad_prompts_raise(models):
-    _, model = models
+    hf, model = models
     p = SamplingParams(max_new_tokens=4)
+    with pytest.raises(TypeError, match="takes a llamarl.models.Llama, got LlamaForCausalLM; load"):
+        generate(hf, [[3, 4]], p)  # before anything is done to its weights
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         generate(model, [[3], []], p)
     with pytest.raises(ValueError, match="no prompts"):

@@ -292,6 +292,8 @@ def test_a_broken_pool_resolves_a_task_put_back_after_a_failed_send():
 def test_pool_fails_fast_on_a_bad_spec():
     with pytest.raises(RewardSpecError, match="no_such_module_xyz"):
         RewardPool("no_such_module_xyz:reward")
+    with pytest.raises(TypeError, match="reward functions are given by name, as strings.* got function"):
+        RewardPool(lambda completion, answer: 1.0)  # TRL passes functions; the workers import theirs by name
     with pytest.raises(ValueError, match="num_workers"):
         RewardPool("exact", num_workers=0)
     with pytest.raises(ValueError, match="timeout_s"):
@@ -519,3 +521,14 @@ def test_workers_start_with_sigint_blocked_then_ignore_it(tmp_path):
         bit = 1 << (signal.SIGINT - 1)
         assert ignored & bit and not blocked & bit
     assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
+def test_a_relative_file_spec_survives_a_chdir_and_a_respawn(user_file, monkeypatch):
+    """The pool resolves a file spec once: a worker respawned after the process changed directory (a death,
+    or a timeout kill) still finds the file (it failed to start three times, and the pool was broken)."""
+    monkeypatch.chdir(user_file.parent)
+    with RewardPool(f"{user_file.name}/my_rewards.py:reward", num_workers=1, timeout_s=30) as pool:
+        assert pool.score([("a", "x", "x")])[0].reward == 1.0
+        monkeypatch.chdir("/")
+        assert "worker died" in pool.score([("b", "die", "x")])[0].error
+        assert pool.score([("c", "x", "x")])[0].reward == 1.0

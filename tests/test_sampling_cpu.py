@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llamarl.generation.sampling import sample_native_cpu
+from llamarl.generation.sampling import SamplingParams, sample_native_cpu, sample_tokens
 from native_harness import run_with_cpu_isa
 
 
@@ -71,3 +71,11 @@ def test_portable_sampler_path():
             "t.test_sampling_is_seeded_and_handles_large_vocabularies(); t.test_nan_rows_report_nan()\n"
             "from llamarl._native import native; print(native().linear_cpu_isa())")
     assert run_with_cpu_isa(code, "avx2") in ("avx2+fma", "scalar")
+
+
+def test_logits_must_be_one_row_per_sequence():
+    """[B, T, V] logits gave the right greedy tokens with log-probs from the wrong rows ([B, 1, T])."""
+    params = SamplingParams(max_new_tokens=1, temperature=0.0)
+    for shape in ((2, 3, 5), (5,)):
+        with pytest.raises(ValueError, match=r"sample_tokens: logits must be \[N, V\]"):
+            sample_tokens(torch.randn(shape), params, None)

@@ -164,6 +164,8 @@ def test_learning_rate_schedule():
         assert lr_at(99, dict(cfg, lr_schedule=s), 14) == pytest.approx(0.1)
         assert lr_at(9, dict(cfg, lr_schedule=s), None) == 1.0  # no horizon: no decay
     assert lr_at(0, dict(cfg, lr_warmup_steps=0, lr_schedule="linear"), 10) == 1.0
+    with pytest.raises(ValueError, match=r"lr_schedule must be one of \('constant', .*\), got 'Cosine'"):
+        lr_at(9, dict(cfg, lr_schedule="Cosine"), 14)  # (it decayed linearly)
 
 
 def test_trainer_steps_at_the_scheduled_learning_rate(tmp_path):

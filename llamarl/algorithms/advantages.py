@@ -33,6 +33,8 @@ do not depend on the order of the sums.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 METHODS = ("mean", "grpo", "rloo", "reinforce_baseline")
@@ -58,8 +60,13 @@ def group_advantages(
             f"group_advantages: rewards must be 1-D [B] (prompt-major groups), got shape "
             f"{tuple(rewards.shape)}; flatten [prompts, n] with rewards.reshape(-1)"
         )
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+    try:  # operator.index: ints, numpy ints; not bools, floats
+        size = -1 if isinstance(group_size, bool) else operator.index(group_size)
+    except TypeError:
+        size = -1
+    if size < 1:
         raise ValueError(f"group_advantages: group_size must be a positive int, got {group_size!r}")
+    group_size = size
     if method not in METHODS:
         raise ValueError(f"group_advantages: method must be one of {METHODS}, got {method!r}")
     if not (eps > 0.0):  # also rejects NaN

@@ -89,6 +89,7 @@ metrics 0.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -178,6 +179,7 @@ def aipo_loss(
         raise ValueError("aipo_loss: level='sequence' needs [B, T] inputs; flat [N] inputs have no sequences")
     _check_inputs(logprobs, behavior_logprobs, advantages, mask, rho, norm, ref_logprobs, kl_coef,
                   entropy, entropy_coef, old_logprobs, clip, validate)
+    rho, kl_coef, entropy_coef = float(rho), float(kl_coef), float(entropy_coef)  # numpy scalars too
     compute = torch.promote_types(logprobs.dtype, torch.float32)
     logp = logprobs.to(compute)
     m = mask.to(compute)
@@ -260,8 +262,13 @@ def _masked_mean(per_token: torch.Tensor, m: torch.Tensor, norm: str, constant: 
     return row_means.sum() / rows
 
 
+def _real(value) -> bool:
+    """A real number (Python's or numpy's), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _check_temperature(where: str, temperature: float) -> None:
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+    if not (_real(temperature) and math.isfinite(temperature) and temperature > 0):
         raise ValueError(
             f"{where}: temperature must be a finite number > 0 (use 1.0 for greedy decoding), got {temperature!r}"
         )
@@ -302,13 +309,13 @@ def _check_inputs(logprobs, behavior_logprobs, advantages, mask, rho, norm, ref_
         raise ValueError(f"aipo_loss: advantages has shape {adv_shape}, expected {allowed} "
                          "(per token, or per sequence broadcast over T)")
 
-    if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not (rho > 0):
+    if not _real(rho) or not (rho > 0):
         raise ValueError(f"aipo_loss: rho (the truncation of pi/mu) must be > 0, e.g. 2.0; got {rho!r}")
-    if not (isinstance(kl_coef, (int, float)) and math.isfinite(kl_coef) and kl_coef >= 0):
+    if not (_real(kl_coef) and math.isfinite(kl_coef) and kl_coef >= 0):
         raise ValueError(f"aipo_loss: kl_coef must be a finite number >= 0, got {kl_coef!r}")
     if kl_coef != 0.0 and ref_logprobs is None:
         raise ValueError(f"aipo_loss: kl_coef={kl_coef} needs ref_logprobs (log-probs under the reference policy)")
-    if not (isinstance(entropy_coef, (int, float)) and math.isfinite(entropy_coef)):
+    if not (_real(entropy_coef) and math.isfinite(entropy_coef)):
         raise ValueError(f"aipo_loss: entropy_coef must be a finite number, got {entropy_coef!r}")
     if entropy_coef != 0.0 and entropy is None:
         raise ValueError(f"aipo_loss: entropy_coef={entropy_coef} needs entropy (see token_logprobs)")

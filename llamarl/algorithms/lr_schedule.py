@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+SCHEDULES = ("constant", "cosine", "linear")
+
 
 def lr_at(step: int, cfg: dict, total_steps: int | None) -> float:
     """The learning rate of RL step ``step`` (0-based). With W = lr_warmup_steps, S = total_steps,
@@ -19,6 +21,8 @@ def lr_at(step: int, cfg: dict, total_steps: int | None) -> float:
         linear:     lr · (r + (1 − r) · (1 − t))
 
     Decay needs S (``run.max_steps``); without it the rate stays at lr after the warm-up."""
+    if cfg["lr_schedule"] not in SCHEDULES:  # (the config checks it; a direct caller may not have)
+        raise ValueError(f"lr_at: lr_schedule must be one of {SCHEDULES}, got {cfg['lr_schedule']!r}")
     lr, warmup = cfg["lr"], cfg["lr_warmup_steps"]
     if step < warmup:
         return lr * (step + 1) / warmup

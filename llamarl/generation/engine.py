@@ -103,7 +103,12 @@ def _as_token_list(prompt: Any, i: int) -> list[int]:
 
 
 class GenerationEngine:
-    """A reusable generator: the KV cache (and CUDA graphs) are allocated once and reused by every call."""
+    """A reusable generator: the KV cache (and CUDA graphs) are allocated once and reused by every call.
+
+    The engine takes over ``model`` (a ``llamarl.models.Llama``; transformers' models load with
+    ``Llama.from_pretrained``): its weights are packed in place, and ``quantization`` int8/fp8 replaces its
+    linears' weights by quantized buffers in place, so a model that is also trained must be given as a copy
+    (``GenerationEngine(copy.deepcopy(model), quantization="int8")``)."""
 
     def __init__(
         self,
@@ -118,6 +123,11 @@ class GenerationEngine:
         graph_steps: int = 1,
         quantization_backend: str = "triton",
     ) -> None:
+        from llamarl.models import Llama
+
+        if not isinstance(model, Llama):  # e.g. a transformers LlamaForCausalLM: it has none of what is used here
+            raise TypeError(f"GenerationEngine takes a llamarl.models.Llama, got {type(model).__name__}; load a "
+                            "Hugging Face checkpoint with llamarl.models.Llama.from_pretrained(path)")
         if quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
         if not isinstance(max_batch_size, int) or max_batch_size < 1:

@@ -151,6 +151,9 @@ def sample_tokens(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of fp32 ``logits`` [N, V] -> (tokens [N] long, logprobs [N] fp32 under μ)."""
+    if logits.dim() != 2:
+        raise ValueError(f"sample_tokens: logits must be [N, V] (one row per sequence), got shape "
+                         f"{tuple(logits.shape)}; take the last position, or reshape(-1, V)")
     logits = logits.float()
     if NATIVE_CPU and logits.is_cpu and params.top_k == 0 and params.top_p >= 1.0 and logits.dim() == 2:
         return sample_native_cpu(logits, params.temperature, generator)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import traceback
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from llamarl.rewards.registry import InfoParams, call_reward, info_params, load_reward
@@ -53,11 +54,23 @@ def as_reward(value: Any) -> float:
 
 
 def as_specs(spec: str | Sequence[str]) -> tuple[str, ...]:
-    """One spec or several, as a non-empty tuple of specs."""
-    specs = (spec,) if isinstance(spec, str) else tuple(spec)
+    """One spec or several, as a non-empty tuple of specs; a file spec (``path/to/file.py:function``) with its
+    path made absolute, so a worker started later (a respawn after a timeout) finds it after a chdir."""
+    specs = (spec,) if isinstance(spec, str) else tuple(spec) if isinstance(spec, (list, tuple)) else None
+    if specs is None or not all(isinstance(s, str) for s in specs):
+        bad = spec if specs is None else next(s for s in specs if not isinstance(s, str))
+        raise TypeError(f"reward functions are given by name, as strings: 'gsm8k', 'math', 'module:function' or "
+                        f"'path/to/file.py:function' (the workers import them), got {type(bad).__name__}: {bad!r:.80}")
     if not specs:
         raise ValueError("no reward function given: pass a spec such as 'gsm8k' (or several)")
-    return specs
+    return tuple(_absolute_file_spec(s) for s in specs)
+
+
+def _absolute_file_spec(spec: str) -> str:
+    module, sep, fn = spec.rpartition(":")
+    if not sep or not (module.endswith(".py") or os.sep in module or "/" in module):
+        return spec
+    return f"{Path(module).expanduser().resolve()}:{fn}"
 
 
 def check_weights(weights: Sequence[float] | None, terms: int) -> tuple[float, ...]:
