@@ -262,6 +262,13 @@ def test_sequence_level_ratios_match_fp64(norm, clip, with_old):
     eager = run(aipo_loss_from_hidden_ref, shuffled, **opts)
     exact = run(aipo_loss_from_hidden_ref, shuffled, dtype=torch.float64, **opts)
     assert_within_2x_eager(loss, eager[0], exact[0], "loss", scale=float(exact[0].detach().abs()) + 1e-3)
+    with torch.no_grad():  # the forward-only path (a metric, a no-grad evaluation): the same loss and metrics
+        loss_ng, metrics_ng = fused_aipo_loss(shuffled["hidden"], shuffled["weight"], shuffled["targets"],
+                                              shuffled["behavior_logprobs"], shuffled["advantages"],
+                                              shuffled["mask"], ref_logprobs=shuffled["ref_logprobs"],
+                                              chunk_size=16, **opts)
+    assert float(loss_ng) == pytest.approx(float(loss), rel=1e-6, abs=1e-7)
+    assert all(float(metrics_ng[k]) == pytest.approx(float(metrics[k]), rel=1e-6, abs=1e-7) for k in metrics)
     assert_within_2x_eager(gh, eager[2], exact[2], "grad hidden")
     assert_within_2x_eager(gw, eager[3], exact[3], "grad weight")
     keys = METRICS + ("kl_ref",) + (("clip_frac",) if clip else ())
@@ -346,8 +353,11 @@ def test_frozen_weight_no_grad_mode_and_gradient_scaling():
     args = (case["weight"], case["targets"], case["behavior_logprobs"], case["advantages"], case["mask"])
     loss, _ = fused_aipo_loss(hidden, *args, rho=RHO, temperature=0.9, chunk_size=8)
     (2.5 * loss).backward()
-    _, _, exact_gh, _ = run(aipo_loss_from_hidden_ref, case, dtype=torch.float64, rho=RHO, temperature=0.9)
+    _, _, exact_gh, exact_gw = run(aipo_loss_from_hidden_ref, case, dtype=torch.float64, rho=RHO, temperature=0.9)
     torch.testing.assert_close(hidden.grad.double(), 2.5 * exact_gh, rtol=1e-4, atol=1e-6)
+    weight = case["weight"].clone().requires_grad_()  # a trained weight's gradient scales the same way
+    (2.5 * fused_aipo_loss(hidden.detach(), weight, *args[1:], rho=RHO, temperature=0.9, chunk_size=8)[0]).backward()
+    torch.testing.assert_close(weight.grad.double(), 2.5 * exact_gw, rtol=1e-4, atol=1e-6)
     with torch.no_grad():
         loss_ng, metrics_ng = fused_aipo_loss(hidden, *args, rho=RHO, temperature=0.9, chunk_size=8)
     assert not loss_ng.requires_grad

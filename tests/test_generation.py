@@ -211,6 +211,30 @@ def test_stops_and_compaction_match_single_prompt_runs(models, monkeypatch):
         assert cfg_eos not in o.token_ids[:-1]
 
 
+def test_a_row_with_one_pad_slot_equals_its_own_run(models):
+    """Prompts one token apart: the shorter row has exactly one pad slot, which must stay masked."""
+    _, model = models
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    prompts = [[5, 6, 7], [12, 13]]
+    for o, p in zip(generate(model, prompts, params, eos_token_id=()), prompts):
+        alone = generate(model, [p], params, eos_token_id=())[0]
+        assert o.token_ids == alone.token_ids
+        assert max(abs(a - b) for a, b in zip(o.logprobs, alone.logprobs)) < 1e-5
+
+
+def test_an_eos_drawn_as_the_last_allowed_token_is_a_stop(models):
+    """The EOS ended the completion, whatever the budget (vLLM, transformers): "stop", not "length", which
+    rollouts.without_truncated would drop as cut."""
+    _, model = models
+    for p in PROMPTS:
+        free = generate(model, [p], SamplingParams(max_new_tokens=4, temperature=0.0), eos_token_id=())[0].token_ids
+        if free[-1] not in free[:-1]:  # an EOS first drawn at the fourth token
+            out = generate(model, [p], SamplingParams(max_new_tokens=4, temperature=0.0), eos_token_id=free[-1])[0]
+            assert out.token_ids == free and out.finish_reason == "stop"
+            return
+    pytest.fail("no prompt whose fourth greedy token is new")
+
+
 def test_context_limit_and_policy_versions(models):
     _, model = models
     ctx = model.config.max_position_embeddings  # 48

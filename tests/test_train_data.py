@@ -119,3 +119,17 @@ def test_the_stream_id_names_the_stream_not_a_rendering(tmp_path):
         DataConfig(dataset=str(path), eval_size=5, few_shot=4), CharTokenizer(), seed=s).formatter.shots))
     assert TrainData(DataConfig(dataset=str(path), eval_size=5, few_shot=4), CharTokenizer(),
                      seed=empty_shot).stream_id
+
+
+def test_a_repeated_prompt_is_held_out_with_every_copy_and_each_epoch_has_its_own_order(tmp_path):
+    """A file that holds every prompt twice: no held-out prompt is in the training pool (through another copy);
+    the stream's epochs are each a fresh seeded permutation of the pool."""
+    rows = [{"question": f"{i}+{i}=", "answer": str(2 * i)} for i in range(20)] * 2
+    _write(tmp_path / "d.jsonl", rows)
+    data = TrainData(DataConfig(dataset=str(tmp_path / "d.jsonl"), eval_size=4), CharTokenizer(), seed=7)
+    held = {s.prompt for s in data.heldout}
+    assert len(held) == 4 and not held & {s.prompt for s in data.next(len(data._pool) * 3)}
+    data = TrainData(DataConfig(dataset=str(tmp_path / "d.jsonl"), eval_size=4), CharTokenizer(), seed=7)
+    pool = sorted(s.id for s in data._pool)
+    epochs = [[s.id for s in data.next(len(pool))] for _ in range(3)]
+    assert all(sorted(e) == pool for e in epochs) and len({tuple(e) for e in epochs}) == 3

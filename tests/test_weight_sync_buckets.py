@@ -356,6 +356,64 @@ def test_kernel_quantizes_whole_row_pieces_straight_into_the_buckets(mode):
             b.close()
 
 
+def test_a_shard_repointed_to_new_storage_is_read_from_there():
+    """The sender caches the shards' copy sources; a shard tensor given new storage between syncs (``.data =``,
+    ``load_state_dict(assign=True)``) must be read from its new memory (the cache is keyed by the addresses)."""
+    specs = [ParamSpec("model.norm.weight", (64,), torch.float32, None),
+             ParamSpec("model.layers.0.mlp.up_proj.weight", (8, 16), torch.float32, 0)]
+    plan = plan_sync(specs, TrainerLayout(1), GeneratorLayout())
+    gen = GeneratorBuckets.create(plan, 0, storage="shm", slots=2)
+    try:
+        shards = {s.name: torch.full(s.shape, 1.0) for s in specs}
+        with WeightSender(plan, 0, [gen.handle()]) as sender:
+            sender.sync(shards, 1)
+            shards["model.norm.weight"].data = torch.full((64,), 2.0)  # the same tensor object, new storage
+            shards["model.layers.0.mlp.up_proj.weight"].mul_(3.0)  # in place: the same address
+            sender.sync(shards, 2)
+        r = WeightReceiver(gen)
+        with r.reading() as version:
+            got = r.named_tensors()
+            assert version == 2 and all(torch.equal(got[n], t) for n, t in shards.items())
+        r.close()
+    finally:
+        gen.close()
+
+
+def test_quantize_on_sync_writes_each_replica_into_its_own_slot():
+    """Two replicas whose control blocks pick different slots (a reader of replica 1 holds version 1): every
+    replica's newest version holds exactly quantize(w), written into that replica's slot."""
+    from llamarl_kernels import quantize
+
+    specs = [ParamSpec("model.layers.0.mlp.up_proj.weight", (7, 12), torch.float32, 0),
+             ParamSpec("model.norm.weight", (9,), torch.float32, None)]
+    plan = plan_sync(specs, TrainerLayout(1), GeneratorLayout(tp_size=1, replicas=2, quant="int8"))
+    gens = [GeneratorBuckets.create(plan, g, storage="shm", slots=3) for g in range(2)]
+    try:
+        sender = WeightSender(plan, 0, [b.handle() for b in gens], quantizer="kernel")
+        assert sender._direct, "the direct (in-bucket) quantization path"
+        readers = [WeightReceiver(b) for b in gens]
+        chosen = []
+        for version in range(1, 7):
+            full = {s.name: torch.randn(s.shape, generator=torch.Generator().manual_seed(version)) for s in specs}
+            chosen.append(sender.sync(full, version).slots)
+            if version == 1:
+                readers[1].acquire(1)  # held: replica 1's slot choices now differ from replica 0's
+            if version >= 2:
+                for g in (0,) if version < 6 else (0, 1):
+                    if g == 1:
+                        readers[1].release()
+                    with readers[g].reading() as v:
+                        got = readers[g].named_tensors()["model.layers.0.mlp.up_proj.weight"]
+                        assert v == version and torch.equal(got, quantize(full[specs[0].name], "int8")[0]), g
+        assert any(len(set(slots.values())) > 1 for slots in chosen), chosen  # the replicas really diverged
+        for r in readers:
+            r.close()
+        sender.close()
+    finally:
+        for b in reversed(gens):
+            b.close()
+
+
 @pytest.mark.gpu
 def test_cuda_buckets_are_written_through_ipc_and_in_process():
     specs = [ParamSpec("model.layers.0.mlp.down_proj.weight", (64, 48), torch.bfloat16, 1),
