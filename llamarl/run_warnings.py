@@ -78,7 +78,8 @@ def resume_warnings(cfg: TrainConfig, step: int) -> list[str]:
     config.yaml (or the checkpoint's copy); nothing to say without one (a checkpoint of an earlier llamarl)."""
     saved = resume_file(cfg.run.resume)
     try:
-        old_cfg = saved_config(saved) if saved is not None else None  # as the resume read it ("lr: 3e-4" is a number, not YAML 1.1's string)
+        # as the resume read it ("lr: 3e-4" is a number, not YAML 1.1's string)
+        old_cfg = saved_config(saved) if saved is not None else None
     except (OSError, ConfigError):
         old_cfg = None
     if old_cfg is None:

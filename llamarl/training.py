@@ -301,8 +301,8 @@ def train(cfg: TrainConfig) -> dict:
                                                        if g.role == "trainer")
     if cfg.trainer.compute_dtype == "bfloat16" and cfg.trainer.dtype == "float32" and not trainer_on_gpu:
         log("warning: trainer.compute_dtype=bfloat16 on the CPU: a CPU without bfloat16 matrix units (AVX512-BF16, "
-            "AMX) multiplies bfloat16 many times slower than float32 (20x on a 2-core test machine); mixed precision is "
-            "for GPUs, leave trainer.compute_dtype unset here")
+            "AMX) multiplies bfloat16 many times slower than float32 (20x on a 2-core test machine); mixed "
+            "precision is for GPUs, leave trainer.compute_dtype unset here")
     out = Path(cfg.run.out) if cfg.run.out else default_out()
     resume = load_latest(cfg.run.resume) if cfg.run.resume else None
     for warning in resume_warnings(cfg, resume.step) if resume else ():
