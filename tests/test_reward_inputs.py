@@ -39,6 +39,10 @@ def test_a_chat_completion_is_its_last_messages_content():
     assert gsm8k_reward(CHAT, "72") == exact_reward([{"role": "assistant", "content": "72"}], "72") == 1.0
     assert math_reward([{"role": "assistant", "content": "\\boxed{72}"}], 72) == 1.0
     assert format_reward(CHAT, "gsm8k") == 1.0
+    parts = [{"role": "assistant", "content": [{"type": "text", "text": "so "}, {"type": "text", "text": "#### 72"}]}]
+    assert gsm8k_reward(parts, "72") == 1.0
+    with pytest.raises(TypeError, match="list of chat messages"):
+        gsm8k_reward([{"role": "assistant", "content": [{"type": "image_url", "image_url": "x"}]}], "72")
     assert code_reward([{"role": "assistant", "content": "```python\nprint(input())\n```"}],
                        '{"inputs": ["x"], "outputs": ["x"]}') == 1.0
 

@@ -4,7 +4,7 @@ A verifier scores a (completion, answer) pair of strings and never raises for st
 answer scores 0.0). Two other forms are common in user code and mean something definite:
 
   * a chat completion, TRL's conversational format (a list of messages ``{"role": ..., "content": ...}``):
-    the text is the last message's content;
+    the text is the last message's content (its text parts joined, for content given as OpenAI's parts);
   * a numeric reference answer (int, float, ``Decimal``, ``Fraction``; not bool): its decimal text
     (72 and 72.0 -> "72", 0.5 -> "0.5", 1e-05 -> "0.00001", Decimal("72.00") -> "72.00", Fraction(1, 2) -> "1/2").
 
@@ -29,6 +29,9 @@ def completion_text(completion: Any, verifier: str) -> str:
         content = completion[-1].get("content")
         if isinstance(content, str):
             return content
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) for p in content):
+            return "".join(p["text"] for p in content)  # OpenAI's content parts, text only
     raise TypeError(f"{verifier}: the completion must be a string or a list of chat messages with string "
                     f"'content', got {type(completion).__name__}: {completion!r:.80}")
 
