@@ -30,7 +30,13 @@ def test_a_numeric_answer_is_its_decimal_text(verifier, completion):
 
 
 def test_numbers_read_as_their_shortest_decimal():
+    import numpy as np
+
     assert gsm8k_reward("#### 0.5", 0.5) == gsm8k_reward("#### 0.00001", 1e-05) == 1.0
+    # a numpy float32 (a pandas float32 column) reads as its own digits, not the float64 widening 72.0999984741211;
+    # a big float positionally, without binary noise (not 99999999999999991611392)
+    assert gsm8k_reward("#### 72.1", np.float32(72.1)) == exact_reward("72.1", np.float32(72.1)) == 1.0
+    assert gsm8k_reward("#### 100000000000000000000000", 1e23) == 1.0
     assert math_reward("\\boxed{\\frac{1}{2}}", Fraction(1, 2)) == 1.0
     assert gsm8k_reward("#### 0.1", 0.1 + 0.2 - 0.2) == 0.0  # 0.10000000000000003: not 0.1
 

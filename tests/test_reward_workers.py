@@ -527,7 +527,8 @@ def test_a_relative_file_spec_survives_a_chdir_and_a_respawn(user_file, monkeypa
     """The pool resolves a file spec once: a worker respawned after the process changed directory (a death,
     or a timeout kill) still finds the file (it failed to start three times, and the pool was broken)."""
     monkeypatch.chdir(user_file.parent)
-    with RewardPool(f"{user_file.name}/my_rewards.py:reward", num_workers=1, timeout_s=30) as pool:
+    with RewardPool(f" {user_file.name}/my_rewards.py:reward", num_workers=1, timeout_s=30) as pool:  # (spaces:
+        # load_reward strips them, so the pool must too)
         assert pool.score([("a", "x", "x")])[0].reward == 1.0
         monkeypatch.chdir("/")
         assert "worker died" in pool.score([("b", "die", "x")])[0].error

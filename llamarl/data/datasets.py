@@ -32,9 +32,10 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from decimal import Decimal
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
+
+from llamarl._text import decimal_text
 
 GSM8K_MARKER = "####"
 SUPPORTED_SUFFIXES = (".jsonl", ".parquet")
@@ -138,11 +139,7 @@ def _as_text(value: Any, field: str, where: str, path: Path, *, numbers_ok: bool
     if numbers_ok and isinstance(value, float):
         if not math.isfinite(value):
             raise ValueError(f"{path} {where}: field {field!r} is {value}; an answer must be a finite number or text")
-        # positional notation, never scientific (which neither verifier reads: "1e+21" would be the number 1
-        # followed by 21): 72.0 -> "72", 1e21 -> "1000000000000000000000", 1e-05 -> "0.00001", digits from
-        # Python's shortest repr (no binary noise: 1.2345678901234566e25 -> "12345678901234566000000000")
-        exact = Decimal(repr(value))
-        return str(int(exact)) if value.is_integer() else format(exact, "f")
+        return decimal_text(value)  # 72.0 -> "72", 1e21 -> "1000000000000000000000", 1e-05 -> "0.00001"
     kind = "a string or number" if numbers_ok else "a string"
     raise ValueError(f"{path} {where}: field {field!r} must be {kind}, got {type(value).__name__} {value!r:.80}")
 

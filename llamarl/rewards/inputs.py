@@ -20,6 +20,8 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
+from llamarl._text import decimal_text
+
 
 def completion_text(completion: Any, verifier: str) -> str:
     """The completion as text: a string, or the content of a chat completion's last message."""
@@ -53,9 +55,6 @@ def answer_text(answer: Any, verifier: str) -> str:
         return format(answer, "f")
     if not isinstance(answer, numbers.Real):
         raise TypeError(f"{verifier}: the answer must be a string or a real number, got {type(answer).__name__}")
-    value = float(answer)
-    if not math.isfinite(value):
+    if not math.isfinite(float(answer)):
         raise TypeError(f"{verifier}: the answer must be a finite number, got {answer!r}")
-    if value.is_integer():  # 72.0 (a JSON or pandas column of floats) is the answer 72
-        return str(int(value))
-    return format(Decimal(repr(value)), "f")  # repr: the shortest decimal that reads back as the float
+    return decimal_text(answer)  # 72.0 (a JSON or pandas column of floats) is "72"; np.float32(72.1) is "72.1"

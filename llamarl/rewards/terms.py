@@ -63,7 +63,7 @@ def as_specs(spec: str | Sequence[str]) -> tuple[str, ...]:
                         f"'path/to/file.py:function' (the workers import them), got {type(bad).__name__}: {bad!r:.80}")
     if not specs:
         raise ValueError("no reward function given: pass a spec such as 'gsm8k' (or several)")
-    return tuple(_absolute_file_spec(s) for s in specs)
+    return tuple(_absolute_file_spec(s.strip()) for s in specs)  # (load_reward strips a spec too)
 
 
 def _absolute_file_spec(spec: str) -> str:
