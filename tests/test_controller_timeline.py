@@ -277,3 +277,25 @@ def test_zero_advantage_rows_are_dropped_only_where_that_is_exact(trainer, dropp
     batch, = ctrl[0].ex.trainer.batches
     assert float(batch["total_rows"]) == 4 and float(batch["total_tokens"]) == 8
     assert batch["mask"].shape[0] == (1 if dropped else 4)  # dropped: one filler row keeps the step an update
+
+
+class FlakyPromptRewards(PromptRewards):
+    """PromptRewards whose verifier fails on one sample of prompt 1 (a timeout, say)."""
+
+    async def score_async(self, items):
+        out = await super().score_async(items)
+        return [RewardResult(sample_id=r.sample_id, reward=0.0, error="TimeoutError", elapsed_s=0.0, terms=())
+                if r.sample_id == "arith-train-1#0" else r for r in out]
+
+
+def test_dynamic_sampling_goes_on_past_a_batch_with_one_failed_sample():
+    """Drawing stops early only when the verifier failed on every sample of a batch: one failure leaves step 1
+    drawing its two batches, as without failures (test_dynamic_sampling_trains_on_groups_whose_rewards_differ);
+    every batch of every step draws with its own seed."""
+    ctrl = []
+    log = _run(dict(mode="sync", max_staleness=0, max_steps=2, eval_every=0), trainer_delay=0.0,
+               rewards=FlakyPromptRewards(), sampling=dict(dynamic_sampling=True, max_sample_batches=4),
+               controller=ctrl)
+    assert [r["sample_batches"] for r in log.rows] == [2, 3] and log.rows[0]["zero_std_frac"] == 0.0
+    seeds = [p.seed for p in ctrl[0].ex.generators[0].params if p.temperature > 0]
+    assert len(seeds) == 5 and len(set(seeds)) == 5, seeds

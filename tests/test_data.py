@@ -322,7 +322,8 @@ def test_exact_reward(completion, answer, expected):
 
 
 @pytest.mark.parametrize(
-    "completion,expected", [("579\n", 1.0), ("-3", 1.0), ("1.5", 1.0), ("abc", 0.0), ("", 0.0), ("5 7", 0.0)]
+    "completion,expected", [("579\n", 1.0), ("-3", 1.0), ("1.5", 1.0), ("abc", 0.0), ("", 0.0), ("5 7", 0.0),
+                            ("12abc", 0.0), ("3 apples", 0.0), ("1.5.2", 0.0)]
 )
 def test_exact_format_reward(completion, expected):
     assert format_reward(completion, "exact") == expected

@@ -90,6 +90,30 @@ def test_evaluate_metrics_on_a_scripted_engine():
     assert res.records[4].completion == "2\n" and res.records[4].correct and res.records[4].num_tokens == 3
 
 
+def test_evaluate_keeps_each_records_own_prompt_and_seeds_each_batch_afresh():
+    """With an over-long first sample dropped, every record still shows its own sample's prompt; sampled
+    evaluation in several batches draws each batch with its own seed."""
+    class Context:
+        max_position_embeddings = 12
+
+    tok = CharTokenizer()
+    samples = [Sample("long", "1+1+1+1+1+1+1=", "7"), Sample("a", "1+1=", "2"), Sample("b", "2+2=", "4")]
+    engine = ScriptedEngine(tok, {s.prompt: [s.answer] for s in samples})
+    engine.config = Context()
+    res = evaluate(None, tok, samples, "exact", n=1, batch_size=4, engine=engine, fmt=PromptFormat(add_bos=False),
+                   drop_long=True)
+    prompts = {s.id: s.prompt for s in samples}
+    assert [r.sample_id for r in res.records] == ["a", "b"]
+    assert all(r.prompt == prompts[r.sample_id] for r in res.records)
+    samples = [Sample(f"p{i}", f"{i}+{i}=", str(2 * i)) for i in range(4)]
+    engine, seeds = ScriptedEngine(tok, {s.prompt: [s.answer] * 2 for s in samples}), []
+    generate = engine.generate
+    engine.generate = lambda prompts, params, **kw: (seeds.append(params.seed), generate(prompts, params, **kw))[1]
+    evaluate(None, tok, samples, "exact", n=2, k=(1,), temperature=1.0, seed=3, batch_size=2, engine=engine,
+             fmt=PromptFormat(add_bos=False))
+    assert len(seeds) == 2 and len(set(seeds)) == 2, seeds
+
+
 def test_evaluate_with_a_reward_pool_and_a_raising_function():
     tok, samples, engine = _scripted_case()
     with RewardPool("exact", num_workers=1) as pool:

@@ -202,3 +202,14 @@ def test_shared_memory_segments_map_the_same_bytes_and_unlink():
     a[0] = 1  # mappings outlive the name
     assert int(b[0]) == 1
     assert pid_alive(os.getpid()) and not pid_alive(0)
+
+
+def test_a_large_contiguous_copy_split_over_threads_copies_every_byte():
+    """A contiguous copy over the multi-thread threshold is cut into chunks per thread: the tail that is not a
+    whole chunk must be copied too (2 MiB + 100 bytes, as a real model's buckets are)."""
+    n = (2 << 20) + 100
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    for threads in (2, 4):
+        dst = torch.zeros(n, dtype=torch.uint8)
+        copy_ops(dst, src, [(0, 0, 1, n, n, n)], num_threads=threads)
+        assert torch.equal(dst, src), threads

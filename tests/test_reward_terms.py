@@ -157,3 +157,12 @@ def test_overlong_penalty_is_dapos_soft_punishment():
         load_config(["--preset", "smoke", "--set", "reward.overlong_buffer=4"])
     with pytest.raises(ConfigError, match=r"reward.overlong_penalty: must be >= 0"):
         RewardConfig(overlong_penalty=-1.0)
+
+
+def test_the_format_mix_applies_to_the_verifier_alone():
+    """reward.format_weight mixes the format bonus into the verifier; an extra term scores as it does alone."""
+    from llamarl.rewards.terms import RewardTerms
+
+    terms = RewardTerms(["gsm8k", "exact"], format_weight=0.5, format_style="gsm8k")
+    total, parts = terms.score("7", "7")[:2]
+    assert parts[1] == 1.0 and parts[0] == 0.5 * 1.0 + 0.5 * format_reward("7", "gsm8k")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 
 import pytest
@@ -40,6 +41,21 @@ def test_a_resumed_log_drops_what_came_after_the_checkpoint_and_a_torn_line(tmp_
     log.close()
     got = [(r["step"], r.get("event")) for r in _lines(tmp_path)]
     assert got == [(0, "eval"), (1, None), (2, None), (2, "eval"), (3, None), (4, None), (4, "eval"), (5, None)]
+
+
+def test_a_resumed_log_keeps_non_finite_values_and_drops_a_row_without_its_newline(tmp_path):
+    """metrics.jsonl spells a NaN reward_mean (every verifier failed) "nan": it comes back as the float, so the
+    plot and summary of the resumed run still work; a last row whose JSON is whole but whose newline was never
+    written is torn too (the next row would share its line)."""
+    rows = [dict(_row(1), reward_mean="nan", grad_norm="inf"), _row(2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + json.dumps(_row(3)))
+    log = RunLog(tmp_path, 5, initial_step=3, progress=False)
+    first = log.rows[0]
+    assert math.isnan(first["reward_mean"]) and first["grad_norm"] == math.inf
+    log.plot(tmp_path / "plot.png")
+    log.step(_row(4))
+    log.close()
+    assert [r["step"] for r in _lines(tmp_path)] == [1, 2, 4]
 
 
 def test_samples_jsonl_is_resumed_like_metrics(tmp_path):

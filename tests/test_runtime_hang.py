@@ -67,6 +67,23 @@ def test_commands_that_each_finish_in_time_never_trip_it():
         assert group.alive and group.call("echo", "still here").result(timeout=10)[0]["args"] == ("still here",)
 
 
+def test_commands_queued_behind_a_hung_one_do_not_restart_its_clock():
+    """The async controller queues the next command on a busy executor: a hang is still reported while commands
+    keep arriving behind it (counted from when the hung command started: about the limit plus the 3 s grace; a
+    clock restarted by each new call would report it only after the queueing stopped)."""
+    group = ExecutorGroup.spawn("queued", TOY, 1, command_timeout_s=1.0)
+    try:
+        hung, queued_until = group.call("sleep", 60), time.monotonic() + 20
+        while not hung.done() and time.monotonic() < queued_until:
+            group.call("echo", "queued")
+            time.sleep(0.5)
+        assert hung.done(), "the hang was not reported while commands kept arriving"
+        with pytest.raises(ExecutorHung):
+            hung.result(timeout=0)
+    finally:
+        group.shutdown(timeout=5)
+
+
 def test_no_limit_by_default():
     with ExecutorGroup.spawn("nolimit", TOY, 1) as group:
         assert group.command_timeout_s == 0.0

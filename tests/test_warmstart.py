@@ -1,0 +1,31 @@
+"""The supervised warm start's batch and loss (llamarl.warmstart): the loss is the mean negative log-likelihood
+of exactly the answer tokens and the EOS after them, given everything before (a hand-built reference)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dist_harness import random_model
+from llamarl.data import Sample
+from llamarl.models import LlamaConfig
+from llamarl.warmstart import sft_batch, sft_loss
+
+CFG = LlamaConfig(vocab_size=20, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=8, max_position_embeddings=32)
+
+
+def test_the_sft_loss_covers_the_answer_and_eos_tokens_only():
+    samples = [Sample("a", "p", "7"), Sample("b", "q", "12")]
+    prompts = {"a": [3, 4, 5], "b": [6, 7]}
+    answers = {"7": [8], "12": [9, 10]}
+    ids, mask = sft_batch(samples, lambda s: prompts[s.id], lambda a: answers[a], eos_id=2, pad_id=0)
+    assert ids.tolist() == [[3, 4, 5, 8, 2], [6, 7, 9, 10, 2]]
+    model = random_model(CFG)
+    with torch.no_grad():
+        got = sft_loss(model, ids, mask)
+        logp = F.log_softmax(model(ids).double(), dim=-1)
+    # by hand: row a predicts 8 after [3, 4, 5] and EOS after 8; row b 9 after [6, 7], 10 after 9, EOS after 10
+    wanted = [(0, 2, 8), (0, 3, 2), (1, 1, 9), (1, 2, 10), (1, 3, 2)]
+    reference = -sum(float(logp[row, pos, token]) for row, pos, token in wanted) / len(wanted)
+    assert abs(float(got) - reference) < 1e-5
