@@ -106,10 +106,9 @@ def config_from_args(args: argparse.Namespace, *, check_environment: bool = True
             fail("run.resume", f"must name a run or checkpoint directory to continue from ({args.config} gives an "
                  "empty or null text); write the directory, or null (or leave the key out) to start a new run",
                  resume)
-    base, saved = PRESETS[args.preset], None
-    if resume is not None and resume_file(resume) is not None:
+    base, saved = PRESETS[args.preset], resume_file(resume) if resume is not None else None
+    if saved is not None:
         # a resumed run continues with its own settings (model, tokenizer, data, reward, ...), not the preset's
-        saved = resume_file(resume)
         base = saved_config(saved)
     data = base.to_dict()
     explicit: dict[str, int] = {}  # field -> the level that set it: FILE, or COMMAND_LINE (flags and --set)

@@ -290,20 +290,17 @@ def _check_reward_on(spec: str, samples: list[Sample]) -> None:
     sample (ValueError), gsm8k references that are not one number are warned about, and so are samples without
     tests for the code verifier (ValueError when none has any)."""
     from llamarl.config import FORMAT_REWARD_NAMES, REWARD_NAMES
-    from llamarl.rewards.data_checks import code_tests_unreadable, common_fields, gsm8k_unreadable, missing_fields
+    from llamarl.rewards.data_checks import common_fields, missing_fields, verifier_data_problems
 
     if spec not in REWARD_NAMES + FORMAT_REWARD_NAMES:
         problem = missing_fields(spec, common_fields(samples))
         if problem:
             raise ValueError(f"--reward {problem}")
-    if spec == "gsm8k" and (problem := gsm8k_unreadable(samples)):
-        print(f"llamarl.eval: warning: {problem}", file=sys.stderr)
-    if spec == "code":
-        problem, every = code_tests_unreadable(samples)
-        if every:
-            raise ValueError(f"--reward code, but {problem}")
-        if problem:
-            print(f"llamarl.eval: warning: {problem}", file=sys.stderr)
+    error, warning = verifier_data_problems(spec, samples)
+    if error:
+        raise ValueError(f"--reward {spec}, but {error}")
+    if warning:
+        print(f"llamarl.eval: warning: {warning}", file=sys.stderr)
 
 
 def _id_field(value: str) -> str | None:

@@ -35,7 +35,7 @@ from llamarl.models import CharTokenizer, Llama, LlamaConfig, LLAMA_CONFIGS, loa
 from llamarl.models.hf_io import check_checkpoint
 from llamarl.parallel.tensor_parallel import check_tp_size
 from llamarl.rewards import RewardPool, RewardPoolError, load_reward
-from llamarl.rewards.data_checks import code_tests_unreadable, gsm8k_unreadable, missing_fields
+from llamarl.rewards.data_checks import missing_fields, verifier_data_problems
 from llamarl.reporting import make_reporters, parse_report_to
 from llamarl.run_warnings import config_warnings, resume_warnings
 from llamarl.runlog import RunLog, carry_history, claim_run_dir
@@ -197,16 +197,11 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
     if data.dropped:
         log(f"data: dropped {data.dropped} prompts longer than {max_prompt} tokens (the context {context} minus "
             f"generator.max_new_tokens)")
-    if cfg.reward.reward == "gsm8k":  # a reference that is not one number rewards no completion
-        problem = gsm8k_unreadable(data.samples)
-        if problem:
-            log(f"warning: data: {problem}")
-    if cfg.reward.reward == "code":  # a sample without readable tests fails every completion's reward
-        problem, every = code_tests_unreadable(data.samples)
-        if every:
-            raise ConfigError(f"reward.reward: code, but {problem}")
-        if problem:
-            log(f"warning: data: {problem}")
+    error, warning = verifier_data_problems(cfg.reward.reward, data.samples)
+    if error:
+        raise ConfigError(f"reward.reward: {cfg.reward.reward}, but {error}")
+    if warning:
+        log(f"warning: data: {warning}")
     return tokenizer, data
 
 

@@ -54,3 +54,15 @@ def code_tests_unreadable(samples: Sequence[Sample]) -> tuple[str | None, bool]:
     return (f"{len(bad)} of {len(samples)} samples have no tests the code verifier can read (e.g. sample "
             f"{sample.id!r}: {exc}); give each a JSON answer {{\"tests\": [...]}} or {{\"inputs\": [...], \"outputs\": "
             "[...]}, or the dataset fields test_list / tests / input_output", len(bad) == len(samples))
+
+
+def verifier_data_problems(verifier: str, samples: Sequence[Sample]) -> tuple[str | None, str | None]:
+    """(error, warning) about ``samples`` for the reward ``verifier``: gsm8k references that are not one number
+    (a warning: they score 0), samples without tests the code verifier can read (a warning, or an error when no
+    sample has any); (None, None) for other rewards."""
+    if verifier == "gsm8k":
+        return None, gsm8k_unreadable(samples)
+    if verifier == "code":
+        problem, every = code_tests_unreadable(samples)
+        return (problem, None) if every else (None, problem)
+    return None, None

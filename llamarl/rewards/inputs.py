@@ -42,7 +42,7 @@ def answer_text(answer: Any, verifier: str) -> str:
     """The reference answer as text: a string, or a finite number's decimal text."""
     if isinstance(answer, str):
         return answer
-    if isinstance(answer, bool) or not isinstance(answer, (numbers.Number, Decimal)):
+    if isinstance(answer, bool) or not isinstance(answer, numbers.Number):
         raise TypeError(f"{verifier}: the answer must be a string or a number, got {type(answer).__name__}: "
                         f"{answer!r:.80}")
     if isinstance(answer, Fraction):

@@ -52,10 +52,17 @@ class RewardSpecError(ValueError):
     """A reward spec that names nothing loadable; the message says which part failed and why."""
 
 
+def file_module(module: str) -> Path | None:
+    """The absolute path of a spec's module part that names a file (``path/to/file.py``), else None (an
+    importable module name)."""
+    if module.endswith(".py") or os.sep in module or "/" in module:
+        return Path(module).expanduser().resolve()
+    return None
+
+
 def _import_module(module: str, spec: str):
-    looks_like_file = module.endswith(".py") or os.sep in module or "/" in module
-    if looks_like_file:
-        path = Path(module).expanduser().resolve()
+    path = file_module(module)
+    if path is not None:
         if not path.is_file():
             raise RewardSpecError(f"reward spec {spec!r}: file {str(path)!r} does not exist")
         name = f"llamarl_user_reward_{path.stem}_{zlib.crc32(str(path).encode()):08x}"

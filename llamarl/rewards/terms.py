@@ -20,10 +20,9 @@ from __future__ import annotations
 import math
 import os
 import traceback
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from llamarl.rewards.registry import InfoParams, call_reward, info_params, load_reward
+from llamarl.rewards.registry import InfoParams, call_reward, file_module, info_params, load_reward
 
 _FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max; workers do not import torch
 
@@ -68,9 +67,8 @@ def as_specs(spec: str | Sequence[str]) -> tuple[str, ...]:
 
 def _absolute_file_spec(spec: str) -> str:
     module, sep, fn = spec.rpartition(":")
-    if not sep or not (module.endswith(".py") or os.sep in module or "/" in module):
-        return spec
-    return f"{Path(module).expanduser().resolve()}:{fn}"
+    path = file_module(module) if sep else None
+    return spec if path is None else f"{path}:{fn}"
 
 
 def check_weights(weights: Sequence[float] | None, terms: int) -> tuple[float, ...]:
