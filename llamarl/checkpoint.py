@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from llamarl._fs import fsync_dir, write_text_atomic
-from llamarl.config import RUN_CONFIG, START_CONFIG
+from llamarl.run_files import RUN_CONFIG, START_CONFIG
 
 FORMAT_VERSION = 1
 MANIFEST = "MANIFEST.json"

@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +39,7 @@ from typing import Annotated, Any, Literal
 import yaml
 
 from llamarl._fs import write_text_atomic
+from llamarl.run_files import RUN_CONFIG
 from llamarl.reporting import parse_report_to
 from llamarl.config_values import VERBATIM, ConfigError, coerce, did_you_mean, fail, plain
 from llamarl.runtime.placement import GeneratorSpec, Layout, LayoutError, RewardSpec, TrainerSpec
@@ -486,7 +486,7 @@ class TrainConfig:
         directories made absolute (``with_absolute_paths``), so ``--resume run_dir`` works from any working
         directory. To start a new run from it with ``--config``, give a new ``--out`` (it names this run's)
         and drop ``run.resume``."""
-        path = Path(run_dir) / "config.yaml"
+        path = Path(run_dir) / RUN_CONFIG
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, self.with_absolute_paths().to_yaml())
         return path
@@ -527,29 +527,6 @@ class TrainConfig:
         from llamarl.config_env import check_environment
 
         check_environment(self)
-
-
-def resume_run_dir(resume: Any) -> Path:
-    """The run directory a ``--resume`` path belongs to (the path itself, or a checkpoint's run)."""
-    path = Path(str(resume))
-    return path.parent.parent if path.parent.name == "checkpoints" else path
-
-
-# a run's settings: each segment's (config.yaml) and its first segment's (config.start.yaml: the KL reference),
-# in the run directory and, copied at each save, in every checkpoint (llamarl.checkpoint.save_checkpoint)
-RUN_CONFIG, START_CONFIG = "config.yaml", "config.start.yaml"
-
-
-def resume_file(resume: Any, name: str = RUN_CONFIG) -> Path | None:
-    """The settings file ``name`` a resume from ``resume`` continues with: its run directory's, else the copy
-    the checkpoint carries (a checkpoint copied out of its run; for a run directory without the file, e.g. only
-    its checkpoints/ copied, the newest checkpoint's); None without any."""
-    run_dir, path = resume_run_dir(resume), Path(str(resume))
-    candidates = [run_dir, path]
-    if path == run_dir and (run_dir / "checkpoints").is_dir():
-        steps = [d for d in (run_dir / "checkpoints").iterdir() if re.fullmatch(r"step_\d+", d.name)]
-        candidates += sorted(steps, key=lambda d: int(d.name[5:]), reverse=True)
-    return next((d / name for d in candidates if (d / name).is_file()), None)
 
 
 SECTIONS: dict[str, type] = {

@@ -45,9 +45,10 @@ from typing import Any, Sequence
 
 import yaml
 
-from llamarl.config import REWARD_NAMES, TrainConfig, _build, _layout_fields, _merge, resume_file, resume_run_dir
+from llamarl.config import REWARD_NAMES, TrainConfig, _build, _layout_fields, _merge
 from llamarl.config_values import ConfigError, Text, coerce, did_you_mean, fail, is_null_text, unquote
 from llamarl.presets import PRESETS
+from llamarl.run_files import resume_file, resume_run_dir
 
 # Named flags: flag -> (dotted field, help).
 NAMED_FLAGS: dict[str, tuple[str, str]] = {

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from llamarl.config import BUILTIN_MODELS, DATASET_SUFFIXES, TrainConfig, resume_run_dir
+from llamarl.config import BUILTIN_MODELS, DATASET_SUFFIXES, TrainConfig
+from llamarl.run_files import resume_run_dir
 from llamarl.config_values import ConfigError, fail
 from llamarl.reporting import check_available, parse_report_to
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from llamarl.config import TrainConfig, WarmStartConfig, resume_file
+from llamarl.config import TrainConfig, WarmStartConfig
+from llamarl.run_files import resume_file
 from llamarl.config_cli import saved_config
 from llamarl.config_values import ConfigError
 from llamarl.data.prompts import literal_escapes

@@ -25,7 +25,7 @@ import torch
 
 from llamarl._fs import write_text_atomic
 from llamarl.checkpoint import load_latest
-from llamarl.config import REWARD_NAMES, START_CONFIG, ConfigError, TrainConfig, resume_file, resume_run_dir
+from llamarl.config import REWARD_NAMES, ConfigError, TrainConfig
 from llamarl.config_cli import saved_config
 from llamarl.controller import Controller, Executors
 from llamarl.eval import eos_ids, evaluate
@@ -37,6 +37,7 @@ from llamarl.parallel.tensor_parallel import check_tp_size
 from llamarl.rewards import RewardPool, RewardPoolError, load_reward
 from llamarl.rewards.data_checks import missing_fields, verifier_data_problems
 from llamarl.reporting import make_reporters, parse_report_to
+from llamarl.run_files import START_CONFIG, resume_file, resume_run_dir
 from llamarl.run_warnings import config_warnings, resume_warnings
 from llamarl.runlog import RunLog, carry_history, claim_run_dir
 from llamarl.runtime import RewardSpec, TorchrunEnv, run, serve_torchrun, starting
