@@ -311,7 +311,10 @@ class DataConfig(_Section):
     chat: bool = False
     system: str | None = None
     few_shot: int = 0  # solved examples before every prompt, drawn from the training side (llamarl.train_data)
+    # held-out problems: eval_size distinct prompts drawn from data.dataset, or from this .jsonl/.parquet file
+    # (up to eval_size of them; veRL's data.val_files), whose prompts then never reach training
     eval_size: int = 64
+    eval_dataset: str | None = None
 
     def check(self) -> None:
         self._positive("few_shot", strict=False)
@@ -332,6 +335,10 @@ class DataConfig(_Section):
                 parse_synthetic_spec(self.dataset)
             except (ValueError, TypeError) as exc:
                 fail("data.dataset", str(exc))
+        if self.eval_dataset is not None and (self.eval_dataset.startswith("synthetic:")
+                                              or not self.eval_dataset.strip()):
+            fail("data.eval_dataset", "must be a .jsonl or .parquet file of held-out problems (a synthetic task "
+                 "holds its own out: leave this null)", self.eval_dataset)
         if "{prompt}" not in self.template:  # filled in literally (str.replace): other braces stay as written
             fail("data.template", "must contain {prompt} (where the problem text goes; other braces, e.g. "
                  "LaTeX's \\boxed{}, are kept as written)", self.template)
@@ -492,10 +499,10 @@ class TrainConfig:
         return path
 
     def with_absolute_paths(self) -> TrainConfig:
-        """This config with ``policy.model``, ``policy.tokenizer``, ``data.dataset``, reward function files
-        (``path/to/file.py:function`` in ``reward.reward`` and ``reward.extra``) and ``run.resume`` absolute where
-        they name an existing path (built-in names, synthetic datasets and importable modules stay as they are),
-        and ``run.out`` absolute."""
+        """This config with ``policy.model``, ``policy.tokenizer``, ``data.dataset`` and ``data.eval_dataset``,
+        reward function files (``path/to/file.py:function`` in ``reward.reward`` and ``reward.extra``) and
+        ``run.resume`` absolute where they name an existing path (built-in names, synthetic datasets and importable
+        modules stay as they are), and ``run.out`` absolute."""
         def absolute(value: str | None) -> str | None:
             return str(Path(value).resolve()) if value and Path(value).exists() else value
 
@@ -509,7 +516,7 @@ class TrainConfig:
                                        model=self.policy.model if self.policy.model in BUILTIN_MODELS
                                        else absolute(self.policy.model)),
             data=dataclasses.replace(self.data, dataset=self.data.dataset if self.data.dataset.startswith("synthetic:")
-                                     else absolute(self.data.dataset)),
+                                     else absolute(self.data.dataset), eval_dataset=absolute(self.data.eval_dataset)),
             reward=dataclasses.replace(self.reward, reward=absolute_spec(self.reward.reward),
                                        extra=tuple(absolute_spec(s) for s in self.reward.extra)),
             # run.out: also before the directory exists (a new run's config.yaml is rendered first)

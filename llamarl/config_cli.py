@@ -161,8 +161,9 @@ def _check_same_policy(saved_cfg: TrainConfig, cfg: TrainConfig, saved: Path) ->
 # what fixes a run's data stream: its held-out split, its few-shot examples and the order of its training
 # prompts (the checkpoint's data position counts into that order); llamarl.train also compares the stream
 # itself with the checkpoint's (TrainData.stream_id: an edited file, prompts dropped by another max_new_tokens)
-_DATA_STREAM = ("run.seed", "data.dataset", "data.eval_size", "data.few_shot", "data.template", "data.chat",
-                "data.system", "data.prompt_field", "data.answer_field", "data.id_field")
+_DATA_STREAM = ("run.seed", "data.dataset", "data.eval_dataset", "data.eval_size", "data.few_shot", "data.template",
+                "data.chat", "data.system", "data.prompt_field", "data.answer_field", "data.id_field")
+_DATA_FILES = ("data.dataset", "data.eval_dataset")
 
 
 def _check_same_data(saved_cfg: TrainConfig, cfg: TrainConfig, saved: Path) -> None:
@@ -172,8 +173,8 @@ def _check_same_data(saved_cfg: TrainConfig, cfg: TrainConfig, saved: Path) -> N
     for dotted in _DATA_STREAM:
         section, _, name = dotted.partition(".")
         old, new = getattr(getattr(saved_cfg, section), name), getattr(getattr(cfg, section), name)
-        moved_file = not old.startswith("synthetic:") and (not Path(old).exists() or _same_file(old, new)) \
-            if dotted == "data.dataset" else False
+        moved_file = dotted in _DATA_FILES and old is not None and new is not None \
+            and not old.startswith("synthetic:") and (not Path(old).exists() or _same_file(old, new))
         if old == new or moved_file:
             continue
         fail(dotted, f"the resumed run started with {dotted}={old!r} ({saved}); its held-out split and the data "

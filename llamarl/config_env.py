@@ -39,13 +39,16 @@ def check_environment(config: TrainConfig) -> None:
                      f"*.safetensors)", p.model)
     if p.tokenizer is not None and not Path(p.tokenizer).exists():
         fail("policy.tokenizer", "no such file or directory", p.tokenizer)
-    d = config.data.dataset
-    if not d.startswith("synthetic:"):
+    for name in ("dataset", "eval_dataset"):
+        d = getattr(config.data, name)
+        if d is None or d.startswith("synthetic:"):
+            continue
         path = Path(d)
         if not path.is_file():
-            fail("data.dataset", "no such file (expected synthetic:NAME or a .jsonl/.parquet file)", d)
+            expected = "synthetic:NAME or a .jsonl/.parquet file" if name == "dataset" else "a .jsonl/.parquet file"
+            fail(f"data.{name}", f"no such file (expected {expected})", d)
         if path.suffix.lower() not in DATASET_SUFFIXES:
-            fail("data.dataset", f"unsupported file type {path.suffix!r}; use {', '.join(DATASET_SUFFIXES)}", d)
+            fail(f"data.{name}", f"unsupported file type {path.suffix!r}; use {', '.join(DATASET_SUFFIXES)}", d)
     for path, spec in config.reward.user_functions():
         from llamarl.rewards.registry import RewardSpecError, load_reward
 

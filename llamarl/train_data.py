@@ -9,6 +9,12 @@
   seeded permutation is held out, and every copy of those prompts leaves the training side; the remaining
   samples are visited epoch by epoch, each epoch in a fresh seeded order.
 
+``data.eval_dataset`` (a .jsonl / .parquet file; veRL's ``data.val_files``, TRL's ``eval_dataset``) holds the
+problems out instead: one sample of each of the first ``eval_size`` distinct prompts of its seeded permutation
+(all of them when it has fewer) is the held-out split, and every training sample whose prompt occurs anywhere in
+that file leaves the training side (counted in ``excluded``), for a file and for the synthetic task's stream
+alike, so held-out accuracy never measures a prompt the policy trained on.
+
 ``data.few_shot = k`` prefixes every prompt (training, warm start and held-out alike) with k solved
 examples drawn once, with the run's seed, from the training side: for a file, k samples of distinct
 prompts that are then removed from it (never held out, never trained on); for the synthetic task, k of
@@ -57,27 +63,44 @@ class TrainData:
     def __init__(self, cfg: DataConfig, tokenizer, *, seed: int = 0, cursor: int = 0,
                  max_prompt_tokens: int | None = None):
         self.cfg = cfg
-        self.dropped = 0
+        self.dropped = 0  # prompts too long for max_prompt_tokens (training and held out)
+        self.excluded = 0  # training samples whose prompt is in data.eval_dataset
         self._seed = seed
+        eval_samples = _load_eval(cfg) if cfg.eval_dataset is not None else None
+        eval_prompts = {shot_key(s) for s in eval_samples or ()}
         self._task, self._pool = None, None  # the training stream's source: the synthetic task or the file's pool
         if cfg.dataset.startswith(SYNTHETIC_PREFIX):
             self._task, _ = parse_synthetic_spec(cfg.dataset)
-            shots = _pick_shots(self._task.train_samples(10 * cfg.few_shot), cfg.few_shot, seed, cfg.dataset)
+            candidates = [s for s in self._task.train_samples(10 * cfg.few_shot) if shot_key(s) not in eval_prompts]
+            shots = _pick_shots(candidates, cfg.few_shot, seed, cfg.dataset)
         else:
             samples = load_dataset(cfg.dataset, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field,
                                    id_field=cfg.id_field)
+            if eval_prompts:
+                kept = [s for s in samples if shot_key(s) not in eval_prompts]
+                self.excluded = len(samples) - len(kept)
+                if not kept:
+                    raise ValueError(f"every prompt of data.dataset {cfg.dataset} also occurs in data.eval_dataset "
+                                     f"{cfg.eval_dataset}: nothing would be left to train on")
+                samples = kept
             shots = _pick_shots(samples, cfg.few_shot, seed, cfg.dataset)
         self._shot_prompts = {shot_key(s) for s in shots}  # the problems shown solved (never trained on or held out)
+        # what the synthetic task's training stream skips (a file's pool has them removed already)
+        self._skipped_prompts = self._shot_prompts | eval_prompts
+        self._eval_prompts = eval_prompts
         self.formatter = PromptFormatter(PromptFormat(template=cfg.template, chat=cfg.chat, system=cfg.system),
                                          shots=shots, tokenizer=tokenizer)
         if self._task is not None:
-            self.heldout = self._task.heldout_samples(cfg.eval_size)
+            self.heldout = (self._task.heldout_samples(cfg.eval_size) if eval_samples is None
+                            else self._eval_split(eval_samples, max_prompt_tokens))
             empty = Sample(id="", prompt="", answer="")
             text = self.formatter.render(empty)
             # a bound, not the count: no tokenizer makes more tokens than UTF-8 bytes, plus one for a prepended
             # word-boundary token ("▁", SentencePiece style), plus the special tokens of the empty prompt
             self.longest_prompt = (len(text.encode("utf-8")) + self._task.max_prompt_chars + 1
                                    + len(self.formatter.encode(empty)))
+            if eval_samples is not None:  # file prompts: measured
+                self.longest_prompt = max([self.longest_prompt, *map(len, self.encode(self.heldout))])
             if max_prompt_tokens is not None:
                 self._check_synthetic_length(tokenizer, max_prompt_tokens)
         else:
@@ -93,11 +116,29 @@ class TrainData:
                                      "generator.max_new_tokens; lower max_new_tokens, shorten data.template or "
                                      "use fewer data.few_shot examples")
                 samples = kept
+            if eval_samples is None:
+                self.heldout, self._pool = _split_heldout(samples, cfg.eval_size, seed, cfg.dataset)
+            else:
+                self.heldout, self._pool = self._eval_split(eval_samples, max_prompt_tokens), samples
+                lengths += map(len, self.encode(self.heldout))
             self.longest_prompt = max(lengths)
-            self.heldout, self._pool = _split_heldout(samples, cfg.eval_size, seed, cfg.dataset)
         self.cursor = 0
         self._stream = self._new_stream()
         self.seek(cursor)
+
+    def _eval_split(self, samples: list[Sample], max_prompt_tokens: int | None) -> list[Sample]:
+        """The held-out split drawn from ``data.eval_dataset``'s ``samples``: those that fit ``max_prompt_tokens``
+        (the others are counted in ``dropped``), then one sample of each of the first ``eval_size`` distinct
+        prompts of a seeded permutation, or of every prompt when there are fewer."""
+        if max_prompt_tokens is not None:
+            kept = [s for s in samples if len(self.formatter.encode(s)) <= max_prompt_tokens]
+            self.dropped += len(samples) - len(kept)
+            if not kept:
+                raise EvalDataError(f"{self.cfg.eval_dataset}: every one of its {len(samples)} prompts is longer "
+                                    f"than {max_prompt_tokens} tokens, the model context minus "
+                                    "generator.max_new_tokens; lower max_new_tokens or shorten data.template")
+            samples = kept
+        return _draw_distinct(samples, self.cfg.eval_size, self._seed)
 
     def _check_synthetic_length(self, tokenizer, limit: int) -> None:
         """``PromptsTooLong`` if the synthetic task's prompts, formatted, take more than ``limit`` tokens,
@@ -151,6 +192,8 @@ class TrainData:
             add("shot", s.id, s.prompt, s.written_answer)
         for s in self.heldout:
             add("heldout", s.id, s.prompt, s.answer)
+        for prompt in sorted(self._eval_prompts):  # data.eval_dataset's prompts leave the training side
+            add("excluded", prompt)
         if self._task is None:
             add("seed", self._seed)
             for s in self._pool:
@@ -163,7 +206,7 @@ class TrainData:
     def _new_stream(self) -> Iterator[Sample]:
         if self._task is None:
             return _epochs(self._pool, self._seed)
-        return (s for s in self._task.iter_split("train") if shot_key(s) not in self._shot_prompts)
+        return (s for s in self._task.iter_split("train") if shot_key(s) not in self._skipped_prompts)
 
     def fork(self, seed: int) -> "TrainData":
         """A stream over this one's training pool (the same held-out split and dropped prompts), in the order
@@ -189,6 +232,10 @@ class TrainData:
 
     def encode(self, samples: Sequence[Sample]) -> list[list[int]]:
         return [self.formatter.encode(s) for s in samples]
+
+
+class EvalDataError(ValueError):
+    """``data.eval_dataset`` cannot be read or gives no held-out problem."""
 
 
 class PromptsTooLong(ValueError):
@@ -227,21 +274,41 @@ def _epochs(samples: list[Sample], seed: int) -> Iterator[Sample]:
             yield samples[i]
 
 
+def _load_eval(cfg: DataConfig) -> list[Sample]:
+    """``data.eval_dataset``'s samples, read with the training file's field names."""
+    try:
+        return load_dataset(cfg.eval_dataset, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field,
+                            id_field=cfg.id_field)
+    except (OSError, ValueError, ImportError) as e:
+        raise EvalDataError(str(e)) from None
+
+
+def _heldout_order(n: int, seed: int) -> list[int]:
+    order = list(range(n))
+    random.Random(f"{seed}:heldout").shuffle(order)
+    return order
+
+
+def _draw_distinct(samples: list[Sample], size: int, seed: int) -> list[Sample]:
+    """One sample of each of the first ``size`` distinct prompts of ``samples``' seeded permutation."""
+    held: dict[str, Sample] = {}
+    for i in _heldout_order(len(samples), seed):
+        if len(held) == size:
+            break
+        held.setdefault(shot_key(samples[i]), samples[i])
+    return list(held.values())
+
+
 def _split_heldout(samples: list[Sample], size: int, seed: int, name: str) -> tuple[list[Sample], list[Sample]]:
     """(held-out, training pool): ``size`` samples of distinct prompts, drawn in a seeded shuffle, and every
     sample whose prompt is not held out. A prompt that occurs several times in the file is held out with
     all its copies, so held-out accuracy never measures a prompt the policy trained on."""
-    order = list(range(len(samples)))
-    random.Random(f"{seed}:heldout").shuffle(order)
-    held: dict[str, Sample] = {}
-    for i in order:
-        if len(held) == size:
-            break
-        held.setdefault(shot_key(samples[i]), samples[i])
-    pool = [samples[i] for i in order if shot_key(samples[i]) not in held]
-    if len(held) < size or not pool:
+    held_out = _draw_distinct(samples, size, seed)
+    keys = {shot_key(s) for s in held_out}
+    pool = [samples[i] for i in _heldout_order(len(samples), seed) if shot_key(samples[i]) not in keys]
+    if len(held_out) < size or not pool:
         distinct = len({shot_key(s) for s in samples})
         raise ValueError(f"data.dataset {name} has {len(samples)} usable samples with {distinct} distinct prompts, "
                          f"not more than data.eval_size={size}: nothing would be left to train on; lower "
                          "data.eval_size")
-    return list(held.values()), pool
+    return held_out, pool

@@ -41,7 +41,7 @@ from llamarl.run_files import START_CONFIG, resume_file, resume_run_dir
 from llamarl.run_warnings import config_warnings, resume_warnings
 from llamarl.runlog import RunLog, carry_history, claim_run_dir
 from llamarl.runtime import RewardSpec, TorchrunEnv, run, serve_torchrun, starting
-from llamarl.train_data import PromptsTooLong, TrainData
+from llamarl.train_data import EvalDataError, PromptsTooLong, TrainData
 from llamarl.warmstart import (cache_key, content_fingerprint, default_cache_dir, reward_source, save_atomic,
                                train_supervised)
 
@@ -61,7 +61,7 @@ def prepare_policy(cfg: TrainConfig, tokenizer, data: TrainData) -> tuple[Path, 
     # input files by their absolute paths (as a resumed run's config.yaml holds them) and their contents
     a = cfg.with_absolute_paths()
     tok_path = a.policy.tokenizer  # a tokenizer.json file is read with its directory's config files
-    files = [a.data.dataset, reward_source(a.reward.reward),
+    files = [a.data.dataset, a.data.eval_dataset, reward_source(a.reward.reward),
              os.path.dirname(tok_path) if tok_path and os.path.isfile(tok_path) else tok_path]
     key = cache_key("warmstart-v2", model_cfg.to_hf_dict(), dataclasses.replace(ws, cache_dir=None), a.data,
                     cfg.run.seed, a.reward.reward, cfg.generator.max_new_tokens,
@@ -189,6 +189,8 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
         raise ConfigError(f"{e.field}: {e}, but the model context of {context} tokens minus generator.max_new_tokens="
                           f"{cfg.generator.max_new_tokens} leaves {max_prompt}; change {e.field} or lower "
                           "generator.max_new_tokens") from None
+    except EvalDataError as e:
+        raise ConfigError(f"data.eval_dataset: {e}") from None
     except (OSError, ValueError, ImportError) as e:
         raise ConfigError(f"data.dataset: {e}") from None
     for path, spec in cfg.reward.user_functions():  # the keyword arguments it asks for must exist for every sample
@@ -198,6 +200,9 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
     if data.dropped:
         log(f"data: dropped {data.dropped} prompts longer than {max_prompt} tokens (the context {context} minus "
             f"generator.max_new_tokens)")
+    if data.excluded:
+        log(f"data: dropped {data.excluded} training samples whose prompt is in data.eval_dataset (held out: "
+            f"{len(data.heldout)} of its prompts)")
     error, warning = verifier_data_problems(cfg.reward.reward, data.samples)
     if error:
         raise ConfigError(f"reward.reward: {cfg.reward.reward}, but {error}")

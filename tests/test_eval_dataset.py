@@ -1,0 +1,96 @@
+"""A separate held-out file (``data.eval_dataset``, veRL's ``data.val_files``): the held-out split is drawn from it,
+and no prompt of it is ever trained on, shown as a few-shot example, or counted twice."""
+
+import json
+import re
+
+import pytest
+
+from llamarl.config import ConfigError, DataConfig
+from llamarl.config_cli import load_config
+from llamarl.models import CharTokenizer
+from llamarl.train import main
+from llamarl.train_data import EvalDataError, TrainData
+
+
+def _write(path, questions):
+    path.write_text("".join(json.dumps({"question": q, "answer": "1"}) + "\n" for q in questions), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def files(tmp_path):
+    train = _write(tmp_path / "train.jsonl", [f"{i}+1=" for i in range(40)])
+    # 20 prompts, 10 of them also in the training file, one written twice
+    evals = _write(tmp_path / "eval.jsonl", [f"{i}+1=" for i in range(30, 50)] + ["31+1="])
+    return train, evals
+
+
+def test_the_held_out_split_comes_from_the_eval_file_and_its_prompts_are_never_trained_on(files):
+    train, evals = files
+    cfg = DataConfig(dataset=str(train), eval_dataset=str(evals), eval_size=8, few_shot=2)
+    data = TrainData(cfg, CharTokenizer(), seed=3)
+    eval_prompts = {f"{i}+1=" for i in range(30, 50)}
+    assert len(data.heldout) == 8 and len({s.prompt for s in data.heldout}) == 8
+    assert {s.prompt for s in data.heldout} <= eval_prompts and all(s.id.startswith("eval-") for s in data.heldout)
+    assert data.excluded == 10  # 30..39 are in both files
+    shots = {s.prompt for s in data.formatter.shots}
+    trained = {s.prompt for s in data.next(300)}  # several epochs of the pool
+    assert len(shots) == 2 and not shots & eval_prompts and not shots & trained
+    assert trained == {f"{i}+1=" for i in range(30)} - shots
+    assert data.longest_prompt == max(len(p) for p in data.encode(data.samples))
+    # the same seed draws the same split; a file with fewer prompts than eval_size is held out whole
+    assert TrainData(cfg, CharTokenizer(), seed=3).heldout == data.heldout
+    whole = TrainData(DataConfig(dataset=str(train), eval_dataset=str(evals), eval_size=64), CharTokenizer())
+    assert sorted(s.prompt for s in whole.heldout) == sorted(eval_prompts)
+
+
+def test_the_synthetic_stream_skips_the_eval_files_prompts(tmp_path):
+    evals = _write(tmp_path / "eval.jsonl", [f"{a}+{b}=" for a in range(10) for b in range(5)])
+    cfg = DataConfig(dataset="synthetic:arithmetic:digits=1", eval_dataset=str(evals), eval_size=20, few_shot=2)
+    data = TrainData(cfg, CharTokenizer())
+    eval_prompts = {f"{a}+{b}=" for a in range(10) for b in range(5)}
+    stream = data.next(2000)
+    assert {s.prompt for s in data.heldout} <= eval_prompts and len(data.heldout) == 20
+    assert not eval_prompts & ({s.prompt for s in stream} | {s.prompt for s in data.formatter.shots})
+    assert max(len(p) for p in data.encode(data.heldout + stream)) <= data.longest_prompt
+    assert TrainData(cfg, CharTokenizer(), cursor=data.cursor - 5).next(5) == stream[-5:]
+
+
+def test_the_stream_id_depends_on_the_eval_file(files, tmp_path):
+    train, evals = files
+    plain = TrainData(DataConfig(dataset=str(train), eval_size=8), CharTokenizer())
+    held = TrainData(DataConfig(dataset=str(train), eval_dataset=str(evals), eval_size=8), CharTokenizer())
+    other = _write(tmp_path / "other.jsonl", [f"{i}+1=" for i in range(30, 50)] + ["99+1="])
+    changed = TrainData(DataConfig(dataset=str(train), eval_dataset=str(other), eval_size=8), CharTokenizer())
+    assert len({plain.stream_id, held.stream_id, changed.stream_id}) == 3
+
+
+def test_unusable_eval_files_are_refused(files, tmp_path, capsys):
+    train, evals = files
+    with pytest.raises(ValueError, match="also occurs in data.eval_dataset .* nothing would be left to train on"):
+        TrainData(DataConfig(dataset=str(evals), eval_dataset=str(evals)), CharTokenizer())
+    long = _write(tmp_path / "long.jsonl", ["123456+1=", "654321+1="])
+    with pytest.raises(EvalDataError, match="every one of its 2 prompts is longer than 6 tokens"):
+        TrainData(DataConfig(dataset=str(train), eval_dataset=str(long)), CharTokenizer(), max_prompt_tokens=6)
+    with pytest.raises(ConfigError, match="data.eval_dataset: must be a .jsonl or .parquet file"):
+        DataConfig(eval_dataset="synthetic:arithmetic")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1="}\n')
+    for path, message in [(tmp_path / "missing.jsonl", "data.eval_dataset: no such file"),
+                          (bad, "data.eval_dataset: .*bad.jsonl line 1: missing field 'question'")]:
+        assert main(["--preset", "smoke", "--dataset", str(train), "--set", f"data.eval_dataset={path}",
+                     "--out", str(tmp_path / "run")]) == 2
+        assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_run_evaluates_on_the_eval_file_and_a_resume_keeps_it(files, tmp_path, capsys):
+    train, evals = files
+    run = tmp_path / "run"
+    assert main(["--preset", "smoke", "--dataset", str(train), "--set", f"data.eval_dataset={evals}",
+                 "--max-steps", "2", "--out", str(run)]) == 0
+    assert "dropped 10 training samples whose prompt is in data.eval_dataset" in capsys.readouterr().err
+    assert json.loads((run / "summary.json").read_text())["eval_size"] == 8
+    assert load_config(["--resume", str(run), "--max-steps", "3"]).data.eval_dataset == str(evals.resolve())
+    with pytest.raises(ConfigError, match="^data.eval_dataset: the resumed run started with"):
+        load_config(["--resume", str(run), "--max-steps", "3", "--set", f"data.eval_dataset={train}"])
