@@ -87,8 +87,8 @@ def test_unusable_eval_files_are_refused(files, tmp_path, capsys):
 def test_a_run_evaluates_on_the_eval_file_and_a_resume_keeps_it(files, tmp_path, capsys):
     train, evals = files
     run = tmp_path / "run"
-    assert main(["--preset", "smoke", "--dataset", str(train), "--set", f"data.eval_dataset={evals}",
-                 "--max-steps", "2", "--out", str(run)]) == 0
+    assert main(["--preset", "smoke", "--dataset", str(train), "--eval-dataset", str(evals), "--max-steps", "2",
+                 "--out", str(run)]) == 0
     assert "dropped 10 training samples whose prompt is in data.eval_dataset" in capsys.readouterr().err
     assert json.loads((run / "summary.json").read_text())["eval_size"] == 8
     assert load_config(["--resume", str(run), "--max-steps", "3"]).data.eval_dataset == str(evals.resolve())
