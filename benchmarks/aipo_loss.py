@@ -190,7 +190,8 @@ def main() -> None:
             if name == "eager":
                 eager_ms, eager_loss_value = m.median_ms, loss_value
             report.add(method=name, N=n, median_ms=m.median_ms, p20_ms=m.p20_s * 1e3, p80_ms=m.p80_s * 1e3,
-                       TFLOPs=flops / m.median_s / 1e12, extra_peak_GiB=m.peak_mem_bytes / 2**30, speedup_vs_eager=eager_ms / m.median_ms,
+                       TFLOPs=flops / m.median_s / 1e12, extra_peak_GiB=m.peak_mem_bytes / 2**30,
+                       speedup_vs_eager=eager_ms / m.median_ms,
                        floor_pct=100.0 * floor.median_ms / m.median_ms,
                        loss_diff=("n/a (other loss)" if name == "liger" else "n/a (other ratios)"
                                   if name.startswith("ours, sequence") else abs(loss_value - eager_loss_value)))

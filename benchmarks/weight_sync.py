@@ -325,8 +325,9 @@ def main() -> None:
         del ref
         gen("drop", "fp8")
         row(f"ddma fp8 quantize-on-sync ({quantizer})", m_q, qbytes, ceiling_s=ceiling.median_s)
-        report.note(f"fp8 quantize-on-sync: its GB/s counts the bytes written (codes + scales, {qbytes / 1e9:.3f} GB); "
-                    f"it reads the {nbytes / 1e9:.3f} GB bf16 set, i.e. {nbytes / m_q.median_s / 1e9:.1f} GB/s of input")
+        report.note(f"fp8 quantize-on-sync: its GB/s counts the bytes written (codes + scales, "
+                    f"{qbytes / 1e9:.3f} GB); it reads the {nbytes / 1e9:.3f} GB bf16 set, i.e. "
+                    f"{nbytes / m_q.median_s / 1e9:.1f} GB/s of input")
 
         if not args.no_baselines:
             # 4. per-tensor state_dict copy into tensors shared one by one

@@ -122,9 +122,9 @@ class RolloutBatch:
         ``reward_mean``, ``reward_std`` (population), and with two or more ``term_names`` (a reward made of
         several functions, llamarl.rewards.terms) ``reward/<name>``, each term's mean; ``zero_std_frac``:
         the share of prompt groups whose scored samples all earned the same reward (fewer than two scored
-        included), which therefore teach nothing. Lengths, over every sample generated (``generated``): ``completion_len_mean``,
-        ``completion_len_max``, and ``length_capped_frac``, the share cut by the token budget (finish reason
-        "length")."""
+        included), which therefore teach nothing. Lengths, over every sample generated (``generated``):
+        ``completion_len_mean``, ``completion_len_max``, and ``length_capped_frac``, the share cut by the token
+        budget (finish reason "length")."""
         scored = [r.reward for r in self.rollouts if r.reward_error is None]
         mean = math.fsum(scored) / len(scored) if scored else math.nan
         groups = [self.rollouts[i:i + self.n] for i in range(0, len(self.rollouts), self.n)]
@@ -135,7 +135,8 @@ class RolloutBatch:
         per_term = {f"reward/{name}": math.fsum(t[i] for t in terms) / len(terms) if terms else math.nan
                     for i, name in enumerate(term_names)} if len(term_names) > 1 else {}
         return {"reward_mean": mean, **per_term,
-                "reward_std": math.sqrt(math.fsum((x - mean) ** 2 for x in scored) / len(scored)) if scored else math.nan,
+                "reward_std": (math.sqrt(math.fsum((x - mean) ** 2 for x in scored) / len(scored)) if scored
+                               else math.nan),
                 "zero_std_frac": flat / len(groups),
                 "completion_len_mean": sum(lengths) / len(lengths), "completion_len_max": max(lengths),
                 "length_capped_frac": sum(r.finish_reason == "length" for r in generated) / len(generated)}

@@ -81,7 +81,8 @@ class SamplingParams:
         if self.n < 1:
             raise ValueError(f"SamplingParams.n (samples per prompt) must be an int >= 1, got {self.n!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"SamplingParams.logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+            raise ValueError(f"SamplingParams.logprobs_mode must be one of {LOGPROBS_MODES}, "
+                             f"got {self.logprobs_mode!r}")
         object.__setattr__(self, "stop_token_ids", token_ids("SamplingParams.stop_token_ids", self.stop_token_ids))
         object.__setattr__(self, "stop", check_stop_strings("SamplingParams.stop", self.stop))
         if self.seed is not None:

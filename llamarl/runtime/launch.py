@@ -373,7 +373,8 @@ class Runtime:
                 if isinstance(item, Exception):
                     raise RuntimeError(f"accepting torchrun executor ranks failed: {item}") from item
                 conn, hello, peer = item
-                if not isinstance(hello, Hello) or hello.global_rank not in expected or hello.global_rank in self._waiting:
+                if (not isinstance(hello, Hello) or hello.global_rank not in expected
+                        or hello.global_rank in self._waiting):
                     conn.close()
                     raise RuntimeError(f"unexpected hello from {peer}: {hello!r}")
                 if hello.layout != layout.spec:

@@ -90,7 +90,8 @@ class TrainerSources:
                                  f"{self.plan.trainer.world_size} ranks expects {list(shape)}")
             if t.dtype != dtype:
                 raise TypeError(f"trainer rank {self.rank}: shard {name!r} is {t.dtype}, the plan expects {dtype}")
-            same = t.device == self.device or (t.device.type == self.device.type == "cuda" and self.device.index is None)
+            same = t.device == self.device or (t.device.type == self.device.type == "cuda"
+                                               and self.device.index is None)
             if not same:
                 raise ValueError(f"trainer rank {self.rank}: shard {name!r} is on {t.device}, this sender works "
                                  f"on {self.device}")
