@@ -159,8 +159,8 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
     except (OSError, ValueError) as e:
         raise ConfigError(f"policy.tokenizer: {e}") from None
     if tokenizer.vocab_size > int(model["vocab_size"]):
-        raise ConfigError(f"policy.tokenizer: it has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-                          f"{model['vocab_size']}; use the model's own tokenizer")
+        raise ConfigError(f"policy.tokenizer: its token ids go up to {tokenizer.vocab_size - 1} but the model's "
+                          f"vocab_size is {model['vocab_size']}; use the model's own tokenizer")
     if cfg.data.chat and not getattr(tokenizer, "chat_template", None):
         raise ConfigError("data.chat: the tokenizer has no chat template (chat_template in tokenizer_config.json or "
                           "a chat_template.jinja file); add one or set data.chat=false")

@@ -102,6 +102,23 @@ def test_hf_tokenizer_matches_transformers(hf_dir):
         )
 
 
+def test_a_vocabulary_with_unused_ids_decodes_every_token(hf_dir):
+    """Ids need not be contiguous (a reserved block left unused): vocab_size is the largest id + 1, and decode
+    keeps every token of the vocabulary, as transformers does (tokens past the entry count were dropped)."""
+    transformers = pytest.importorskip("transformers")
+    data = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    data["model"]["vocab"] = {t: i + 100 if i >= 200 else i for t, i in vocab.items()}  # ids 200..299 unused
+    (hf_dir / "tokenizer.json").write_text(json.dumps(data))
+    ref = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    tok = load_tokenizer(hf_dir)
+    assert tok.vocab_size == max(ref.get_vocab().values()) + 1 == len(vocab) + 100
+    text = "Natalia sold 48 clips, giving 9. What is 12 + 30?"
+    ids = tok.encode(text)
+    assert ids == ref.encode(text, add_special_tokens=False) and max(ids) >= len(vocab)
+    assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True) == text
+
+
 def test_hf_tokenizer_save_load_and_template_file(hf_dir, tmp_path):
     tok = load_tokenizer(hf_dir)
     out = tmp_path / "copy"

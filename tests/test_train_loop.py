@@ -319,7 +319,7 @@ def test_bad_data_and_model_files_are_rejected_before_anything_starts(tmp_path, 
         (["--dataset", _write(tmp_path / "long.jsonl", b'{"question": "%s", "answer": "2"}\n' % (b"1" * 400))],
          r"data.dataset: .*every one of its 1 prompts is longer than"),
         (["--model", str(model)], r"policy.model: cannot read .*config.json"),
-        (["--model", str(small)], r"policy.tokenizer: it has 40 tokens but the model's vocab_size is 10"),
+        (["--model", str(small)], r"policy.tokenizer: its token ids go up to 39 but the model's vocab_size is 10"),
         (["--model", str(no_weights)], r"policy.model: .*no_weights has neither model.safetensors"),
         (["--model", str(cut)], r"policy.model: .*truncated/model.safetensors is not a readable safetensors file"),
     ]

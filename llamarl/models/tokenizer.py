@@ -278,9 +278,11 @@ class HFTokenizer:
             raise ValueError(f"{self.source}: {field} {token!r} is not in the tokenizer vocabulary")
         return int(i)
 
-    @property
+    @functools.cached_property
     def vocab_size(self) -> int:
-        return int(self._tok.get_vocab_size(with_added_tokens=True))
+        """The largest id + 1, the embedding rows the tokenizer needs (its entry count where the ids are
+        contiguous; a vocabulary with unused ids, e.g. a reserved block, has fewer entries than that)."""
+        return max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         if not isinstance(text, str):
