@@ -91,8 +91,8 @@ def test_engine_generates_the_same_tokens(native_calls, monkeypatch):
 
 
 def test_module_path_where_the_native_layer_does_not_apply(native_calls, monkeypatch):
-    """Separately allocated weights (no stacked q|k|v), a quantized model, autograd on, the static-shape
-    step (slot tensor) and the native linear switched off all keep the module path."""
+    """Separately allocated weights (no stacked q|k|v), a quantized model, autograd on, autocast, the
+    static-shape step (slot tensor) and the native linear switched off all keep the module path."""
     prompts, steps = [[5, 6, 7]], 2
     _decode(_model(2, pack=False), prompts, steps, True, monkeypatch)
     q = _model(2, pack=False)
@@ -108,6 +108,8 @@ def test_module_path_where_the_native_layer_does_not_apply(native_calls, monkeyp
     model(torch.tensor([[5, 6]]), 0, cache)  # autograd on
     with torch.inference_mode():
         model(torch.tensor([[7]]), torch.tensor([2]), cache)  # slot tensor (CUDA-graph step shape)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.tensor([[7]]), 2, cache)  # autocast: the module path's projections are bf16, none native
     assert native_calls["decode_layer_f32_cpu"] == 0
     with torch.inference_mode():
         model(torch.tensor([[7]]), 2, cache)

@@ -7,7 +7,7 @@ step of the RL default's tiny model. ``decode_layer`` runs the same kernels in t
 (the math is in the .cpp file), so its results are the module path's up to SiLU's exp (one ulp).
 
 It applies, and ``DecoderLayer.forward`` uses it, exactly when the module path would run the native ops
-for every piece of the layer: one new token per row, contiguous fp32 CPU activations, autograd off,
+for every piece of the layer: one new token per row, contiguous fp32 CPU activations, autograd and autocast off,
 a ``KVCache`` addressed by an int slot (the eager decode; the static-shape CUDA-graph step keeps the
 module path) whose fp32 rows fit the layer (else the module path raises the error that names the misfit),
 plain ``Linear`` projections without bias whose q|k|v and gate|up weights are stacked
@@ -58,8 +58,8 @@ def decode_layer(layer, x: torch.Tensor, ctx,
                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``layer(x, ctx, residual)`` (llamarl.models.llama.DecoderLayer) as one native call, or None when the
     conditions of the module docstring do not hold."""
-    if not (ENABLED and linear.CPU_LINEAR) or torch.is_grad_enabled():
-        return None
+    if not (ENABLED and linear.CPU_LINEAR) or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
+        return None  # (autocast: the module path's ops cast inside, so it runs none of the native ones)
     B, T, D = x.shape
     cache, slot = ctx.cache, ctx.input_pos
     if (T != 1 or B > linear.CPU_DECODE_MAX_ROWS or not isinstance(slot, int) or not hasattr(cache, "update_rope")
