@@ -33,8 +33,9 @@ def combine_micro_batches(parts: list[tuple[float, dict]]) -> dict:
 def combine_updates(results: list[dict], epochs: int = 1) -> dict:
     """One step's stats from those of its updates (``epochs`` passes over the same mini-batches): whether any
     was applied and how many (``updates``), how many had no trained token (``empty_updates``: every completion
-    truncated away), the mean loss and gradient norm, the last learning rate, the total time, and the loss
-    metrics combined as ``combine_micro_batches`` does, each update weighted by its share of the trained
+    truncated away), the mean loss and gradient norm of the others (an empty update makes no update, so it does not
+    pull the mean towards 0; 0 when every update was empty), the last learning rate, the total time, and the
+    loss metrics combined as ``combine_micro_batches`` does, each update weighted by its share of the trained
     tokens; ``tokens`` counts the step's trained tokens once (one epoch's updates), ``train_positions`` every
     pass's work."""
     tokens = sum(r.get("tokens", 0.0) for r in results)
@@ -43,10 +44,11 @@ def combine_updates(results: list[dict], epochs: int = 1) -> dict:
                                       {k: v for k, v in r.items() if k not in own}) for r in results])
     if "tokens" in metrics:
         metrics["tokens"] = sum(r.get("tokens", 0.0) for r in results[:len(results) // epochs])
+    made = [r for r in results if not r.get("empty", False)] or [{"loss": 0.0, "grad_norm": 0.0}]
     return {"applied": any(r["applied"] for r in results), "updates": sum(r["applied"] for r in results),
             "empty_updates": sum(r.get("empty", False) for r in results),
-            "loss": math.fsum(r["loss"] for r in results) / len(results),
-            "grad_norm": math.fsum(r["grad_norm"] for r in results) / len(results),
+            "loss": math.fsum(r["loss"] for r in made) / len(made),
+            "grad_norm": math.fsum(r["grad_norm"] for r in made) / len(made),
             "lr": results[-1]["lr"], "train_s": math.fsum(r["train_s"] for r in results), **metrics}
 
 
