@@ -211,6 +211,11 @@ def test_ranks_sharing_a_gpu_talk_over_gloo(capsys):
     four = GroupPlacement("trainer", "trainer", (1, 2, 3, 4), "nccl", True)
     assert group_backend(four, ["cuda:0", "cuda:1"] * 2, hosts=["a", "a", "b", "b"]) == "nccl"
     assert group_backend(four, ["cuda:0", "cuda:1"] * 2, hosts=["a"] * 4) == "gloo"
+    # ranks that each see one GPU (their own CUDA_VISIBLE_DEVICES) all say cuda:0: the UUIDs tell them apart
+    two = ["cuda:0", "cuda:0"]
+    assert group_backend(trainer, two, hosts=["a", "a"], uuids=["GPU-1f", "GPU-2e"]) == "nccl"
+    assert group_backend(trainer, two, hosts=["a", "a"], uuids=["GPU-1f", "GPU-1f"]) == "gloo"
+    assert group_backend(trainer, two, hosts=["a", "a"], uuids=["GPU-1f", ""]) == "gloo"  # unknown: by index
 
 
 def test_the_controller_publishes_an_ipv4_address_for_localhost(monkeypatch):

@@ -115,6 +115,7 @@ class Hello:
     hostname: str
     rendezvous_port: int
     num_cuda_devices: int
+    cuda_uuids: tuple[str, ...] = ()  # the visible GPUs' UUIDs, in index order ("" where torch gives none)
 
 
 class Runtime:
@@ -217,7 +218,9 @@ class Runtime:
             cudas = [layout.cuda_device(hello.global_rank, hello.num_cuda_devices, hello.local_rank)
                      for _, hello, _ in members]
             devices = ["cpu" if cuda is None else f"cuda:{cuda}" for cuda in cudas]
-            backend = group_backend(p, devices, hosts=[hello.hostname for _, hello, _ in members])
+            uuids = [hello.cuda_uuids[cuda] if cuda is not None and cuda < len(hello.cuda_uuids) else ""
+                     for cuda, (_, hello, _) in zip(cudas, members)]
+            backend = group_backend(p, devices, hosts=[hello.hostname for _, hello, _ in members], uuids=uuids)
             for rank, (conn, hello, _) in enumerate(members):
                 links.append(RankLink(conn))
                 boots.append(Bootstrap(group=p.name, role=p.role, target=target, init_kwargs=dict(init_kwargs or {}),
@@ -425,8 +428,9 @@ def serve_torchrun(layout: Layout, tr: TorchrunEnv, *, timeout_s: float = 600.0,
     conn = knock(host, int(port), bytes.fromhex(key))
     import torch
 
-    send(conn, Hello(global_rank, tr.local_rank, layout.spec, socket.gethostname(), free_port(),
-                     torch.cuda.device_count() if torch.cuda.is_available() else 0))
+    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    uuids = tuple(str(getattr(torch.cuda.get_device_properties(i), "uuid", "") or "") for i in range(cuda_count))
+    send(conn, Hello(global_rank, tr.local_rank, layout.spec, socket.gethostname(), free_port(), cuda_count, uuids))
     del store
     return server.serve(conn)
 
@@ -462,14 +466,19 @@ def run(layout: Layout, main: Callable[[Runtime], Awaitable[T]], *, env: dict[st
         return asyncio.run(rt.supervise(main(rt)))
 
 
-def group_backend(p: GroupPlacement, devices: list[str], hosts: list[str] | None = None) -> str:
+def group_backend(p: GroupPlacement, devices: list[str], hosts: list[str] | None = None,
+                  uuids: list[str] | None = None) -> str:
     """The group's backend for the devices its ranks landed on (on ``hosts``, by name; None: all on this one).
     NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected"); such a group (a sharded
     trainer or a TP generator on a machine with fewer GPUs than ranks) runs its collectives over gloo instead,
     which stages CUDA tensors through host memory: slower, and said so on stderr, but the same program and
-    numerics. ``cuda:0`` on two hosts is two GPUs. (Ranks that each see one GPU through their own
-    CUDA_VISIBLE_DEVICES all say ``cuda:0`` and are taken for one: gloo.)"""
-    gpus = list(zip(hosts, devices)) if hosts is not None else devices
+    numerics. A GPU is named by its UUID when every rank of the group reported one (``uuids``, torchrun
+    ranks): ranks that each see one GPU through their own CUDA_VISIBLE_DEVICES all say ``cuda:0``, yet use
+    different GPUs. Otherwise by (host, ``cuda:i``): ``cuda:0`` on two hosts is two GPUs."""
+    if uuids is not None and all(uuids):
+        gpus: list = list(uuids)
+    else:
+        gpus = list(zip(hosts, devices)) if hosts is not None else devices
     if p.backend != "nccl" or len(set(gpus)) == len(gpus):
         return p.backend
     print(f"[llamarl] executor group '{p.name}': {len(devices)} ranks on {len(set(gpus))} GPU(s) "
