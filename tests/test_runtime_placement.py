@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from llamarl.runtime import (
     GeneratorSpec,
@@ -216,6 +217,16 @@ def test_ranks_sharing_a_gpu_talk_over_gloo(capsys):
     assert group_backend(trainer, two, hosts=["a", "a"], uuids=["GPU-1f", "GPU-2e"]) == "nccl"
     assert group_backend(trainer, two, hosts=["a", "a"], uuids=["GPU-1f", "GPU-1f"]) == "gloo"
     assert group_backend(trainer, two, hosts=["a", "a"], uuids=["GPU-1f", ""]) == "gloo"  # unknown: by index
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_torchrun_rank_names_its_gpus_by_uuid():
+    """What group_backend tells GPUs apart by under per-rank CUDA_VISIBLE_DEVICES: one non-empty UUID per GPU."""
+    from llamarl.runtime.launch import visible_gpu_uuids
+
+    uuids = visible_gpu_uuids()
+    assert len(uuids) == torch.cuda.device_count() and all(uuids) and len(set(uuids)) == len(uuids)
 
 
 def test_the_controller_publishes_an_ipv4_address_for_localhost(monkeypatch):

@@ -426,11 +426,8 @@ def serve_torchrun(layout: Layout, tr: TorchrunEnv, *, timeout_s: float = 600.0,
     store.wait([STORE_KEY], datetime.timedelta(seconds=timeout_s))
     host, port, key = store.get(STORE_KEY).decode().rsplit(":", 2)
     conn = knock(host, int(port), bytes.fromhex(key))
-    import torch
-
-    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    uuids = tuple(str(getattr(torch.cuda.get_device_properties(i), "uuid", "") or "") for i in range(cuda_count))
-    send(conn, Hello(global_rank, tr.local_rank, layout.spec, socket.gethostname(), free_port(), cuda_count, uuids))
+    uuids = visible_gpu_uuids()
+    send(conn, Hello(global_rank, tr.local_rank, layout.spec, socket.gethostname(), free_port(), len(uuids), uuids))
     del store
     return server.serve(conn)
 
@@ -464,6 +461,14 @@ def run(layout: Layout, main: Callable[[Runtime], Awaitable[T]], *, env: dict[st
     with Runtime(layout, torchrun=tr, env=env, dist_timeout_s=dist_timeout_s,
                  start_timeout_s=start_timeout_s, command_timeout_s=command_timeout_s) as rt:
         return asyncio.run(rt.supervise(main(rt)))
+
+
+def visible_gpu_uuids() -> tuple[str, ...]:
+    """This process's visible GPUs' UUIDs in index order ("" where torch does not give one); () without CUDA."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return tuple(str(getattr(torch.cuda.get_device_properties(i), "uuid", "") or "") for i in range(count))
 
 
 def group_backend(p: GroupPlacement, devices: list[str], hosts: list[str] | None = None,
