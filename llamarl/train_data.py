@@ -64,14 +64,23 @@ class TrainData:
                  max_prompt_tokens: int | None = None):
         self.cfg = cfg
         self.dropped = 0  # prompts too long for max_prompt_tokens (training and held out)
-        self.excluded = 0  # training samples whose prompt is in data.eval_dataset
+        # training samples whose prompt is in data.eval_dataset (None for the synthetic task's endless stream,
+        # which skips them)
+        self.excluded: int | None = None if cfg.dataset.startswith(SYNTHETIC_PREFIX) else 0
         self._seed = seed
         eval_samples = _load_eval(cfg) if cfg.eval_dataset is not None else None
         eval_prompts = {shot_key(s) for s in eval_samples or ()}
         self._task, self._pool = None, None  # the training stream's source: the synthetic task or the file's pool
         if cfg.dataset.startswith(SYNTHETIC_PREFIX):
             self._task, _ = parse_synthetic_spec(cfg.dataset)
-            candidates = [s for s in self._task.train_samples(10 * cfg.few_shot) if shot_key(s) not in eval_prompts]
+            if eval_prompts:  # the eval file must leave training problems (checked here: the stream is endless)
+                try:
+                    next(_skipping(self._task.iter_split("train"), eval_prompts, cfg))
+                except ValueError as e:
+                    raise EvalDataError(str(e).removeprefix("data.eval_dataset ")) from None
+            # the examples: from the first 10k training problems outside the eval file
+            candidates = list(itertools.islice(_skipping(self._task.iter_split("train"), eval_prompts, cfg),
+                                               10 * cfg.few_shot))
             shots = _pick_shots(candidates, cfg.few_shot, seed, cfg.dataset)
         else:
             samples = load_dataset(cfg.dataset, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field,
@@ -173,9 +182,12 @@ class TrainData:
 
     @property
     def samples(self) -> list[Sample]:
-        """Every sample of a file dataset the run can see (held out, then training); the held-out ones of
-        the synthetic task, whose training stream is endless."""
-        return self.heldout + (self._pool or [])
+        """Every sample of a file dataset the run can see (held out, then training); for the synthetic task,
+        whose training stream is endless, the held-out ones and the stream's first 64 (what the data checks read:
+        the fields a reward function may ask for, the references a verifier must read)."""
+        if self._task is not None:
+            return self.heldout + list(itertools.islice(self._new_stream(), 64))
+        return self.heldout + self._pool
 
     @functools.cached_property
     def stream_id(self) -> str:
@@ -206,7 +218,7 @@ class TrainData:
     def _new_stream(self) -> Iterator[Sample]:
         if self._task is None:
             return _epochs(self._pool, self._seed)
-        return (s for s in self._task.iter_split("train") if shot_key(s) not in self._skipped_prompts)
+        return _skipping(self._task.iter_split("train"), self._skipped_prompts, self.cfg)
 
     def fork(self, seed: int) -> "TrainData":
         """A stream over this one's training pool (the same held-out split and dropped prompts), in the order
@@ -272,6 +284,24 @@ def _epochs(samples: list[Sample], seed: int) -> Iterator[Sample]:
         random.Random(f"{seed}:epoch:{epoch}").shuffle(order)
         for i in order:
             yield samples[i]
+
+
+def _skipping(stream: Iterator[Sample], skip: set[str], cfg: DataConfig) -> Iterator[Sample]:
+    """``stream``'s samples whose prompt is not in ``skip``; ValueError once it skips far more than it
+    yields (more than 10,000 + 100 per sample yielded, the synthetic task's own rule for a too-small problem
+    space), instead of searching an endless stream forever."""
+    found, skipped = 0, 0
+    for s in stream:
+        if shot_key(s) not in skip:
+            found += 1
+            yield s
+            continue
+        skipped += 1
+        if skipped > 10_000 + 100 * found:
+            held = (f"data.eval_dataset {cfg.eval_dataset}" if cfg.eval_dataset is not None
+                    else f"the data.few_shot={cfg.few_shot} examples")
+            raise ValueError(f"{held} holds nearly every training problem of {cfg.dataset} ({skipped} skipped, "
+                             f"{found} left): hold out fewer problems or enlarge the task (digits, n_terms, ops)")
 
 
 def _load_eval(cfg: DataConfig) -> list[Sample]:

@@ -200,9 +200,11 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
     if data.dropped:
         log(f"data: dropped {data.dropped} prompts longer than {max_prompt} tokens (the context {context} minus "
             f"generator.max_new_tokens)")
-    if data.excluded:
-        log(f"data: dropped {data.excluded} training samples whose prompt is in data.eval_dataset (held out: "
-            f"{len(data.heldout)} of its prompts)")
+    if cfg.data.eval_dataset is not None:
+        dropped = (f"{data.excluded} training samples with one of them dropped" if data.excluded is not None
+                   else "the training stream skips them")
+        log(f"data: {len(data.heldout)} held-out prompts drawn from data.eval_dataset, whose prompts never reach "
+            f"training ({dropped})")
     error, warning = verifier_data_problems(cfg.reward.reward, data.samples)
     if error:
         raise ConfigError(f"reward.reward: {cfg.reward.reward}, but {error}")

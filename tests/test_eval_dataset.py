@@ -57,6 +57,35 @@ def test_the_synthetic_stream_skips_the_eval_files_prompts(tmp_path):
     assert TrainData(cfg, CharTokenizer(), cursor=data.cursor - 5).next(5) == stream[-5:]
 
 
+def test_an_eval_file_of_the_synthetic_tasks_own_problems(tmp_path, capsys):
+    """Found by a review helper: an eval file holding every training problem of the task made the endless
+    stream search forever (the run hung after the warm start); one holding the first ones left no few-shot
+    examples; and the fields a reward function asks for were checked against the eval records only."""
+    from llamarl.data import ArithmeticTask
+
+    task = ArithmeticTask(digits=1)
+    every = _write(tmp_path / "every.jsonl", [f"{a}+{b}=" for a in range(10) for b in range(10)])
+    with pytest.raises(EvalDataError, match="holds nearly every training problem of synthetic:arithmetic:digits=1"):
+        TrainData(DataConfig(dataset="synthetic:arithmetic:digits=1", eval_dataset=str(every)), CharTokenizer())
+    assert main(["--preset", "smoke", "--dataset", "synthetic:arithmetic:digits=1", "--eval-dataset", str(every),
+                 "--out", str(tmp_path / "run")]) == 2
+    assert re.search(r"data.eval_dataset: \S*every.jsonl holds nearly every training problem", capsys.readouterr().err)
+    first = _write(tmp_path / "first.jsonl", [s.prompt for s in task.train_samples(30)])
+    cfg = DataConfig(dataset="synthetic:arithmetic:digits=1", eval_dataset=str(first), few_shot=2)
+    data = TrainData(cfg, CharTokenizer())
+    shots = {s.prompt for s in data.formatter.shots}
+    assert len(shots) == 2 and not shots & {s.prompt for s in task.train_samples(30)}
+    rows = [{"question": p, "answer": "1", "level": 3} for p in ("1+1=", "2+2=")]
+    (tmp_path / "level.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(dataset="synthetic:arithmetic:digits=1", eval_dataset=str(tmp_path / "level.jsonl"))
+    assert "level" not in TrainData(cfg, CharTokenizer()).info_fields  # the training problems have no level
+    (tmp_path / "rw.py").write_text("def score(completion, answer, level):\n    return 1.0\n")
+    assert main(["--preset", "smoke", "--dataset", "synthetic:arithmetic:digits=1", "--eval-dataset",
+                 str(tmp_path / "level.jsonl"), "--reward", f"{tmp_path / 'rw.py'}:score",
+                 "--out", str(tmp_path / "run2")]) == 2
+    assert "needs the keyword argument(s) ['level'], which not every sample has" in capsys.readouterr().err
+
+
 def test_the_stream_id_depends_on_the_eval_file(files, tmp_path):
     train, evals = files
     plain = TrainData(DataConfig(dataset=str(train), eval_size=8), CharTokenizer())
@@ -89,7 +118,8 @@ def test_a_run_evaluates_on_the_eval_file_and_a_resume_keeps_it(files, tmp_path,
     run = tmp_path / "run"
     assert main(["--preset", "smoke", "--dataset", str(train), "--eval-dataset", str(evals), "--max-steps", "2",
                  "--out", str(run)]) == 0
-    assert "dropped 10 training samples whose prompt is in data.eval_dataset" in capsys.readouterr().err
+    assert ("8 held-out prompts drawn from data.eval_dataset, whose prompts never reach training (10 training samples "
+            "with one of them dropped)") in capsys.readouterr().err
     assert json.loads((run / "summary.json").read_text())["eval_size"] == 8
     assert load_config(["--resume", str(run), "--max-steps", "3"]).data.eval_dataset == str(evals.resolve())
     with pytest.raises(ConfigError, match="^data.eval_dataset: the resumed run started with"):
