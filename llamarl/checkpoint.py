@@ -428,7 +428,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, policy_state: Call
     ``policy_state(dir)`` writes the HF-format policy (e.g. ``model.save_pretrained``); ``optimizer_state``
     is saved with ``torch.save``; ``data_cursor``/``extra`` must be JSON-serialisable; ``rng_state``
     defaults to ``capture_rng_state()``. Keeps the newest ``keep`` checkpoints. The run's settings files
-    (``run_dir/config.yaml`` and ``config.start.yaml``, llamarl.config.RUN_CONFIG / START_CONFIG) are copied in
+    (``run_dir/config.yaml`` and ``config.start.yaml``, llamarl.run_files.RUN_CONFIG / START_CONFIG) are copied in
     too, so a checkpoint copied out of its run directory resumes with them.
     """
     try:

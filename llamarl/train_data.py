@@ -97,6 +97,8 @@ class TrainData:
         # what the synthetic task's training stream skips (a file's pool has them removed already)
         self._skipped_prompts = self._shot_prompts | eval_prompts
         self._eval_prompts = eval_prompts
+        if self._task is not None:
+            next(self._new_stream())  # a stream whose first 10,000 problems are all skipped raises here, up front
         self.formatter = PromptFormatter(PromptFormat(template=cfg.template, chat=cfg.chat, system=cfg.system),
                                          shots=shots, tokenizer=tokenizer)
         if self._task is not None:
@@ -202,8 +204,8 @@ class TrainData:
         add("format", fmt.template, fmt.chat, fmt.system, fmt.shot_answer_template, fmt.shot_separator)
         for s in self.formatter.shots:
             add("shot", s.id, s.prompt, s.written_answer)
-        for s in self.heldout:
-            add("heldout", s.id, s.prompt, s.answer)
+        for s in self.heldout:  # an eval file's by content: positional ids name the file, which may move
+            add(*(("heldout", s.id) if self.cfg.eval_dataset is None else ("eval",)), s.prompt, s.answer)
         for prompt in sorted(self._eval_prompts):  # data.eval_dataset's prompts leave the training side
             add("excluded", prompt)
         if self._task is None:
@@ -287,21 +289,21 @@ def _epochs(samples: list[Sample], seed: int) -> Iterator[Sample]:
 
 
 def _skipping(stream: Iterator[Sample], skip: set[str], cfg: DataConfig) -> Iterator[Sample]:
-    """``stream``'s samples whose prompt is not in ``skip``; ValueError once it skips far more than it
-    yields (more than 10,000 + 100 per sample yielded, the synthetic task's own rule for a too-small problem
-    space), instead of searching an endless stream forever."""
-    found, skipped = 0, 0
+    """``stream``'s samples whose prompt is not in ``skip``; ValueError if its first 10,000 are all skipped,
+    instead of searching an endless stream forever. Once one sample was found the stream never gives up (that
+    problem recurs), so a check of the first sample (TrainData's, up front) is final."""
+    found, skipped = False, 0
     for s in stream:
         if shot_key(s) not in skip:
-            found += 1
+            found = True
             yield s
             continue
         skipped += 1
-        if skipped > 10_000 + 100 * found:
+        if not found and skipped >= 10_000:
             held = (f"data.eval_dataset {cfg.eval_dataset}" if cfg.eval_dataset is not None
                     else f"the data.few_shot={cfg.few_shot} examples")
-            raise ValueError(f"{held} holds nearly every training problem of {cfg.dataset} ({skipped} skipped, "
-                             f"{found} left): hold out fewer problems or enlarge the task (digits, n_terms, ops)")
+            raise ValueError(f"{held} holds every one of the first {skipped} training problems of {cfg.dataset}: "
+                             "hold out fewer problems or enlarge the task (digits, n_terms, ops)")
 
 
 def _load_eval(cfg: DataConfig) -> list[Sample]:

@@ -50,6 +50,28 @@ def log(msg: str) -> None:
     print(f"[llamarl] {msg}", file=sys.stderr, flush=True)
 
 
+# DataConfig fields added after warm starts were first cached: left out of the key at their default (None), so
+# the caches of runs that do not set them stay valid
+_LATER_DATA_FIELDS = ("eval_dataset",)
+
+
+def warm_start_key(cfg: TrainConfig) -> str:
+    """The warm-start cache key: everything the warm-started weights depend on (the probe uses the reward and
+    the generation length), input files by their absolute paths (as a resumed run's config.yaml holds them)
+    and their contents."""
+    a = cfg.with_absolute_paths()
+    tok_path = a.policy.tokenizer  # a tokenizer.json file is read with its directory's config files
+    files = [a.data.dataset, a.data.eval_dataset, reward_source(a.reward.reward),
+             os.path.dirname(tok_path) if tok_path and os.path.isfile(tok_path) else tok_path]
+    data = {k: v for k, v in dataclasses.asdict(a.data).items() if not (k in _LATER_DATA_FIELDS and v is None)}
+    return cache_key("warmstart-v2", LLAMA_CONFIGS[cfg.policy.model].to_hf_dict(),
+                     dataclasses.replace(cfg.warm_start, cache_dir=None), data, cfg.run.seed, a.reward.reward,
+                     cfg.generator.max_new_tokens,
+                     *([cfg.generator.stop] if cfg.generator.stop else []),  # (the probe's completions end there)
+                     *([a.policy.tokenizer] if a.policy.tokenizer else []),
+                     *[content_fingerprint(f) for f in files if f and os.path.exists(f)])
+
+
 def prepare_policy(cfg: TrainConfig, tokenizer, data: TrainData) -> tuple[Path, dict]:
     """The HF directory the trainer starts from: a given checkpoint, or the (cached) warm start, trained
     on streams forked from the run's ``data`` (never its held-out split)."""
@@ -57,18 +79,7 @@ def prepare_policy(cfg: TrainConfig, tokenizer, data: TrainData) -> tuple[Path, 
         return Path(cfg.policy.model), {"cached": None, "seconds": 0.0}
     ws = cfg.warm_start
     model_cfg = LLAMA_CONFIGS[cfg.policy.model]
-    # everything the warm-started weights depend on (the probe uses the reward and the generation length),
-    # input files by their absolute paths (as a resumed run's config.yaml holds them) and their contents
-    a = cfg.with_absolute_paths()
-    tok_path = a.policy.tokenizer  # a tokenizer.json file is read with its directory's config files
-    files = [a.data.dataset, a.data.eval_dataset, reward_source(a.reward.reward),
-             os.path.dirname(tok_path) if tok_path and os.path.isfile(tok_path) else tok_path]
-    key = cache_key("warmstart-v2", model_cfg.to_hf_dict(), dataclasses.replace(ws, cache_dir=None), a.data,
-                    cfg.run.seed, a.reward.reward, cfg.generator.max_new_tokens,
-                    *([cfg.generator.stop] if cfg.generator.stop else []),  # (the probe's completions end there)
-                    *([a.policy.tokenizer] if a.policy.tokenizer else []),
-                    *[content_fingerprint(f) for f in files if f and os.path.exists(f)])
-    path = (Path(ws.cache_dir) if ws.cache_dir else default_cache_dir()) / f"{cfg.policy.model}-{key}"
+    path = (Path(ws.cache_dir) if ws.cache_dir else default_cache_dir()) / f"{cfg.policy.model}-{warm_start_key(cfg)}"
     if (path / "warmstart.json").is_file():
         info = json.loads((path / "warmstart.json").read_text())
         log(f"warm start: cached at {path} (trained {info['steps']} steps, loss {info['loss']:.3f})")
@@ -313,8 +324,9 @@ def train(cfg: TrainConfig) -> dict:
     position, stream = _data_position(resume.data_cursor if resume else 0)
     tokenizer, data = load_inputs(cfg, cursor=position)
     if stream is not None and stream != data.stream_id:
-        raise ConfigError(f"data.dataset: the data stream of {cfg.data.dataset} is not the one the checkpoint's "
-                          "position counts into (the file was edited, or a setting changed which prompts are held out, "
+        files = cfg.data.dataset + (f" with the held-out file {cfg.data.eval_dataset}" if cfg.data.eval_dataset else "")
+        raise ConfigError(f"data.dataset: the data stream of {files} is not the one the checkpoint's "
+                          "position counts into (a file was edited, or a setting changed which prompts are held out, "
                           "kept or how they read, e.g. generator.max_new_tokens dropping other prompts as too long); "
                           "resume with the run's own data and settings, or start a new run from the checkpoint's "
                           "weights (--model <checkpoint>/policy)")

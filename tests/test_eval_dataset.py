@@ -65,16 +65,22 @@ def test_an_eval_file_of_the_synthetic_tasks_own_problems(tmp_path, capsys):
 
     task = ArithmeticTask(digits=1)
     every = _write(tmp_path / "every.jsonl", [f"{a}+{b}=" for a in range(10) for b in range(10)])
-    with pytest.raises(EvalDataError, match="holds nearly every training problem of synthetic:arithmetic:digits=1"):
+    with pytest.raises(EvalDataError, match="holds every one of the first 10000 training problems of synthetic:"):
         TrainData(DataConfig(dataset="synthetic:arithmetic:digits=1", eval_dataset=str(every)), CharTokenizer())
     assert main(["--preset", "smoke", "--dataset", "synthetic:arithmetic:digits=1", "--eval-dataset", str(every),
                  "--out", str(tmp_path / "run")]) == 2
-    assert re.search(r"data.eval_dataset: \S*every.jsonl holds nearly every training problem", capsys.readouterr().err)
+    assert re.search(r"data.eval_dataset: \S*every.jsonl holds every one of the first", capsys.readouterr().err)
     first = _write(tmp_path / "first.jsonl", [s.prompt for s in task.train_samples(30)])
     cfg = DataConfig(dataset="synthetic:arithmetic:digits=1", eval_dataset=str(first), few_shot=2)
     data = TrainData(cfg, CharTokenizer())
     shots = {s.prompt for s in data.formatter.shots}
     assert len(shots) == 2 and not shots & {s.prompt for s in task.train_samples(30)}
+    # all but one training problem held out: accepted, and the stream keeps finding that one (it gave up mid-run)
+    spec = "synthetic:arithmetic:digits=1,ops=+-"
+    problems = sorted({s.prompt for s in ArithmeticTask(digits=1, ops="+-").train_samples(5000)})
+    most = _write(tmp_path / "most.jsonl", problems[1:])
+    stream = TrainData(DataConfig(dataset=spec, eval_dataset=str(most)), CharTokenizer()).next(400)
+    assert {s.prompt for s in stream} == {problems[0]}
     rows = [{"question": p, "answer": "1", "level": 3} for p in ("1+1=", "2+2=")]
     (tmp_path / "level.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = DataConfig(dataset="synthetic:arithmetic:digits=1", eval_dataset=str(tmp_path / "level.jsonl"))
@@ -93,6 +99,25 @@ def test_the_stream_id_depends_on_the_eval_file(files, tmp_path):
     other = _write(tmp_path / "other.jsonl", [f"{i}+1=" for i in range(30, 50)] + ["99+1="])
     changed = TrainData(DataConfig(dataset=str(train), eval_dataset=str(other), eval_size=8), CharTokenizer())
     assert len({plain.stream_id, held.stream_id, changed.stream_id}) == 3
+
+
+def test_a_moved_eval_file_keeps_the_stream_and_an_edited_one_is_named(files, tmp_path, capsys):
+    """A resume may find its files moved (accepted, as for data.dataset): the eval file's held-out samples are
+    hashed by content, not by their positional ids, which carry the file's name. An edited eval file is refused,
+    and the message names it."""
+    train, evals = files
+    moved = tmp_path / "moved" / "renamed.jsonl"
+    moved.parent.mkdir()
+    moved.write_bytes(evals.read_bytes())
+    ids = [TrainData(DataConfig(dataset=str(train), eval_dataset=str(path), eval_size=8), CharTokenizer()).stream_id
+           for path in (evals, moved)]
+    assert ids[0] == ids[1]
+    run = tmp_path / "run"
+    assert main(["--preset", "smoke", "--dataset", str(train), "--eval-dataset", str(moved), "--max-steps", "2",
+                 "--set", "run.checkpoint_every=2", "--out", str(run)]) == 0
+    moved.write_text(moved.read_text().replace('"answer": "1"', '"answer": "2"', 1))
+    assert main(["--resume", str(run), "--max-steps", "3"]) == 2
+    assert f"data stream of {train} with the held-out file {moved} is not the one" in capsys.readouterr().err
 
 
 def test_unusable_eval_files_are_refused(files, tmp_path, capsys):

@@ -29,3 +29,14 @@ def test_the_sft_loss_covers_the_answer_and_eos_tokens_only():
     wanted = [(0, 2, 8), (0, 3, 2), (1, 1, 9), (1, 2, 10), (1, 3, 2)]
     reference = -sum(float(logp[row, pos, token]) for row, pos, token in wanted) / len(wanted)
     assert abs(float(got) - reference) < 1e-5
+
+
+def test_the_presets_warm_start_keys_stay_the_same():
+    """Cached warm starts stay valid while what they depend on is unchanged: a DataConfig field added later and
+    left at its default does not change the key (data.eval_dataset did: every run retrained its warm start, and
+    a resumed one its KL reference). Changing what a warm start computes is done by bumping "warmstart-v2"."""
+    from llamarl.presets import PRESETS
+    from llamarl.training import warm_start_key
+
+    assert warm_start_key(PRESETS["default"]) == "abbd338fecc2ed0d"
+    assert warm_start_key(PRESETS["smoke"]) == "e3151aadb913fc55"
