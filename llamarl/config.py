@@ -376,6 +376,11 @@ class RunConfig(_Section):
     max_steps: int = 50
     seed: int = 0
     eval_every: int = 10  # steps; 0: evaluate only before and after
+    # the held-out evaluation: greedy (1 sample, temperature 0), or eval_samples completions per problem drawn at
+    # eval_temperature from the full distribution (veRL's val_kwargs): accuracy is their mean (mean@k), and
+    # pass@k (a correct one among the k) is logged beside it
+    eval_samples: int = 1
+    eval_temperature: float = 0.0
     checkpoint_every: int = 25  # steps; 0: only at the end
     keep_checkpoints: int = 3
     log_samples: int = 2  # decoded completions per step written to OUT/samples.jsonl (0: none)
@@ -396,6 +401,13 @@ class RunConfig(_Section):
             fail("run.command_timeout_s", "must be at most 1e6 seconds (about 11 days); 0 means no limit",
                  self.command_timeout_s)
         self._positive("keep_checkpoints")
+        self._positive("eval_samples")
+        self._positive("eval_temperature", strict=False)
+        if 0 < self.eval_temperature < MIN_TEMPERATURE:
+            fail("run.eval_temperature", f"must be 0 (greedy) or at least {MIN_TEMPERATURE}", self.eval_temperature)
+        if self.eval_samples > 1 and self.eval_temperature == 0:
+            fail("run.eval_samples", "more than one greedy completion per problem would be the same completion; "
+                 "set run.eval_temperature (e.g. 0.6 or 1.0) to sample them", self.eval_samples)
         for name in ("max_staleness", "seed", "eval_every", "checkpoint_every", "log_samples"):
             self._positive(name, strict=False)
         if self.seed >= 2**32:  # step seeds are seed * 1_000_003 + step (+ replica strides): they must fit int64

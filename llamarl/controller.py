@@ -56,6 +56,7 @@ from llamarl.train_data import TrainData
 
 REPLICA_SEED_STRIDE = 1_000_000_007  # > any step count: replica seeds never meet another step's seed
 BATCH_SEED_STRIDE = 1024 * REPLICA_SEED_STRIDE  # a step's further batches (dynamic sampling), past any replica's
+EVAL_SEED_OFFSET = 2**60  # sampled evaluations: past any training batch's seed, still an int64 with the strides
 CUT_WARNING_FRAC = 0.9  # warn once when this share of a step's completions ran out of tokens
 
 
@@ -339,17 +340,25 @@ class Controller:
         return out, seconds
 
     async def evaluate(self, step: int) -> dict:
-        """Greedy held-out accuracy of the newest weights: the fraction of problems whose verifier (the first
-        reward term, reward.reward) gives 1 or more."""
-        held = self.data.heldout
-        greedy = SamplingParams(max_new_tokens=self.cfg.generator.max_new_tokens, temperature=0.0, n=1,
-                                stop=self.cfg.generator.stop)
-        outputs, _ = await self.generate(self.data.encode(held), greedy)
+        """Held-out accuracy of the newest weights: the fraction of completions whose verifier (the first reward
+        term, reward.reward) gives 1 or more. Greedy by default; with ``run.eval_samples`` = k > 1, k completions
+        per problem drawn at ``run.eval_temperature`` (a seed of the step's own), whose mean is the accuracy
+        (mean@k), and ``pass@k``, the fraction of problems with a correct one among their k."""
+        run, held = self.cfg.run, self.data.heldout
+        k = run.eval_samples
+        seed = run.seed * 1_000_003 + step + EVAL_SEED_OFFSET if run.eval_temperature > 0 else None
+        params = SamplingParams(max_new_tokens=self.cfg.generator.max_new_tokens, temperature=run.eval_temperature,
+                                n=k, stop=self.cfg.generator.stop, seed=seed)
+        outputs, _ = await self.generate(self.data.encode(held), params)  # prompt-major: problem i's at i*k..
         scores = await self.ex.rewards.score_async(  # the verifier alone: other terms cannot fail a right answer
-            [(s.id, self.tok.decode(o["token_ids"]), s.answer, s.reward_info()) for s, o in zip(held, outputs)],
+            [(s.id if k == 1 else f"{s.id}#{j % k}", self.tok.decode(o["token_ids"]), s.answer, s.reward_info())
+             for j, (s, o) in enumerate(zip((s for s in held for _ in range(k)), outputs))],
             verifier_only=True)
-        result = {"accuracy": sum(r.verifier >= 1.0 for r in scores) / len(held),
+        correct = [r.verifier >= 1.0 for r in scores]
+        result = {"accuracy": sum(correct) / len(correct),
                   "policy_version": min(min(o["policy_versions"], default=-1) for o in outputs)}
+        if k > 1:
+            result[f"pass@{k}"] = sum(any(correct[i * k:(i + 1) * k]) for i in range(len(held))) / len(held)
         self.log.eval(step, result)
         return result
 

@@ -71,12 +71,14 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
 
 
 _LR_FIELDS = ("lr", "lr_schedule", "lr_warmup_steps", "min_lr_ratio")
+_EVAL_FIELDS = ("eval_samples", "eval_temperature")
 
 
 def resume_warnings(cfg: TrainConfig, step: int) -> list[str]:
-    """A resume at ``step`` (steps done) whose settings move the learning-rate schedule: the rate jumps at
-    the first resumed step instead of continuing the run's curve (``lr_at``). Compared with the run's saved
-    config.yaml (or the checkpoint's copy); nothing to say without one (a checkpoint of an earlier llamarl)."""
+    """A resume at ``step`` (steps done) whose settings move the learning-rate schedule (the rate jumps at the
+    first resumed step instead of continuing the run's curve: ``lr_at``) or change how the held-out split is
+    evaluated. Compared with the run's saved config.yaml (or the checkpoint's copy); nothing to say without one
+    (a checkpoint of an earlier llamarl)."""
     saved = resume_file(cfg.run.resume)
     try:
         # as the resume read it ("lr: 3e-4" is a number, not YAML 1.1's string)
@@ -85,14 +87,20 @@ def resume_warnings(cfg: TrainConfig, step: int) -> list[str]:
         old_cfg = None
     if old_cfg is None:
         return []
+    out = []
     new = dataclasses.asdict(cfg.trainer)
     old = {**new, **{k: getattr(old_cfg.trainer, k) for k in _LR_FIELDS}}
     old_total = old_cfg.run.max_steps
     before, after = lr_at(step, old, old_total), lr_at(step, new, cfg.run.max_steps)
-    if math.isclose(before, after, rel_tol=1e-9, abs_tol=0.0):
-        return []
-    changed = [f"run.max_steps {old_total} -> {cfg.run.max_steps}"] if old_total != cfg.run.max_steps else []
-    changed += [f"trainer.{k} {old[k]} -> {new[k]}" for k in _LR_FIELDS if old[k] != new[k]]
-    return [f"the learning rate of step {step + 1} moves from {before:.4g} (the schedule the run was on) to "
-            f"{after:.4g} on this resume ({', '.join(changed)}): the {new['lr_schedule']} schedule restarts from "
-            "there; keep the run's values to continue its curve unchanged"]
+    if not math.isclose(before, after, rel_tol=1e-9, abs_tol=0.0):
+        changed = [f"run.max_steps {old_total} -> {cfg.run.max_steps}"] if old_total != cfg.run.max_steps else []
+        changed += [f"trainer.{k} {old[k]} -> {new[k]}" for k in _LR_FIELDS if old[k] != new[k]]
+        out.append(f"the learning rate of step {step + 1} moves from {before:.4g} (the schedule the run was on) to "
+                   f"{after:.4g} on this resume ({', '.join(changed)}): the {new['lr_schedule']} schedule restarts "
+                   "from there; keep the run's values to continue its curve unchanged")
+    evals = [f"run.{k} {getattr(old_cfg.run, k)} -> {getattr(cfg.run, k)}" for k in _EVAL_FIELDS
+             if getattr(old_cfg.run, k) != getattr(cfg.run, k)]
+    if evals:
+        out.append(f"this resume evaluates otherwise than the run did ({', '.join(evals)}): its accuracies are not "
+                   "comparable with the earlier ones, the accuracy before RL in summary.json included")
+    return out

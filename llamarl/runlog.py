@@ -92,7 +92,8 @@ class RunLog:
         _append(self._fd, {k: _jsonable(v) for k, v in row.items()})
         for r in self.reporters:
             r.eval(step, row)
-        self.bar.write(f"eval @ step {step}: accuracy {row['accuracy']:.3f}")
+        passes = "".join(f", {k} {v:.3f}" for k, v in row.items() if k.startswith("pass@"))
+        self.bar.write(f"eval @ step {step}: accuracy {row['accuracy']:.3f}{passes}")
 
     def warn(self, message: str) -> None:
         """A warning on stderr, above the progress bar."""
@@ -128,7 +129,7 @@ class RunLog:
                 label="train reward (mean)")
         if self.evals:
             ax.plot([e["step"] for e in self.evals], [e["accuracy"] for e in self.evals], "o-", lw=2,
-                    label="held-out accuracy (greedy)")
+                    label="held-out accuracy")
         ax.set_xlabel("step")
         if all(0.0 <= r["reward_mean"] <= 1.0 for r in self.rows if math.isfinite(r["reward_mean"])):
             ax.set_ylim(-0.02, 1.02)  # else (a reward of several terms, or beyond [0, 1]): matplotlib's range

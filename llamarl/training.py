@@ -404,7 +404,8 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
         _dump_tasks_on_sigusr1()
         gens = rt.spawn_role("generator", "llamarl.executors.generator:GeneratorExecutor", init_kwargs=dict(
             model_config=model_config, dtype=cfg.policy.dtype, trainer_ranks=cfg.trainer.ranks,
-            replicas=g.replicas, max_batch_size=max(g.prompts_per_step * g.samples_per_prompt, cfg.data.eval_size),
+            replicas=g.replicas,  # (an evaluation of more rows runs in batches of this many)
+            max_batch_size=max(g.prompts_per_step * g.samples_per_prompt, cfg.data.eval_size, cfg.run.eval_samples),
             max_seq_len=kv_slots, pad_id=tokenizer.pad_id, threads=threads, quantization=g.quantization,
             eos_token_ids=eos_ids(tokenizer, policy_config, policy_dir), tokenizer=tokenizer),
             env={"LLAMARL_EXECUTOR": "generator"}, wait=False)
@@ -448,6 +449,10 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
         return {
             "mode": cfg.run.mode, "max_staleness": cfg.run.max_staleness, "steps": len(rows),
             "accuracy_before": runlog.evals[0]["accuracy"], "accuracy_after": after["accuracy"],
+            **({f"pass@{k}_before": runlog.evals[0].get(f"pass@{k}"), f"pass@{k}_after": after[f"pass@{k}"]}
+               if (k := cfg.run.eval_samples) > 1 else {}),
+            "eval": ("greedy" if cfg.run.eval_temperature == 0 else
+                     f"mean@{cfg.run.eval_samples}, temperature {cfg.run.eval_temperature:g}"),
             "resumed_from_step": start_step if resume else None,
             "eval_size": len(data.heldout), "rl_s": rl_s, "warm_start_s": warm.get("seconds", 0.0),
             "warm_start_cached": warm.get("cached"),

@@ -299,3 +299,34 @@ def test_dynamic_sampling_goes_on_past_a_batch_with_one_failed_sample():
     assert [r["sample_batches"] for r in log.rows] == [2, 3] and log.rows[0]["zero_std_frac"] == 0.0
     seeds = [p.seed for p in ctrl[0].ex.generators[0].params if p.temperature > 0]
     assert len(seeds) == 5 and len(set(seeds)) == 5, seeds
+
+
+class _RightIds(FakeRewards):
+    """The verifier gives 1 to the completions whose id is listed, 0 to the others."""
+
+    def __init__(self, right: set[str]):
+        super().__init__()
+        self.right = right
+
+    async def score_async(self, items, verifier_only=False):
+        return [RewardResult(sample_id=sid, reward=float(sid in self.right), error=None, elapsed_s=0.0,
+                             terms=(float(sid in self.right),)) for sid, *_ in items]
+
+
+def test_a_sampled_evaluation_reports_mean_and_pass_at_k():
+    """run.eval_samples=3 at run.eval_temperature=0.7: three completions per held-out problem, each evaluation
+    with a seed of its own; accuracy is the mean over the 12 completions, pass@3 the share of the 4 problems
+    with a right one. By hand: problem 0 right 3 times, problem 1 once, the others never: 4/12 and 2/4."""
+    held = TrainData(DataConfig(eval_size=4), CharTokenizer(), seed=0).heldout
+    right = {f"{held[0].id}#{j}" for j in range(3)} | {f"{held[1].id}#2"}
+    ctrl = []
+    log = _run(dict(mode="sync", max_staleness=0, max_steps=3, eval_every=1, eval_samples=3, eval_temperature=0.7),
+               rewards=_RightIds(right), trainer_delay=0.0, controller=ctrl)
+    assert [(e["step"], e["accuracy"], e["pass@3"]) for e in log.evals] == [(1, 4 / 12, 0.5), (2, 4 / 12, 0.5)]
+    evals = [p for p in ctrl[0].ex.generators[0].params if p.n == 3]
+    assert [(p.temperature, p.seed) for p in evals] == [(0.7, 2**60 + 1), (0.7, 2**60 + 2)]
+    greedy = _run(dict(mode="sync", max_staleness=0, max_steps=2, eval_every=1), rewards=_RightIds(right),
+                  trainer_delay=0.0, controller=ctrl)
+    assert [(e["accuracy"], "pass@1" in e) for e in greedy.evals] == [(0.0, False)]  # ids without '#j': none right
+    assert [(p.n, p.temperature, p.seed) for p in ctrl[1].ex.generators[0].params if p.temperature == 0] == \
+        [(1, 0.0, None)]

@@ -1,6 +1,6 @@
 """Warnings at a run's start (llamarl.run_warnings): a resume that moves the learning-rate schedule (the rate
-of the first resumed step, on the run's saved settings and on the resume's), and a token budget too small for
-one full-length sequence."""
+of the first resumed step, on the run's saved settings and on the resume's) or evaluates otherwise, and a token
+budget too small for one full-length sequence."""
 
 from __future__ import annotations
 
@@ -44,6 +44,12 @@ def test_a_longer_resume_is_warned_with_the_jump_it_makes(run_dir):
 def test_a_changed_schedule_setting_is_named(run_dir):
     warning, = resume_warnings(resumed(run_dir, "--set", "trainer.min_lr_ratio=0.5"), 6)
     assert "(trainer.min_lr_ratio 0.0 -> 0.5)" in warning
+
+
+def test_a_resume_that_evaluates_otherwise_is_warned(run_dir):
+    warning, = resume_warnings(resumed(run_dir, "--set", "run.eval_samples=4", "--set", "run.eval_temperature=0.6"), 6)
+    assert warning.startswith("this resume evaluates otherwise than the run did (run.eval_samples 1 -> 4, "
+                              "run.eval_temperature 0.0 -> 0.6): its accuracies are not comparable")
 
 
 @pytest.mark.parametrize("args, step", [
