@@ -171,7 +171,9 @@ _DATA_FILES = ("data.dataset", "data.eval_dataset")
 def _check_same_data(saved_cfg: TrainConfig, cfg: TrainConfig, saved: Path) -> None:
     """A resumed run keeps its data stream: with another seed, held-out size, dataset or prompt format the
     checkpoint's data position would point into another order, and the held-out problems could be ones the
-    run trained on. A moved dataset file (the saved path no longer exists) is accepted, as for the model."""
+    run trained on. A moved dataset file (the saved path no longer exists) is accepted, as for the model; a training
+    file whose records have no id field keeps its name (their ids are "<file stem>-<index>", which llamarl.train's
+    stream check compares; an eval file's held-out samples are compared by content)."""
     for dotted in _DATA_STREAM:
         section, _, name = dotted.partition(".")
         old, new = getattr(getattr(saved_cfg, section), name), getattr(getattr(cfg, section), name)

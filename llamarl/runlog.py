@@ -256,8 +256,10 @@ def _keep_history(path: Path, initial_step: int) -> list[dict]:
 
 def summary_table(summary: dict) -> str:
     """A short fixed-width table of the run's headline numbers."""
-    keys = [("mode", "mode"), ("steps", "steps"), ("accuracy_before", "held-out acc before RL"),
-            ("accuracy_after", "held-out acc after RL"), ("wall_s", "wall time (s)"),
+    passes = [(k, f"{k.replace('_', ' ')} RL") for k in summary if k.startswith("pass@")]
+    keys = [("mode", "mode"), ("steps", "steps"), ("eval", "held-out evaluation"),
+            ("accuracy_before", "held-out acc before RL"), ("accuracy_after", "held-out acc after RL"), *passes,
+            ("wall_s", "wall time (s)"),
             ("warm_start_s", "warm start (s)"), ("rl_s", "RL (s)"), ("step_s_mean", "step time (s)"),
             ("sync_s_mean", "weight sync (ms)"), ("max_staleness_seen", "max staleness seen"),
             ("tokens_per_s", "generated tokens/s"), ("reward_errors", "reward errors"),
