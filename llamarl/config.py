@@ -312,13 +312,16 @@ class DataConfig(_Section):
     system: str | None = None
     few_shot: int = 0  # solved examples before every prompt, drawn from the training side (llamarl.train_data)
     # held-out problems: eval_size distinct prompts drawn from data.dataset, or from this .jsonl/.parquet file
-    # (up to eval_size of them; veRL's data.val_files), whose prompts then never reach training
+    # (up to eval_size of them, 0: all; veRL's data.val_files), whose prompts then never reach training
     eval_size: int = 64
     eval_dataset: str | None = None
 
     def check(self) -> None:
         self._positive("few_shot", strict=False)
-        self._positive("eval_size")  # held-out accuracy before and after RL is part of every run
+        self._positive("eval_size", strict=False)  # held-out accuracy before and after RL is part of every run
+        if self.eval_size == 0 and self.eval_dataset is None:
+            fail("data.eval_size", "must be > 0 (0 means every prompt of data.eval_dataset, which is not set)",
+                 self.eval_size)
         for name in ("prompt_field", "answer_field"):
             if not getattr(self, name):
                 fail(f"data.{name}", "must name a field of the dataset records", getattr(self, name))

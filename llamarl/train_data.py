@@ -11,7 +11,7 @@
 
 ``data.eval_dataset`` (a .jsonl / .parquet file; veRL's ``data.val_files``, TRL's ``eval_dataset``) holds the
 problems out instead: one sample of each of the first ``eval_size`` distinct prompts of its seeded permutation
-(all of them when it has fewer) is the held-out split, and every training sample whose prompt occurs anywhere in
+(all of them when it has fewer, or with ``eval_size`` = 0) is the held-out split, and every training sample whose prompt occurs anywhere in
 that file leaves the training side (counted in ``excluded``), for a file and for the synthetic task's stream
 alike, so held-out accuracy never measures a prompt the policy trained on.
 
@@ -140,7 +140,7 @@ class TrainData:
     def _eval_split(self, samples: list[Sample], max_prompt_tokens: int | None) -> list[Sample]:
         """The held-out split drawn from ``data.eval_dataset``'s ``samples``: those that fit ``max_prompt_tokens``
         (the others are counted in ``dropped``), then one sample of each of the first ``eval_size`` distinct
-        prompts of a seeded permutation, or of every prompt when there are fewer."""
+        prompts of a seeded permutation, or of every prompt when there are fewer or ``eval_size`` is 0."""
         if max_prompt_tokens is not None:
             kept = [s for s in samples if len(self.formatter.encode(s)) <= max_prompt_tokens]
             self.dropped += len(samples) - len(kept)
@@ -322,10 +322,10 @@ def _heldout_order(n: int, seed: int) -> list[int]:
 
 
 def _draw_distinct(samples: list[Sample], size: int, seed: int) -> list[Sample]:
-    """One sample of each of the first ``size`` distinct prompts of ``samples``' seeded permutation."""
+    """One sample of each of the first ``size`` distinct prompts of ``samples``' seeded permutation (0: of all)."""
     held: dict[str, Sample] = {}
     for i in _heldout_order(len(samples), seed):
-        if len(held) == size:
+        if len(held) == size > 0:
             break
         held.setdefault(shot_key(samples[i]), samples[i])
     return list(held.values())

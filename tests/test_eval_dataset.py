@@ -41,8 +41,9 @@ def test_the_held_out_split_comes_from_the_eval_file_and_its_prompts_are_never_t
     assert data.longest_prompt == max(len(p) for p in data.encode(data.samples))
     # the same seed draws the same split; a file with fewer prompts than eval_size is held out whole
     assert TrainData(cfg, CharTokenizer(), seed=3).heldout == data.heldout
-    whole = TrainData(DataConfig(dataset=str(train), eval_dataset=str(evals), eval_size=64), CharTokenizer())
-    assert sorted(s.prompt for s in whole.heldout) == sorted(eval_prompts)
+    for size in (64, 0):  # more than it has, or 0: all of them
+        whole = TrainData(DataConfig(dataset=str(train), eval_dataset=str(evals), eval_size=size), CharTokenizer())
+        assert sorted(s.prompt for s in whole.heldout) == sorted(eval_prompts)
 
 
 def test_the_synthetic_stream_skips_the_eval_files_prompts(tmp_path):
@@ -129,6 +130,8 @@ def test_unusable_eval_files_are_refused(files, tmp_path, capsys):
         TrainData(DataConfig(dataset=str(train), eval_dataset=str(long)), CharTokenizer(), max_prompt_tokens=6)
     with pytest.raises(ConfigError, match="data.eval_dataset: must be a .jsonl or .parquet file"):
         DataConfig(eval_dataset="synthetic:arithmetic")
+    with pytest.raises(ConfigError, match=r"data.eval_size: must be > 0 \(0 means every prompt of data.eval_dataset"):
+        DataConfig(eval_size=0)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1="}\n')
     for path, message in [(tmp_path / "missing.jsonl", "data.eval_dataset: no such file"),
