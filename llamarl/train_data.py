@@ -11,9 +11,9 @@
 
 ``data.eval_dataset`` (a .jsonl / .parquet file; veRL's ``data.val_files``, TRL's ``eval_dataset``) holds the
 problems out instead: one sample of each of the first ``eval_size`` distinct prompts of its seeded permutation
-(all of them when it has fewer, or with ``eval_size`` = 0) is the held-out split, and every training sample whose prompt occurs anywhere in
-that file leaves the training side (counted in ``excluded``), for a file and for the synthetic task's stream
-alike, so held-out accuracy never measures a prompt the policy trained on.
+(all of them when it has fewer, or with ``eval_size`` = 0) is the held-out split, and every training sample whose
+prompt occurs anywhere in that file leaves the training side (counted in ``excluded``), for a file and for the
+synthetic task's stream alike, so held-out accuracy never measures a prompt the policy trained on.
 
 ``data.few_shot = k`` prefixes every prompt (training, warm start and held-out alike) with k solved
 examples drawn once, with the run's seed, from the training side: for a file, k samples of distinct
