@@ -102,10 +102,12 @@ class GeneratorConfig(_Section):
     samples_per_prompt: int = 8
     max_new_tokens: int = 8
     temperature: float = 1.0
-    # top-k / nucleus sampling (0 / 1: off)
+    # top-k / nucleus / min-p sampling (0 / 1 / 0: off); min-p keeps the tokens at least min_p times as likely as
+    # the most likely one (applied first, then top-k, then top-p: vLLM's order)
     top_k: int = 0
     top_p: float = 1.0
-    # the behaviour log-probs mu with top-k/top-p: "processed" (the truncated distribution the tokens are drawn
+    min_p: float = 0.0
+    # the behaviour log-probs mu with truncation: "processed" (the truncated distribution the tokens are drawn
     # from, so the AIPO weight pi/mu is exact) or "raw" (the untruncated softmax(z / T); the weights then do not
     # correct for the truncation, and the run warns); vLLM's logprobs_mode, llamarl.generation.sampling
     logprobs_mode: Literal["processed", "raw"] = "processed"
@@ -136,6 +138,8 @@ class GeneratorConfig(_Section):
                  self.temperature)
         if not 0 < self.top_p <= 1:
             fail("generator.top_p", "must be in (0, 1]", self.top_p)
+        if not 0 <= self.min_p <= 1:
+            fail("generator.min_p", "must be in [0, 1] (0: off)", self.min_p)
 
 
 @dataclass(frozen=True)

@@ -99,8 +99,8 @@ class Controller:
         self.term_names = term_names([*cfg.reward.specs, *(["overlong"] if cfg.reward.overlong_buffer else [])])
         g = cfg.generator
         self.sampling = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
-                                       top_k=g.top_k, top_p=g.top_p, n=g.samples_per_prompt, stop=g.stop,
-                                       logprobs_mode=g.logprobs_mode)
+                                       top_k=g.top_k, top_p=g.top_p, min_p=g.min_p, n=g.samples_per_prompt,
+                                       stop=g.stop, logprobs_mode=g.logprobs_mode)
 
     # ------------------------------------------------------------------ the algorithm
     async def run(self) -> None:

@@ -21,8 +21,9 @@ def config_warnings(cfg: TrainConfig) -> list[str]:
     """Settings that are valid but likely not what was meant; printed when a run starts."""
     out = []
     g = cfg.generator
-    if (g.top_p < 1.0 or g.top_k > 0) and g.logprobs_mode == "raw":
-        what = f"generator.top_p={g.top_p}" if g.top_p < 1.0 else f"generator.top_k={g.top_k}"
+    if (g.top_p < 1.0 or g.top_k > 0 or g.min_p > 0.0) and g.logprobs_mode == "raw":
+        what = (f"generator.top_p={g.top_p}" if g.top_p < 1.0 else f"generator.top_k={g.top_k}" if g.top_k > 0
+                else f"generator.min_p={g.min_p}")
         out.append(f"{what} samples from the truncated distribution, but generator.logprobs_mode=raw reports the log-"
                    "probs (mu) of the full softmax (llamarl.generation.sampling), so the AIPO importance weights do "
                    "not correct for the truncation; logprobs_mode=processed reports the sampler's own mu")

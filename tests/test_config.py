@@ -247,6 +247,7 @@ def _messages(tmp_path):
         (["--set", "run.keep_checkpoints=0"], r"run.keep_checkpoints: must be > 0"),
         (["--set", "run.eval_every=-1"], r"run.eval_every: must be >= 0"),
         (["--set", "generator.top_p=1.5"], r"generator.top_p: must be in \(0, 1\]"),
+        (["--set", "generator.min_p=-0.1"], r"generator.min_p: must be in \[0, 1\] \(0: off\)"),
         (["--set", "generator.temperature=0"], r"generator.temperature: must be > 0"),
         (["--set", "generator.quantization=int4"], r"generator.quantization: must be one of 'none', 'int8', 'fp8'"),
         (["--set", "generator.samples_per_prompt=1"], r"generator.samples_per_prompt: must be >= 2"),

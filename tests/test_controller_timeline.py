@@ -216,18 +216,18 @@ def test_mask_truncated_trains_no_token_of_a_length_capped_completion(mask):
 
 def test_overlong_punishment_top_k_and_logprobs_mode_reach_the_rollouts():
     """Every fake completion has 2 tokens of a budget of 4: with overlong_buffer=3 the punishment starts after
-    1 token, so each loses 1/3 of overlong_penalty=0.6; the verifier alone decides the accuracy; top_k and
-    logprobs_mode reach the generator."""
+    1 token, so each loses 1/3 of overlong_penalty=0.6; the verifier alone decides the accuracy; top_k, min_p
+    and logprobs_mode reach the generator."""
     ctrl = []
     log = _run(dict(mode="sync", max_staleness=0, max_steps=3, eval_every=1), trainer_delay=0.0,
                reward=RewardConfig(overlong_buffer=3, overlong_penalty=0.6),
-               sampling=dict(top_k=5, logprobs_mode="raw"),
+               sampling=dict(top_k=5, min_p=0.05, logprobs_mode="raw"),
                controller=ctrl)
     row = log.rows[0]
     assert row["reward/exact"] == 1.0 and row["reward/overlong"] == pytest.approx(-0.2)
     assert row["reward_mean"] == pytest.approx(0.8) and [e["accuracy"] for e in log.evals] == [1.0, 1.0]
     params = ctrl[0].ex.generators[0].params
-    assert {(p.top_k, p.logprobs_mode) for p in params if p.temperature > 0} == {(5, "raw")}
+    assert {(p.top_k, p.min_p, p.logprobs_mode) for p in params if p.temperature > 0} == {(5, 0.05, "raw")}
 
 
 class RecordingRewards(FakeRewards):

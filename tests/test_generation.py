@@ -35,9 +35,12 @@ def models(tmp_path_factory):
     return hf, Llama.from_pretrained(path)
 
 
-def truncated_probs(p, top_k, top_p):
-    """Probabilities p [..., V] cut to the top_k largest, then to the smallest most-likely prefix whose mass
-    reaches top_p, renormalised (float64, written independently of llamarl.generation.sampling)."""
+def truncated_probs(p, top_k, top_p, min_p=0.0):
+    """Probabilities p [..., V] cut to those at least min_p times the largest, then to the top_k largest, then to
+    the smallest most-likely prefix whose mass reaches top_p, renormalised (vLLM's order; float64, written
+    independently of llamarl.generation.sampling)."""
+    if min_p:
+        p = torch.where(p >= min_p * p.max(dim=-1, keepdim=True).values, p, 0.0)
     if top_k:
         p = torch.where(p >= p.topk(top_k, dim=-1).values[..., -1:], p, 0.0)
     if top_p < 1.0:
@@ -55,7 +58,7 @@ def recompute_logprobs(model, prompt, tokens, params):
     t = params.temperature if params.temperature > 0 else 1.0
     p = torch.softmax(logits / t, dim=-1)
     if params.temperature > 0 and params.logprobs_mode == "processed":
-        p = truncated_probs(p, params.top_k, params.top_p)
+        p = truncated_probs(p, params.top_k, params.top_p, params.min_p)
     return p.log().gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
 
 
@@ -84,6 +87,8 @@ def test_greedy_matches_transformers_generate(models):
         SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.8, seed=5),
         SamplingParams(max_new_tokens=10, temperature=1.3, top_k=5, seed=4, logprobs_mode="raw"),
         SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.8, seed=5, logprobs_mode="raw"),
+        SamplingParams(max_new_tokens=10, temperature=1.0, min_p=0.1, seed=6),
+        SamplingParams(max_new_tokens=10, temperature=1.2, min_p=0.05, top_k=8, top_p=0.9, seed=7),
     ],
 )
 def test_logprobs_equal_fp32_recomputation(models, params):
@@ -139,13 +144,16 @@ def test_sampler_draws_from_the_truncated_distribution():
         SamplingParams(temperature=0.8, seed=1),
         SamplingParams(temperature=1.2, top_k=3, seed=2),
         SamplingParams(temperature=1.0, top_p=0.6, seed=3),
+        SamplingParams(temperature=1.0, min_p=0.2, seed=4),
+        SamplingParams(temperature=1.1, min_p=0.1, top_k=5, top_p=0.8, seed=5),
     ):
         g = torch.Generator().manual_seed(params.seed)
         tokens, lps = sample_tokens(z.expand(rows, 8).clone(), params, g)
         scaled = z.double() / params.temperature
-        p = truncated_probs(torch.softmax(scaled, -1), params.top_k, params.top_p)
+        p = truncated_probs(torch.softmax(scaled, -1), params.top_k, params.top_p, params.min_p)
         freq = torch.bincount(tokens, minlength=8).double() / rows
-        assert (freq[p == 0] == 0).all()  # never outside the top-k / top-p set
+        assert (p == 0).any() == (params.top_k > 0 or params.top_p < 1 or params.min_p > 0)  # truncated as asked
+        assert (freq[p == 0] == 0).all()  # never outside the min-p / top-k / top-p set
         assert 0.5 * (freq - p).abs().sum().item() < 0.015
         # the reported log-prob is the sampler's own (processed); "raw" is the untruncated temperature-scaled one
         torch.testing.assert_close(lps.double(), p.log()[tokens], rtol=0, atol=1e-5)
@@ -287,6 +295,9 @@ def test_tiny_preset_bf16_generation():
         (dict(top_k=-1), "top_k"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
+        (dict(min_p=-0.1), r"min_p must be in \[0, 1\]"),
+        (dict(min_p=float("nan")), "min_p"),
+        (dict(min_p="0.1"), "min_p must be a number"),
         (dict(logprobs_mode="processed_logprobs"), "logprobs_mode must be one of"),
         (dict(n=0), "n"),
         (dict(stop_token_ids=["a"]), "stop_token_ids"),

@@ -207,7 +207,8 @@ def test_truncated_sampling_with_raw_logprobs_is_warned_about_since_mu_is_then_t
     from llamarl.run_warnings import config_warnings
 
     raw = ["--set", "generator.logprobs_mode=raw"]
-    for flag, name in (("generator.top_p=0.9", "generator.top_p=0.9"), ("generator.top_k=20", "generator.top_k=20")):
+    for flag, name in (("generator.top_p=0.9", "generator.top_p=0.9"), ("generator.top_k=20", "generator.top_k=20"),
+                       ("generator.min_p=0.05", "generator.min_p=0.05")):
         warned = config_warnings(load_config(SMOKE + raw + ["--set", flag]))
         assert any(w.startswith(f"{name} samples from the truncated distribution") for w in warned), warned
         processed = config_warnings(load_config(SMOKE + ["--set", flag]))  # the default: mu is the sampler's

@@ -1,18 +1,19 @@
-"""Sampling parameters and the per-step sampler (greedy / temperature / top-k / top-p).
+"""Sampling parameters and the per-step sampler (greedy / temperature / min-p / top-k / top-p).
 
 Given fp32 logits z [N, V] for the next token and temperature T:
 
     greedy (T == 0):  y = argmax z;                          logprob = log_softmax(z)[y]
-    sampling (T > 0): p = softmax(z / T), truncated to the top_k largest entries (if top_k > 0), then to
-                      the smallest prefix (in decreasing probability) whose mass reaches top_p, then
-                      renormalised;  y ~ p;                  logprob = log p[y]
+    sampling (T > 0): p = softmax(z / T), truncated to the entries with p_i >= min_p * max(p) (if min_p > 0),
+                      then to the top_k largest (if top_k > 0), then to the smallest prefix (in decreasing
+                      probability) whose mass reaches top_p, each step renormalising what it keeps (vLLM's
+                      order); y ~ p;                         logprob = log p[y]
 
 The returned log-prob is the one of the distribution the token was drawn from (μ, what AIPO's importance
-weight π/μ needs; vLLM's ``logprobs_mode="processed_logprobs"``): with top-k/top-p, log p[y] =
+weight π/μ needs; vLLM's ``logprobs_mode="processed_logprobs"``): with min-p/top-k/top-p, log p[y] =
 log_softmax(z / T)[y] − log(mass kept), so π/μ is the exact weight of a sample from the truncated sampler
 (tokens outside the kept set are never drawn, so their part of the objective is not estimated).
 ``logprobs_mode="raw"`` reports log_softmax(z / T)[y], the untruncated temperature-scaled distribution,
-instead (vLLM's ``raw_logprobs``); without top-k/top-p the two are the same.
+instead (vLLM's ``raw_logprobs``); without truncation the two are the same.
 
 Drawing y ~ p: on CUDA, y = argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. (P[y = i] = p_i, since
 E_i / p_i are independent exponentials of rate p_i and the smallest wins), which needs no host
@@ -22,7 +23,7 @@ token (an empty interval) is never drawn. (``torch.multinomial`` draws V exponen
 CPU: 660 us for one row of 32000 on the 2-core host, against 43 us.) Both use an explicit
 ``torch.Generator``, so a seed fixes the whole generation on a given device.
 
-On the CPU without top-k/top-p, the native sampler (csrc/sampling_cpu.cpp) does the whole step — greedy,
+On the CPU without truncation, the native sampler (csrc/sampling_cpu.cpp) does the whole step — greedy,
 or temperature with the same inverse-CDF rule on the unnormalised exp(z/T - max) and the same uniforms
 from the generator — in two passes over each row instead of torch's ~6 (8 rows x 32000: ~0.1 ms instead
 of ~0.4 ms greedy, ~0.9 ms sampled). Its log-probs equal torch's log_softmax to fp32 rounding; a token
@@ -33,6 +34,7 @@ torch ops instead.
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 import os
@@ -55,6 +57,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0  # 0 = no top-k truncation
     top_p: float = 1.0  # 1.0 = no nucleus truncation
+    min_p: float = 0.0  # 0.0 = no min-p truncation (keep tokens with p >= min_p * the most likely one's p)
     n: int = 1  # samples per prompt
     stop_token_ids: Sequence[int] = ()
     seed: int | None = None
@@ -66,7 +69,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "top_k", "n"):
             object.__setattr__(self, name, _integer(f"SamplingParams.{name}", getattr(self, name)))
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "min_p"):
             object.__setattr__(self, name, _real(f"SamplingParams.{name}", getattr(self, name)))
         if self.max_new_tokens < 1:
             raise ValueError(f"SamplingParams.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
@@ -78,6 +81,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_k must be an int >= 0 (0 = disabled), got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"SamplingParams.top_p must be in (0, 1] (1 = disabled), got {self.top_p!r}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1] (0 = disabled), got {self.min_p!r}")
         if self.n < 1:
             raise ValueError(f"SamplingParams.n (samples per prompt) must be an int >= 1, got {self.n!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -132,10 +137,15 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     return g
 
 
-def truncate_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set logits outside the top-k / top-p set to -inf (top-k first, then top-p on what is left)."""
+def truncate_logits(scaled: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Set logits outside the min-p / top-k / top-p set to -inf (min-p first, then top-k, then top-p on what is
+    left). min-p keeps p_i >= min_p * max p, i.e. z_i >= max z + log(min_p), which never drops the most likely
+    token."""
     V = scaled.shape[-1]
     out = scaled
+    if min_p > 0.0:
+        top = out.max(dim=-1, keepdim=True).values
+        out = out.masked_fill(out < top + math.log(min_p), float("-inf"))
     if 0 < top_k < V:
         kth = torch.topk(out, top_k, dim=-1).values[..., -1:]
         out = out.masked_fill(out < kth, float("-inf"))
@@ -156,17 +166,18 @@ def sample_tokens(
         raise ValueError(f"sample_tokens: logits must be [N, V] (one row per sequence), got shape "
                          f"{tuple(logits.shape)}; take the last position, or reshape(-1, V)")
     logits = logits.float()
-    if NATIVE_CPU and logits.is_cpu and params.top_k == 0 and params.top_p >= 1.0 and logits.dim() == 2:
+    truncated = params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
+    if NATIVE_CPU and logits.is_cpu and not truncated and logits.dim() == 2:
         return sample_native_cpu(logits, params.temperature, generator)
     if params.greedy:
         tokens = logits.argmax(dim=-1)
         logp = torch.log_softmax(logits, dim=-1)
     else:
         scaled = logits / params.temperature
-        if params.top_k > 0 or params.top_p < 1.0:
-            truncated = torch.log_softmax(truncate_logits(scaled, params.top_k, params.top_p), dim=-1)
-            probs = truncated.exp()
-            logp = truncated if params.logprobs_mode == "processed" else torch.log_softmax(scaled, dim=-1)
+        if truncated:
+            kept = torch.log_softmax(truncate_logits(scaled, params.top_k, params.top_p, params.min_p), dim=-1)
+            probs = kept.exp()
+            logp = kept if params.logprobs_mode == "processed" else torch.log_softmax(scaled, dim=-1)
         else:
             logp = torch.log_softmax(scaled, dim=-1)
             probs = logp.exp()
