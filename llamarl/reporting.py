@@ -88,10 +88,18 @@ class TensorBoardReporter:
     def __init__(self, out: Path, config: dict, initial_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
-        # a resumed run redoes the steps after its checkpoint: drop their old events (x >= initial_step + 1)
+        # a resumed run redoes the steps after its checkpoint: its writer's START event (purge_step) tells
+        # TensorBoard to drop their old events (step >= initial_step + 1). TensorBoard's UI reader ignores a log
+        # directory's first START, so a fresh run writes one too (at step 0, nothing to drop), and a resume adds
+        # a second for a directory written before fresh runs did
         self.writer = SummaryWriter(log_dir=str(out / "tensorboard"),
-                                    purge_step=initial_step + 1 if initial_step else None)
-        if not initial_step:
+                                    purge_step=initial_step + 1 if initial_step else 0)
+        if initial_step:
+            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+            self.writer.file_writer.add_event(Event(step=initial_step + 1,
+                                                    session_log=SessionLog(status=SessionLog.START)))
+        else:
             self.writer.add_text("config", _config_markdown(config), 0)
 
     def step(self, row: dict) -> None:
@@ -107,7 +115,9 @@ class TensorBoardReporter:
             self.writer.add_text("samples", _samples_markdown(rows), step)
 
     def summary(self, summary: dict) -> None:
-        self.writer.add_text("summary", _table({k: v for k, v in summary.items() if not isinstance(v, dict)}))
+        # at the run's last step: a resume's purge drops an earlier segment's summary with its steps
+        self.writer.add_text("summary", _table({k: v for k, v in summary.items() if not isinstance(v, dict)}),
+                             summary.get("steps") or 0)
 
     def close(self) -> None:
         self.writer.close()

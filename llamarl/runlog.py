@@ -53,7 +53,10 @@ def _jsonable(v: Any) -> Any:
 
 class RunLog:
     def __init__(self, out: Path | None, total_steps: int, *, initial_step: int = 0, progress: bool = True,
-                 reporters: list[Reporter] = ()):
+                 reporters: list[Reporter] = (), mirror_history: bool = False):
+        """``mirror_history``: send the history this run continues (its rows, evaluations and samples up to
+        ``initial_step``) to the reporters first: a run resumed into a new directory, whose trackers start
+        empty (``carry_history`` brought the logs along)."""
         self.out = out
         self.reporters = list(reporters)  # trackers mirroring each row (llamarl.reporting; the caller closes them)
         self.rows: list[dict] = []
@@ -63,10 +66,21 @@ class RunLog:
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
             self._fd, kept = _open_history(out / "metrics.jsonl", initial_step)
-            self._samples_fd, _ = _open_history(out / "samples.jsonl", initial_step)
+            self._samples_fd, kept_samples = _open_history(out / "samples.jsonl", initial_step)
             for row in kept:
                 row = {k: _float_back(v) for k, v in row.items()}
                 (self.evals if row.get("event") == "eval" else self.rows).append(row)
+                for r in self.reporters if mirror_history else ():
+                    if row.get("event") == "eval":
+                        r.eval(row["step"], row)
+                    else:
+                        r.step(row)
+            by_step: dict[int, list[dict]] = {}
+            for row in kept_samples if mirror_history else ():
+                by_step.setdefault(row["step"], []).append(row)
+            for step, rows in by_step.items():
+                for r in self.reporters:
+                    r.samples(step, rows)
         disable = not progress or not sys.stderr.isatty() and os.environ.get("LLAMARL_PROGRESS") != "1"
         self.bar = tqdm(total=total_steps, initial=initial_step, desc="rl", unit="step", dynamic_ncols=True,
                         disable=disable)

@@ -423,7 +423,7 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
         handles = [h for grp in gens for h in await grp.acall("handle")]  # every TP rank of every replica
         await trainer.acall("connect", handles)
         await trainer.acall("push_weights", start_version)
-        runlog = RunLog(out, cfg.run.max_steps, initial_step=start_step, reporters=reporters)
+        runlog = RunLog(out, cfg.run.max_steps, initial_step=start_step, reporters=reporters, mirror_history=carried)
 
         async def checkpoint(step: int, version: int, cursor: int) -> None:
             position = {"position": cursor, "stream": data.stream_id}
@@ -473,7 +473,10 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
             "plot": str(plot) if plot else None, "out": str(out),
         }
 
-    reporters = make_reporters(parse_report_to(cfg.run.report_to), out, cfg.to_dict(), initial_step=start_step)
+    # resumed into another directory than the run's: its trackers start empty, and get the carried history first
+    carried = resume is not None and resume_run_dir(resume.path).resolve() != out.resolve()
+    reporters = make_reporters(parse_report_to(cfg.run.report_to), out, cfg.to_dict(),
+                               initial_step=0 if carried else start_step)
     try:
         summary = run(layout, main, command_timeout_s=cfg.run.command_timeout_s)
         summary["wall_s"] = time.perf_counter() - t_start

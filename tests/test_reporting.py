@@ -34,11 +34,18 @@ def test_numbers_keeps_numeric_fields_only():
 
 
 def _scalars(logdir) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """What TensorBoard's UI shows: its data provider over the plugin event multiplexer (which, unlike the older
+    EventAccumulator, ignores a directory's first START event when it purges)."""
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
 
-    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "tensors": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    mux = plugin_event_multiplexer.EventMultiplexer()
+    mux.AddRunsFromDirectory(str(logdir))
+    mux.Reload()
+    runs = data_provider.MultiplexerDataProvider(mux, str(logdir)).read_scalars(
+        context.RequestContext(), experiment_id="", plugin_name="scalars", downsample=10_000)
+    (tags,) = runs.values()
+    return {tag: [(p.step, p.value) for p in points] for tag, points in tags.items()}
 
 
 def test_tensorboard_mirrors_the_log_and_a_resume_purges_redone_steps(tmp_path):
@@ -70,6 +77,24 @@ def test_tensorboard_mirrors_the_log_and_a_resume_purges_redone_steps(tmp_path):
     assert [(r["step"], r["reward_mean"]) for r in rows] == [(s, pytest.approx(v)) for s, v in got["train/reward_mean"]]
 
 
+def test_a_resume_purges_a_directory_written_before_fresh_runs_marked_their_start(tmp_path):
+    """An earlier llamarl's fresh run wrote no START event, so the resume's own START is the directory's first,
+    which TensorBoard's UI ignores: the resume adds a second one."""
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    old = SummaryWriter(log_dir=str(tmp_path / "tensorboard"))  # as the earlier reporter's fresh run
+    for step in range(1, 5):
+        old.add_scalar("train/reward_mean", 100.0 + step, step)
+    old.close()
+    rep = TensorBoardReporter(tmp_path, {}, initial_step=2)
+    for step in (3, 4, 5):
+        rep.step({"step": step, "reward_mean": float(step)})
+    rep.close()
+    assert _scalars(tmp_path / "tensorboard")["train/reward_mean"] == [(1, 101.0), (2, 102.0), (3, 3.0), (4, 4.0),
+                                                                        (5, 5.0)]
+
+
 def test_wandb_offline_receives_steps_evals_and_summary(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     from llamarl.reporting import WandbReporter
@@ -90,3 +115,21 @@ def test_wandb_offline_receives_steps_evals_and_summary(tmp_path, monkeypatch):
     log.close()
     rep.close()
     assert list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}")), "no offline run directory"
+
+
+def test_a_run_resumed_into_a_new_directory_mirrors_its_whole_history(tmp_path):
+    """The new directory's logs carry the run's history (runlog.carry_history); its TensorBoard mirror starts
+    empty, so the carried rows, evaluations and samples are sent to it first: it shows the whole run."""
+    pytest.importorskip("tensorboard")
+    from llamarl.train import main
+
+    common = ["--set", "run.report_to=tensorboard", "--set", "run.checkpoint_every=2", "--set", "run.eval_every=2"]
+    assert main(["--preset", "smoke", "--max-steps", "4", "--out", str(tmp_path / "A"), *common]) == 0
+    assert main(["--resume", str(tmp_path / "A" / "checkpoints" / "step_000002"), "--max-steps", "5",
+                 "--out", str(tmp_path / "B"), *common]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "B" / "metrics.jsonl").read_text().splitlines()]
+    got = _scalars(tmp_path / "B" / "tensorboard")
+    assert [s for s, _ in got["train/reward_mean"]] == [r["step"] for r in rows if "event" not in r] == [1, 2, 3, 4, 5]
+    assert [s for s, _ in got["eval/accuracy"]] == [r["step"] for r in rows if "event" in r]
+    assert [v for _, v in got["train/reward_mean"]] == [pytest.approx(r["reward_mean"]) for r in rows
+                                                        if "event" not in r]
