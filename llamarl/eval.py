@@ -32,6 +32,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 import re
 from concurrent.futures import Future
@@ -392,6 +393,12 @@ def run(args: argparse.Namespace) -> EvalResult:
     out = Path(args.output)
     if out.is_dir() or out.with_name(out.stem + ".summary.json").is_dir():
         raise ValueError(f"--output {args.output} is a directory; pass a file name such as {out / 'eval.jsonl'}")
+    try:  # where the results go must take them: found now, not after the whole evaluation
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=".llamarl-write-test-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"--output {args.output}: cannot write into {out.parent}: {e.strerror or e}") from None
     if not math.isfinite(args.correct_threshold):
         raise ValueError(f"--correct-threshold must be a finite number (a reward >= it counts as correct), got "
                          f"{args.correct_threshold}")
@@ -481,11 +488,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # the reward workers are shut down on the way out (RewardPool's context)
         print(f"llamarl.eval: interrupted; nothing was written to {args.output}", file=sys.stderr)
         return 130
-    out = result.write_jsonl(args.output)
-    summary_path = out.with_name(out.stem + ".summary.json")
-    summary_path.write_text(json.dumps({"dataset": args.dataset, "model": args.model, "reward": args.reward,
-                                        **result.summary()}, indent=2))
     print(result.format())
+    try:
+        out = result.write_jsonl(args.output)
+        summary_path = out.with_name(out.stem + ".summary.json")
+        summary_path.write_text(json.dumps({"dataset": args.dataset, "model": args.model, "reward": args.reward,
+                                            **result.summary()}, indent=2))
+    except OSError as e:  # (checked before the evaluation; e.g. the disk filled meanwhile): the metrics are printed
+        print(f"llamarl.eval: error: cannot write --output {args.output}: {e.strerror or e}", file=sys.stderr)
+        return 2
     print(f"per-sample results: {out}\nsummary: {summary_path}")
     return 0
 

@@ -313,7 +313,8 @@ def test_cli_checks_the_reward_against_the_dataset_as_training_does(checkpoint, 
 
 def test_cli_checks_lengths_counts_and_output_up_front(checkpoint, tmp_path, capsys):
     """An over-long prompt is named by its sample id before anything is generated; 0 for --limit or
-    --max-new-tokens is an error, not the default; an --output that is a directory is refused first."""
+    --max-new-tokens is an error, not the default; an --output that is a directory or cannot be written is
+    refused first."""
     _, path = checkpoint  # max_position_embeddings = 64
     data = tmp_path / "d.jsonl"
     rows = [{"question": "1+1=", "answer": "2"}] * 3 + [{"question": "9" * 80, "answer": "1"}]
@@ -328,6 +329,9 @@ def test_cli_checks_lengths_counts_and_output_up_front(checkpoint, tmp_path, cap
         assert f"{flag} must be >= 1" in capsys.readouterr().err
     assert main(base[:-1] + [str(tmp_path), "--dataset", "synthetic:arithmetic:n=3"]) == 2
     assert "is a directory" in capsys.readouterr().err
+    # a folder that cannot be made (its parent is a file): refused before the evaluation, not after it
+    assert main(base[:-1] + [str(data / "o.jsonl"), "--dataset", "synthetic:arithmetic:n=3"]) == 2
+    assert f"--output {data / 'o.jsonl'}: cannot write into {data}" in capsys.readouterr().err
     synthetic = ["--dataset", "synthetic:arithmetic:n=3"]
     for extra, message in [(["--correct-threshold", "nan"], "--correct-threshold must be a finite number"),
                            (["--device", "meta"], "--device meta: llamarl.eval runs on cpu or cuda"),
@@ -473,3 +477,20 @@ def test_ctrl_c_ends_eval_with_one_line_and_writes_nothing(tmp_path, capsys, mon
     assert main(["--model", "tiny", "--dataset", "synthetic:arithmetic", "--output", str(out)]) == 130
     assert capsys.readouterr().err == f"llamarl.eval: interrupted; nothing was written to {out}\n"
     assert not out.exists()
+
+
+def test_a_write_that_fails_after_the_evaluation_still_prints_the_metrics(checkpoint, tmp_path, capsys, monkeypatch):
+    """The output folder was checked up front; a write that fails later (the disk filled) is a clean error
+    after the metrics are printed, not a traceback that loses them."""
+    from llamarl.eval import EvalResult
+
+    def full(self, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(EvalResult, "write_jsonl", full)
+    _, path = checkpoint
+    assert main(["--model", str(path), "--dataset", "synthetic:arithmetic:n=3", "--reward", "exact",
+                 "--reward-workers", "1", "--no-progress", "--output", str(tmp_path / "o.jsonl")]) == 2
+    out, err = capsys.readouterr()
+    assert out.startswith("accuracy=") and "pass@1=" in out
+    assert f"cannot write --output {tmp_path / 'o.jsonl'}: No space left on device" in err
