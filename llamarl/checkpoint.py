@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from llamarl._fs import fsync_dir, write_text_atomic
-from llamarl.run_files import RUN_CONFIG, START_CONFIG
+from llamarl.run_files import RUN_CONFIG, START_CONFIG, checkpoints_dir, step_dirs as _step_dirs
 
 FORMAT_VERSION = 1
 MANIFEST = "MANIFEST.json"
@@ -70,7 +70,6 @@ RNG = "rng.pt"
 OPTIMIZER = "optimizer.pt"
 POLICY = "policy"
 LATEST = "latest"
-_STEP_RE = re.compile(r"^step_(\d{6,})$")
 _TMP_RE = re.compile(r"^\.(?P<kind>tmp|trash|old)-(?P<name>.*)-(?P<host>[^-]+)-(?P<pid>\d+)-[0-9a-f]+$")
 
 
@@ -133,10 +132,6 @@ class Checkpoint:
         return torch.load(p, map_location=map_location, weights_only=True)
 
 
-def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
 def training_dir_hint(path: str | os.PathLike) -> str:
     """For a model argument that is a training run or checkpoint directory rather than a model: what it is
     and the model directory inside it to pass ('' for any other path)."""
@@ -153,19 +148,6 @@ def training_dir_hint(path: str | os.PathLike) -> str:
 def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     """Complete checkpoints of ``run_dir`` as (step, path), ascending; torn ones are skipped."""
     return [(step, path) for step, path in _step_dirs(run_dir) if _verify(path) is None]
-
-
-def _step_dirs(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Every ``checkpoints/step_*`` directory of ``run_dir`` as (step, path), ascending, complete or not."""
-    root = checkpoints_dir(run_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for entry in root.iterdir():
-        m = _STEP_RE.match(entry.name)
-        if m and entry.is_dir():
-            found.append((int(m.group(1)), entry))
-    return sorted(found)
 
 
 ABANDONED = "abandoned-"  # checkpoints/abandoned-step_N: set aside by a resume from an older step

@@ -7,17 +7,38 @@ still resumes with the run's settings. ``--resume`` takes a run directory or one
 (``RUN/checkpoints/step_N``)."""
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
 
 RUN_CONFIG, START_CONFIG = "config.yaml", "config.start.yaml"
+CHECKPOINTS = "checkpoints"
+_STEP_RE = re.compile(r"^step_(\d{6,})$")
+
+
+def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def step_dirs(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Every ``checkpoints/step_*`` directory of ``run_dir`` as (step, path), ascending, complete or not
+    (llamarl.checkpoint verifies them)."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        m = _STEP_RE.match(entry.name)
+        if m and entry.is_dir():
+            found.append((int(m.group(1)), entry))
+    return sorted(found)
 
 
 def resume_run_dir(resume: Any) -> Path:
     """The run directory a ``--resume`` path belongs to (the path itself, or a checkpoint's run)."""
     path = Path(str(resume))
-    return path.parent.parent if path.parent.name == "checkpoints" else path
+    return path.parent.parent if path.parent.name == CHECKPOINTS else path
 
 
 def resume_file(resume: Any, name: str = RUN_CONFIG) -> Path | None:
@@ -26,7 +47,6 @@ def resume_file(resume: Any, name: str = RUN_CONFIG) -> Path | None:
     its checkpoints/ copied, the newest checkpoint's); None without any."""
     run_dir, path = resume_run_dir(resume), Path(str(resume))
     candidates = [run_dir, path]
-    if path == run_dir and (run_dir / "checkpoints").is_dir():
-        steps = [d for d in (run_dir / "checkpoints").iterdir() if re.fullmatch(r"step_\d+", d.name)]
-        candidates += sorted(steps, key=lambda d: int(d.name[5:]), reverse=True)
+    if path == run_dir:
+        candidates += [d for _, d in reversed(step_dirs(run_dir))]
     return next((d / name for d in candidates if (d / name).is_file()), None)
