@@ -167,7 +167,7 @@ def sample_tokens(
                          f"{tuple(logits.shape)}; take the last position, or reshape(-1, V)")
     logits = logits.float()
     truncated = params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
-    if NATIVE_CPU and logits.is_cpu and not truncated and logits.dim() == 2:
+    if NATIVE_CPU and logits.is_cpu and not truncated:
         return sample_native_cpu(logits, params.temperature, generator)
     if params.greedy:
         tokens = logits.argmax(dim=-1)
