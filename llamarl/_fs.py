@@ -1,4 +1,5 @@
-"""Small file-system helpers shared across llamarl (no torch): atomic text files and an exclusive lock file.
+"""Small file-system helpers shared across llamarl (no torch): atomic text files, an exclusive lock file, and
+a check that a directory takes files (``unwritable``: asked before long work, not after it).
 
 ``write_text_atomic``: the new text goes into a temporary file in the same directory (named with the pid,
 the thread and a random token, so concurrent writers never share one), which is fsynced, renamed over the
@@ -20,6 +21,7 @@ import errno
 import fcntl
 import os
 import secrets
+import tempfile
 import threading
 from pathlib import Path
 
@@ -40,6 +42,17 @@ def write_text_atomic(path: Path, text: str, *, tmp_name: str | None = None) -> 
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def unwritable(directory: Path) -> str | None:
+    """None if ``directory`` can be created and a file written in it, else why not (the OS's reason)."""
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".llamarl-write-test-"):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def fsync_dir(path: Path) -> None:

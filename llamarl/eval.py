@@ -32,7 +32,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 import re
 from concurrent.futures import Future
@@ -40,6 +39,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from llamarl._fs import unwritable
 from llamarl.data import PromptFormat, PromptFormatter, Sample, load_dataset, select_shots, shot_key
 from llamarl.data.prompts import literal_escapes
 from llamarl.data.synthetic import SYNTHETIC_PREFIX, parse_synthetic_spec
@@ -393,12 +393,9 @@ def run(args: argparse.Namespace) -> EvalResult:
     out = Path(args.output)
     if out.is_dir() or out.with_name(out.stem + ".summary.json").is_dir():
         raise ValueError(f"--output {args.output} is a directory; pass a file name such as {out / 'eval.jsonl'}")
-    try:  # where the results go must take them: found now, not after the whole evaluation
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=".llamarl-write-test-"):
-            pass
-    except OSError as e:
-        raise ValueError(f"--output {args.output}: cannot write into {out.parent}: {e.strerror or e}") from None
+    problem = unwritable(out.parent)  # where the results go must take them: found now, not after the evaluation
+    if problem:
+        raise ValueError(f"--output {args.output}: cannot write into {out.parent}: {problem}")
     if not math.isfinite(args.correct_threshold):
         raise ValueError(f"--correct-threshold must be a finite number (a reward >= it counts as correct), got "
                          f"{args.correct_threshold}")

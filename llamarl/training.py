@@ -17,13 +17,12 @@ import dataclasses
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from llamarl._fs import write_text_atomic
+from llamarl._fs import unwritable, write_text_atomic
 from llamarl.checkpoint import load_latest
 from llamarl.config import REWARD_NAMES, ConfigError, TrainConfig
 from llamarl.config_cli import saved_config
@@ -247,13 +246,10 @@ def _check_resumed_model(model: dict, policy_dir: Path) -> None:
 
 def _check_writable(directory: Path, field: str) -> None:
     """ConfigError unless ``directory`` can be created and written (found now, not after the warm start)."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".llamarl-write-test-"):
-            pass
-    except OSError as e:
-        raise ConfigError(f"{field}: cannot write {directory}: {e.strerror or e}; point it (or $LLAMARL_CACHE_DIR) "
-                          "at a writable directory") from None
+    problem = unwritable(directory)
+    if problem:
+        raise ConfigError(f"{field}: cannot write {directory}: {problem}; point it (or $LLAMARL_CACHE_DIR) "
+                          "at a writable directory")
 
 
 def check_supported(cfg: TrainConfig) -> None:

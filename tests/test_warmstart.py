@@ -40,3 +40,13 @@ def test_the_presets_warm_start_keys_stay_the_same():
 
     assert warm_start_key(PRESETS["default"]) == "abbd338fecc2ed0d"
     assert warm_start_key(PRESETS["smoke"]) == "e3151aadb913fc55"
+
+
+def test_an_unwritable_warm_start_cache_is_refused_before_the_warm_start(tmp_path, capsys):
+    from llamarl.train import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["--preset", "smoke", "--set", f"warm_start.cache_dir={blocker / 'cache'}",
+                 "--out", str(tmp_path / "run")]) == 2
+    assert f"warm_start.cache_dir: cannot write {blocker / 'cache'}: " in capsys.readouterr().err
