@@ -380,6 +380,30 @@ def _stop_strings(stops: Sequence[str]) -> list[str]:
     return out
 
 
+# SamplingParams' field names as the command line spells them, for its error messages
+_SAMPLING_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
+                   "top_p": "--top-p", "n": "-n", "seed": "--seed"}
+
+
+def _check_sampling(args: argparse.Namespace, n: int, ks: Sequence[int], temperature: float, max_new: int) -> None:
+    """The checks ``evaluate`` and ``SamplingParams`` make on the sampling options, made before the model is
+    loaded (which takes minutes for a large one), with the flags' names in the messages."""
+    from llamarl.generation import SamplingParams
+
+    if not ks or min(ks) < 1 or max(ks) > n:
+        raise ValueError(f"-k {args.k}: every k must satisfy 1 <= k <= n={n} (-n, completions per prompt)")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1 (prompts per generation batch), got {args.batch_size}")
+    try:
+        SamplingParams(max_new_tokens=max_new, temperature=temperature, top_k=args.top_k, top_p=args.top_p, n=n,
+                       seed=args.seed)
+    except ValueError as e:
+        message = str(e)
+        for name, flag in _SAMPLING_FLAGS.items():
+            message = message.replace(f"SamplingParams.{name} ", f"{flag} ", 1)
+        raise ValueError(message) from None
+
+
 def run(args: argparse.Namespace) -> EvalResult:
     import torch
 
@@ -444,10 +468,11 @@ def run(args: argparse.Namespace) -> EvalResult:
     except ValueError:
         raise ValueError(f"-k {args.k!r}: must be comma-separated integers, e.g. -k 1,8") from None
     temperature = args.temperature if args.temperature is not None else (0.0 if n == 1 else 1.0)
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else (16 if synthetic else 256)
+    _check_sampling(args, n, ks, temperature, max_new)  # before the model is loaded, not after
     if n > 1 and temperature == 0.0:
         print(f"llamarl.eval: warning: -n {n} with --temperature 0 samples the same greedy completion {n} times; "
               "pass@k then equals pass@1", file=sys.stderr)
-    max_new = args.max_new_tokens if args.max_new_tokens is not None else (16 if synthetic else 256)
     for flag, text in (("--template", args.template), ("--system", args.system)):
         if literal_escapes(text):  # (--stop reads escapes; a template cannot: \boxed, \frac, \text are LaTeX)
             print(f"llamarl.eval: warning: {flag} {text!r} holds a backslash followed by n or t as two characters, "

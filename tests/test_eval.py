@@ -349,6 +349,32 @@ def test_cli_checks_lengths_counts_and_output_up_front(checkpoint, tmp_path, cap
     assert f"--model {tmp_path / 'nope'} does not exist" in capsys.readouterr().err
 
 
+def test_cli_checks_the_sampling_options_before_the_model_is_loaded(checkpoint, tmp_path, capsys, monkeypatch):
+    """k > n, a zero batch size and invalid sampling parameters are refused by their flags' names before the
+    weights are read (a large model takes minutes to load), not by evaluate() after it."""
+    from llamarl.models import Llama
+
+    _, path = checkpoint
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(Llama, "from_pretrained", no_load)
+    base = ["--model", str(path), "--dataset", "synthetic:arithmetic:n=3", "--reward-workers", "1", "--no-progress",
+            "--output", str(tmp_path / "o.jsonl")]
+    for extra, message in [(["-n", "2", "-k", "1,4"], "-k 1,4: every k must satisfy 1 <= k <= n=2"),
+                           (["-k", "0"], "-k 0: every k must satisfy 1 <= k <= n=1"),
+                           (["--batch-size", "0"], "--batch-size must be >= 1"),
+                           (["--top-p", "0"], "--top-p must be in (0, 1]"),
+                           (["--top-k", "-1"], "--top-k must be an int >= 0"),
+                           (["--temperature", "-1"], "--temperature must be 0 (greedy)"),
+                           (["--seed", "-1"], "--seed must be None or an int")]:
+        assert main(base + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert message in err and "SamplingParams" not in err, (extra, err)
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 def test_cli_limit_caps_the_synthetic_count_and_few_shot_examples_are_distinct_problems(checkpoint, tmp_path):
     _, path = checkpoint
     out = tmp_path / "o.jsonl"
