@@ -198,9 +198,9 @@ def load_config(argv: Sequence[str] | None = None, *, check_environment: bool = 
         description="Asynchronous AIPO reinforcement learning of a Llama policy (LlamaRL). Without arguments: the\n"
                     "embedded default (--preset default), the built-in tiny Llama on built-in arithmetic, on the CPU.",
         epilog="Every field of every section can be set with --set SECTION.KEY=VALUE; a run's config.yaml lists\n"
-               "them all, llamarl/config.py documents them. Exit status: 0 done, 2 bad configuration (nothing\n"
-               "started), 1 an executor failed or hung, or the reward function or its workers failed, 130 Ctrl-C,\n"
-               "143 SIGTERM (the last checkpoint stays intact)."))
+               "them all, llamarl/config_sections.py documents them. Exit status: 0 done, 2 bad configuration\n"
+               "(nothing started), 1 an executor failed or hung, or the reward function or its workers failed,\n"
+               "130 Ctrl-C, 143 SIGTERM (the last checkpoint stays intact)."))
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         split = [item for item in args.overrides if "=" not in item]
