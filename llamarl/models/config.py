@@ -25,6 +25,8 @@ and 5.x (``rope_parameters`` holding ``rope_theta`` and the scaling keys). Absen
 transformers' LlamaConfig defaults, so both libraries build the same model from one file; in particular
 a config.json without ``bos_token_id`` / ``eos_token_id`` means bos 1 / eos 2 (an explicit null: none).
 ``to_hf_dict`` writes the 4.x dialect, which both major versions of transformers load.
+``from_hf_dict(d, architecture="LlamaForSequenceClassification")`` reads a reward model's config.json (the
+same trunk, a one-label score head instead of lm_head; llamarl.models.reward_model).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any, Mapping
 from llamarl.models.tokenizer import CHAR_BOS_ID, CHAR_EOS_ID, CHAR_PAD_ID, CHAR_VOCAB_SIZE
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+CAUSAL_LM, SEQ_CLS = "LlamaForCausalLM", "LlamaForSequenceClassification"  # from_hf_dict's architectures
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -143,21 +146,34 @@ class LlamaConfig:
 
     # ---------------------------------------------------------------- HF config.json
     @classmethod
-    def from_hf_dict(cls, d: Mapping[str, Any]) -> "LlamaConfig":
-        """Build from a Hugging Face config.json dict (transformers 4.x or 5.x dialect)."""
+    def from_hf_dict(cls, d: Mapping[str, Any], architecture: str = CAUSAL_LM) -> "LlamaConfig":
+        """Build from a Hugging Face config.json dict (transformers 4.x or 5.x dialect).
+
+        ``architecture`` is what the caller builds: ``"LlamaForCausalLM"`` (the policy, the default) or
+        ``"LlamaForSequenceClassification"`` (a reward model, llamarl.models.reward_model), which also needs
+        exactly one label (``id2label``, as transformers counts them: 2 when config.json names none). The
+        returned config holds the trunk's shapes only; the head follows from the architecture."""
+        if architecture not in (CAUSAL_LM, SEQ_CLS):
+            raise ValueError(f"from_hf_dict: architecture must be {CAUSAL_LM!r} or {SEQ_CLS!r}, got {architecture!r}")
         model_type = d.get("model_type")
         if model_type is not None and model_type != "llama":
+            what = "LlamaForCausalLM: Llama 2, 3, 3.1, 3.2" if architecture == CAUSAL_LM else architecture
             raise ValueError(
-                f"unsupported architecture: model_type={model_type!r}; llamarl implements only 'llama' "
-                "(LlamaForCausalLM: Llama 2, 3, 3.1, 3.2)"
+                f"unsupported architecture: model_type={model_type!r}; llamarl implements only 'llama' ({what})"
             )
         archs = d.get("architectures") or []
-        if "LlamaModel" in archs and "LlamaForCausalLM" not in archs:
-            raise ValueError("architectures=['LlamaModel'] is a headless Llama (no lm_head, weights without the "
-                             "'model.' prefix); llamarl needs a LlamaForCausalLM checkpoint")
-        bad = [a for a in archs if a not in ("LlamaForCausalLM", "LlamaModel")]
-        if bad:
-            raise ValueError(f"unsupported architecture {bad}; llamarl implements only LlamaForCausalLM")
+        if architecture == SEQ_CLS:
+            _check_reward_head(archs, d)
+        else:
+            if SEQ_CLS in archs:
+                raise ValueError(f"architectures={list(archs)} is a reward model (a Llama with a score head, no "
+                                 "lm_head): it cannot generate; use it as reward.model, not as the policy")
+            if "LlamaModel" in archs and "LlamaForCausalLM" not in archs:
+                raise ValueError("architectures=['LlamaModel'] is a headless Llama (no lm_head, weights without "
+                                 "the 'model.' prefix); llamarl needs a LlamaForCausalLM checkpoint")
+            bad = [a for a in archs if a not in ("LlamaForCausalLM", "LlamaModel")]
+            if bad:
+                raise ValueError(f"unsupported architecture {bad}; llamarl implements only LlamaForCausalLM")
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act={act!r}; Llama uses 'silu' (SwiGLU)")
@@ -237,6 +253,29 @@ class LlamaConfig:
             "pretraining_tp": 1,
             "use_cache": True,
         }
+
+
+def _check_reward_head(archs: Any, d: Mapping[str, Any]) -> None:
+    """Refuse a config.json that is not a one-label LlamaForSequenceClassification (a scalar reward model)."""
+    if CAUSAL_LM in archs:
+        raise ValueError(f"architectures={list(archs)} is a causal LM: it has no score head, so it is no reward "
+                         f"model; reward.model needs a {SEQ_CLS} with num_labels=1 (what TRL's RewardTrainer "
+                         "saves), or use this checkpoint as the policy")
+    bad = [a for a in archs if a != SEQ_CLS]
+    if bad:
+        raise ValueError(f"unsupported architecture {bad}; a llamarl reward model is a {SEQ_CLS}")
+    id2label = d.get("id2label")
+    if id2label is not None:
+        if not isinstance(id2label, Mapping):
+            raise ValueError(f"config field 'id2label' must be a mapping such as {{'0': 'LABEL_0'}}, got {id2label!r}")
+        num_labels = len(id2label)
+    else:  # transformers: num_labels only without id2label, 2 by default
+        num_labels = _int_field(d, "num_labels", 2)
+    if num_labels != 1:
+        source = "id2label" if id2label is not None else "num_labels" if "num_labels" in d else \
+            "no id2label in config.json: transformers' default"
+        raise ValueError(f"the score head has num_labels={num_labels} ({source}); a scalar reward model needs "
+                         'one label: save it with num_labels=1 (config.json id2label {"0": "LABEL_0"})')
 
 
 def _normalize_rope_scaling(scaling: Mapping[str, Any]) -> dict | None:

@@ -23,6 +23,9 @@ tensor data shows up later, when the tensors are read):
             silently dropped, so it is refused (transformers 5 would load it untied). The one value check:
             it reads both tensors, in row blocks, and only when both are present.
 
+The reward model (llamarl.models.reward_model: a LlamaForSequenceClassification, ``score.weight`` instead of
+``lm_head.weight``) runs the same checks with its own expected keys (the ``expected`` arguments below).
+
 Tensors are read on the CPU and copied into a model built on the meta device, converted to ``dtype``.
 Each file is written under a temporary name and renamed, so no file is ever half-written; a crash during
 a save can still leave a mix of old and new files.
@@ -38,7 +41,7 @@ from pathlib import Path
 import torch
 
 from llamarl._fs import write_text_atomic
-from llamarl.models.config import LlamaConfig
+from llamarl.models.config import CAUSAL_LM, LlamaConfig
 from llamarl.models.packing import owns_storage
 
 CONFIG_FILE = "config.json"
@@ -61,8 +64,9 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def load_config(path: str | os.PathLike) -> LlamaConfig:
-    """Read and validate ``path/config.json``."""
+def load_config(path: str | os.PathLike, architecture: str = CAUSAL_LM) -> LlamaConfig:
+    """Read and validate ``path/config.json`` as a checkpoint of ``architecture`` (see
+    ``LlamaConfig.from_hf_dict``)."""
     d = Path(path)
     if not d.is_dir():
         raise FileNotFoundError(f"checkpoint directory {d} does not exist")
@@ -71,7 +75,7 @@ def load_config(path: str | os.PathLike) -> LlamaConfig:
         raise FileNotFoundError(f"{cfg_path} not found: a Hugging Face checkpoint directory needs a config.json")
     raw = _read_json(cfg_path)
     try:
-        return LlamaConfig.from_hf_dict(raw)
+        return LlamaConfig.from_hf_dict(raw, architecture=architecture)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{cfg_path}: {e}") from e
 
@@ -148,16 +152,22 @@ def _weight_files(d: Path) -> dict[str, Path]:
     return where
 
 
-def _check_keys(d: Path, where: dict[str, Path], config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """The expected shapes, after refusing missing tensors and ones a Llama of ``config`` lacks."""
-    expected = expected_shapes(config)
+def _check_keys(
+    d: Path, where: dict[str, Path], config: LlamaConfig, expected: dict[str, tuple[int, ...]] | None = None
+) -> dict[str, tuple[int, ...]]:
+    """The expected shapes, after refusing missing tensors and ones a Llama of ``config`` lacks.
+
+    ``expected``: the shapes of another model of ``config`` (the reward model's) instead of
+    ``expected_shapes(config)``; every key is then required exactly, with no allowance for a tied lm_head."""
+    tied_head_allowed = expected is None and config.tie_word_embeddings
+    expected = expected_shapes(config) if expected is None else expected
     missing = [k for k in expected if k not in where]
     if missing:
         hint = ""
         if missing == ["lm_head.weight"]:
             hint = " (config.json says tie_word_embeddings=false; is the checkpoint tied?)"
         raise ValueError(f"{d}: checkpoint is missing {len(missing)} tensor(s), e.g. {missing[:4]}{hint}")
-    redundant_head = "lm_head.weight" if config.tie_word_embeddings else None
+    redundant_head = "lm_head.weight" if tied_head_allowed else None
     unexpected = [k for k in where if k not in expected and not _IGNORED_KEY_RE.match(k) and k != redundant_head]
     if unexpected:
         raise ValueError(
@@ -224,6 +234,17 @@ def _check_tied_head(d: Path, where: dict[str, Path], config: LlamaConfig) -> No
                 )
 
 
+def _check_headers(where: dict[str, Path], expected: dict[str, tuple[int, ...]]) -> None:
+    """``_check_header`` for every expected tensor of the files in ``where``, from the headers only."""
+    from safetensors import safe_open
+
+    for fp in sorted(set(where.values())):  # _weight_files opened each: headers read, sizes covered
+        with safe_open(str(fp), framework="pt", device="cpu") as f:
+            for k in f.keys():
+                if k in expected:
+                    _check_header(fp, k, f.get_slice(k), expected[k])
+
+
 def check_checkpoint(path: str | os.PathLike) -> LlamaConfig:
     """Everything ``load_llama`` would refuse in a Hugging Face directory, found from config.json and the
     safetensors headers (keys, shapes, dtypes) without reading a tensor, except in one case: a tied config
@@ -233,26 +254,25 @@ def check_checkpoint(path: str | os.PathLike) -> LlamaConfig:
     config = load_config(d)
     where = _weight_files(d)
     expected = _check_keys(d, where, config)
-    from safetensors import safe_open
-
-    for fp in sorted(set(where.values())):  # _weight_files opened each: headers read, sizes covered
-        with safe_open(str(fp), framework="pt", device="cpu") as f:
-            for k in f.keys():
-                if k in expected:
-                    _check_header(fp, k, f.get_slice(k), expected[k])
+    _check_headers(where, expected)
     _check_tied_head(d, where, config)
     return config
 
 
-def load_state_dict(path: str | os.PathLike, config: LlamaConfig) -> dict[str, torch.Tensor]:
+def load_state_dict(
+    path: str | os.PathLike, config: LlamaConfig, expected: dict[str, tuple[int, ...]] | None = None
+) -> dict[str, torch.Tensor]:
     """Read and validate all tensors of a checkpoint (CPU, checkpoint dtype; checks in the module docstring).
-    A redundant tied ``lm_head.weight`` is checked, then left out: the model ties it to the embedding."""
+    A redundant tied ``lm_head.weight`` is checked, then left out: the model ties it to the embedding.
+    ``expected``: exactly these keys and shapes instead (see ``_check_keys``)."""
     from safetensors import safe_open
 
     d = Path(path)
     where = _weight_files(d)
-    expected = _check_keys(d, where, config)
-    _check_tied_head(d, where, config)
+    tied_head_allowed = expected is None
+    expected = _check_keys(d, where, config, expected)
+    if tied_head_allowed:
+        _check_tied_head(d, where, config)
     by_file: dict[Path, list[str]] = {}
     for k in expected:
         by_file.setdefault(where[k], []).append(k)
@@ -299,10 +319,19 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def save_llama(model, path: str | os.PathLike, max_shard_bytes: int | None = None) -> None:
     """``Llama.save_pretrained``: config.json + one safetensors file, or shards of <= max_shard_bytes."""
+    config: LlamaConfig = model.config
+    save_checkpoint(model, path, expected_shapes(config), config.to_hf_dict(), max_shard_bytes)
+
+
+def save_checkpoint(
+    model, path: str | os.PathLike, expected: dict[str, tuple[int, ...]], hf_config: dict,
+    max_shard_bytes: int | None = None,
+) -> None:
+    """Write ``model``'s tensors named in ``expected`` (each checked against its shape) and ``hf_config`` +
+    its dtype as config.json; refuses parameters outside ``expected`` (a tied lm_head aside)."""
     from safetensors.torch import save_file
 
     config: LlamaConfig = model.config
-    expected = expected_shapes(config)
     sd = model.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     for k, shape in expected.items():
@@ -357,7 +386,7 @@ def save_llama(model, path: str | os.PathLike, max_shard_bytes: int | None = Non
             "weight_map": {k: name for name, keys in zip(names, groups) for k in keys},
         }
         _write_json(d / INDEX_FILE, index)
-    cfg = config.to_hf_dict()
+    cfg = dict(hf_config)
     cfg["torch_dtype"] = cfg["dtype"] = _dtype_name(model.dtype)  # transformers 4.x / 5.x spelling
     _write_json(d / CONFIG_FILE, cfg)
 
