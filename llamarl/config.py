@@ -137,8 +137,8 @@ class TrainConfig:
 
     def with_absolute_paths(self) -> TrainConfig:
         """This config with ``policy.model``, ``policy.tokenizer``, ``data.dataset`` and ``data.eval_dataset``,
-        reward function files (``path/to/file.py:function`` in ``reward.reward`` and ``reward.extra``) and
-        ``run.resume`` absolute where they name an existing path (built-in names, synthetic datasets and importable
+        reward function files (``path/to/file.py:function`` in ``reward.reward`` and ``reward.extra``),
+        ``reward.model`` and ``run.resume`` absolute where they name an existing path (built-in names, synthetic datasets and importable
         modules stay as they are), and ``run.out`` absolute."""
         def absolute(value: str | None) -> str | None:
             return str(Path(value).resolve()) if value and Path(value).exists() else value
@@ -155,7 +155,8 @@ class TrainConfig:
             data=dataclasses.replace(self.data, dataset=self.data.dataset if self.data.dataset.startswith("synthetic:")
                                      else absolute(self.data.dataset), eval_dataset=absolute(self.data.eval_dataset)),
             reward=dataclasses.replace(self.reward, reward=absolute_spec(self.reward.reward),
-                                       extra=tuple(absolute_spec(s) for s in self.reward.extra)),
+                                       extra=tuple(absolute_spec(s) for s in self.reward.extra),
+                                       model=absolute(self.reward.model)),
             # run.out: also before the directory exists (a new run's config.yaml is rendered first)
             run=dataclasses.replace(self.run, out=str(Path(self.run.out).resolve()) if self.run.out else self.run.out,
                                     resume=absolute(self.run.resume)))

@@ -3,10 +3,10 @@
 ``check_environment(config)`` (``TrainConfig.check_environment``, called by ``llamarl.config_cli.load_config``)
 raises ``ConfigError`` naming the field when: the policy is neither a built-in model nor a Hugging Face model
 directory; the tokenizer or dataset file is missing or of an unsupported type; a ``module:function`` reward does
-not import; a ``run.report_to`` backend is not installed; ``LLAMARL_START_METHOD`` is set to an unknown method;
-CUDA is asked for but absent; ``--resume`` holds no complete checkpoint or is already at ``run.max_steps``;
-``--out`` already holds another run. The construction checks in ``llamarl.config`` stay pure (no filesystem
-access); everything that reads the disk or imports user code is here.
+not import; ``reward.model`` is not a reward model checkpoint; a ``run.report_to`` backend is not installed;
+``LLAMARL_START_METHOD`` is set to an unknown method; CUDA is asked for but absent; ``--resume`` holds no complete
+checkpoint or is already at ``run.max_steps``; ``--out`` already holds another run. The construction checks in
+``llamarl.config`` stay pure (no filesystem access); everything that reads the disk or imports user code is here.
 """
 
 from __future__ import annotations
@@ -49,6 +49,16 @@ def check_environment(config: TrainConfig) -> None:
             fail(f"data.{name}", f"no such file (expected {expected})", d)
         if path.suffix.lower() not in DATASET_SUFFIXES:
             fail(f"data.{name}", f"unsupported file type {path.suffix!r}; use {', '.join(DATASET_SUFFIXES)}", d)
+    if config.reward.model is not None:
+        from llamarl.models.reward_model import check_reward_model
+
+        if not Path(config.reward.model).is_dir():
+            fail("reward.model", "no such directory (pass a Hugging Face LlamaForSequenceClassification directory)",
+                 config.reward.model)
+        try:
+            check_reward_model(config.reward.model)  # config.json and the tensor headers: no weights are read
+        except (ValueError, FileNotFoundError) as exc:
+            fail("reward.model", str(exc))
     for path, spec in config.reward.user_functions():
         from llamarl.rewards.registry import RewardSpecError, load_reward
 

@@ -238,6 +238,13 @@ class RewardConfig(_Section):
     # overlong_penalty, linearly in how far in it reached (0: off)
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
+    # a learned reward model (llamarl.rewards.model; TRL's reward_funcs=<model>): a Hugging Face
+    # LlamaForSequenceClassification directory with one label; model_weight x its score of prompt + completion is
+    # a reward term "model" added to the functions' reward (None: none). It runs in the controller process, on
+    # the run's device, in policy.dtype
+    model: str | None = None
+    model_weight: float = 1.0
+    model_batch_size: int = 16  # sequences per reward-model forward
     # reward worker processes of the controller (0 counts as 1: scoring always runs in a worker, under the timeout)
     workers: int = 2
     timeout_s: float = 5.0  # per completion
@@ -259,6 +266,11 @@ class RewardConfig(_Section):
             fail("reward.weights", "must be finite numbers", list(self.weights))
         self._positive("overlong_buffer", strict=False)
         self._positive("overlong_penalty", strict=False)
+        if self.model is not None and not self.model.strip():
+            fail("reward.model", "must be a reward model directory, or unset for none", self.model)
+        if not math.isfinite(self.model_weight):
+            fail("reward.model_weight", "must be a finite number", self.model_weight)
+        self._positive("model_batch_size")
 
     @property
     def specs(self) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ Per training step s (policy version v = number of updates applied so far):
 
     rollouts  = generate(prompts_s, μ = newest weights the generator holds)      generator executor(s)
     rewards   = score(rollouts)                                                  reward worker processes
+                (+ reward.model_weight · reward model score, if one is set)      a thread of this process
     A         = r − mean(r of the same prompt)           (or GRPO / RLOO)        here
     π ← AdamW step on the AIPO loss  −Σ min(π/μ, ρ)·A·log π / Σ mask             trainer executor
     v ← v + 1;  DDMA weight sync trainer → generator buckets, tagged v           trainer → generator
@@ -40,7 +41,7 @@ import asyncio
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable, NamedTuple
+from typing import Any, Awaitable, Callable, NamedTuple
 
 import torch
 
@@ -48,6 +49,7 @@ from llamarl.algorithms import group_advantages
 from llamarl.config import TrainConfig
 from llamarl.generation import SamplingParams
 from llamarl.rewards import RewardPool, RewardPoolError
+from llamarl.rewards.model import TERM_NAME as MODEL_TERM
 from llamarl.rewards.terms import overlong_penalty, term_names
 from llamarl.rollouts import Rollout, RolloutBatch, choose_groups, collate, is_flat, without_truncated
 from llamarl.runlog import RunLog
@@ -80,6 +82,7 @@ class Executors:
     generators: list[ExecutorGroup]  # one group per generator replica (its ranks are TP shards)
     trainer: ExecutorGroup
     rewards: RewardPool
+    reward_model: Any = None  # a llamarl.rewards.model.RewardModelScorer when reward.model is set
 
 
 class Controller:
@@ -96,7 +99,8 @@ class Controller:
         self._failed_steps = 0  # consecutive steps whose every sample's verifier failed
         self._warned_cut = False
         # the reward's terms, as metrics name them: its functions, then DAPO's overlong punishment if on
-        self.term_names = term_names([*cfg.reward.specs, *(["overlong"] if cfg.reward.overlong_buffer else [])])
+        self.term_names = term_names([*cfg.reward.specs, *(["overlong"] if cfg.reward.overlong_buffer else []),
+                                      *([MODEL_TERM] if cfg.reward.model else [])])
         g = cfg.generator
         self.sampling = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                                        top_k=g.top_k, top_p=g.top_p, min_p=g.min_p, n=g.samples_per_prompt,
@@ -228,8 +232,16 @@ class Controller:
         """Fill in the rewards of ``rollouts`` (prompt-major, n per sample), or the verifier's error."""
         n = self.sampling.n
         infos = [s.reward_info() for s in samples]  # (the pool sends on what the function asks for)
-        scores = await self.ex.rewards.score_async(
-            [(r.sample_id, r.text, r.answer, infos[i // n]) for i, r in enumerate(rollouts)])
+        rm = self.ex.reward_model  # scores in a thread meanwhile (llamarl.rewards.model)
+        model_scores = (asyncio.ensure_future(rm.score_rollouts([(r.prompt_ids, r.completion_ids) for r in rollouts]))
+                        if rm is not None else None)
+        try:
+            scores = await self.ex.rewards.score_async(
+                [(r.sample_id, r.text, r.answer, infos[i // n]) for i, r in enumerate(rollouts)])
+        except BaseException:
+            if model_scores is not None:
+                model_scores.cancel()
+            raise
         for r, s in zip(rollouts, scores):
             r.reward, r.reward_error, r.reward_terms = s.reward, s.error, s.terms
         rw = self.cfg.reward
@@ -239,6 +251,14 @@ class Controller:
                     penalty = overlong_penalty(len(r.completion_ids), self.sampling.max_new_tokens,
                                                rw.overlong_buffer, rw.overlong_penalty)
                     r.reward, r.reward_terms = r.reward + penalty, (*r.reward_terms, penalty)
+        if model_scores is not None:  # r += model_weight * s; a sample it cannot score costs that sample
+            for r, s in zip(rollouts, await model_scores):
+                if r.reward_error is not None:
+                    continue
+                if isinstance(s, str):
+                    r.reward, r.reward_error, r.reward_terms = 0.0, s, ()
+                else:
+                    r.reward, r.reward_terms = r.reward + rw.model_weight * s, (*r.reward_terms, s)
 
     async def score(self, sampled: Sampled) -> RolloutBatch:
         step, n = sampled.step, self.sampling.n

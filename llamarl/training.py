@@ -12,6 +12,7 @@ workers' ``RewardPoolError``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -35,6 +36,7 @@ from llamarl.models.hf_io import check_checkpoint
 from llamarl.parallel.tensor_parallel import check_tp_size
 from llamarl.rewards import RewardPool, RewardPoolError, load_reward
 from llamarl.rewards.data_checks import missing_fields, verifier_data_problems
+from llamarl.rewards.model import RewardModelScorer
 from llamarl.reporting import make_reporters, parse_report_to
 from llamarl.run_files import START_CONFIG, resume_file, resume_run_dir
 from llamarl.run_warnings import config_warnings, resume_warnings
@@ -415,7 +417,14 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
             reference_path=str(reference_dir) if reference_dir else None, max_new_tokens=g.max_new_tokens,
             sync_dtype=cfg.policy.dtype),
             env={"LLAMARL_EXECUTOR": "trainer"}, wait=False)
+        # the reward model loads in a thread meanwhile (llamarl.rewards.model: it scores in this process)
+        reward_model = (asyncio.ensure_future(asyncio.to_thread(
+            RewardModelScorer, cfg.reward.model, policy_tokenizer=tokenizer, dtype=cfg.policy.dtype,
+            device=cfg.device, batch_size=cfg.reward.model_batch_size, threads=threads))
+            if cfg.reward.model else None)
         await rt.await_ready([*gens, trainer])  # the loop runs meanwhile: a Ctrl-C stops the start at once
+        if reward_model is not None:
+            reward_model = await reward_model
         handles = [h for grp in gens for h in await grp.acall("handle")]  # every TP rank of every replica
         await trainer.acall("connect", handles)
         await trainer.acall("push_weights", start_version)
@@ -427,7 +436,7 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
 
         with RewardPool(cfg.reward.specs, num_workers=max(1, cfg.reward.workers), timeout_s=cfg.reward.timeout_s,
                         weights=cfg.reward.weights) as pool:
-            ctrl = Controller(cfg, data, Executors(gens, trainer, pool), runlog, tokenizer=tokenizer,
+            ctrl = Controller(cfg, data, Executors(gens, trainer, pool, reward_model), runlog, tokenizer=tokenizer,
                               start_step=start_step, start_version=start_version, on_checkpoint=checkpoint)
             try:
                 await ctrl.evaluate(start_step)  # resumed: the accuracy at the checkpoint (the summary takes step 0's)

@@ -1,0 +1,151 @@
+"""A learned reward model as a reward term: the score a Llama sequence classifier gives prompt + completion.
+
+``reward.model=DIR`` (a Hugging Face ``LlamaForSequenceClassification`` with one label, as TRL's
+RewardTrainer writes; llamarl.models.reward_model) adds the term "model" to every sample's reward (TRL's
+``reward_funcs=<model>``, OpenRLHF's ``--reward_pretrain``):
+
+    r = Σ_i w_i · r_i  (+ the overlong term)  +  reward.model_weight · s,    s = score(prompt ⧺ completion)
+
+where the r_i are the reward functions' (the verifier first, which alone decides correctness: held-out
+accuracy never reads s). A sample whose verifier failed has no reward and is not scored here.
+
+What the reward model reads: the sequence the policy saw and wrote, as token ids.
+  * The reward model's directory has no tokenizer, or one equal to the policy's (same vocabulary, merges,
+    specials): the policy's ids as they are, prompt ids (template, few-shot prefix, chat format) followed by
+    the sampled completion ids (with the EOS token when one was sampled).
+  * Another tokenizer: that sequence is decoded with the policy's tokenizer, special tokens kept as text, and
+    encoded with the reward model's (OpenRLHF's rule for a reward model of another family). Chat markup the
+    two tokenizers spell differently is read as text by the reward model; give it the policy's tokenizer where
+    that matters.
+The scored position is transformers' (``LlamaForSequenceClassification`` and so TRL's RewardTrainer): the last
+token that is not the reward model's ``pad_token_id``, so where pad == eos a completion that ends in eos is
+scored at the token before it, as the model was trained. A sequence longer than the reward model's context
+costs that sample (its reward is an error, counted like a
+failed verifier, kept out of its group's advantages), not the run.
+
+Batching: the sequences are sorted by length and scored ``batch_size`` at a time, each batch right-padded
+(causal attention: a row's last real token never sees the padding after it), so padding stays small; the
+scores come back in input order, as fp32 values. The forward runs in a thread of the controller process
+(``score_rollouts``: torch releases the GIL in its kernels), beside the verifier's worker processes, so the
+event loop keeps serving the generator and trainer meanwhile. On CPU it uses ``threads`` torch threads; a
+failure of the forward itself (out of memory, ...) is raised: it is not one sample's fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TERM_NAME = "model"
+
+
+def same_tokenizer(a: Any, b: Any) -> bool:
+    """Whether two llamarl tokenizers map every text to the same ids (same class and, for a Hugging Face
+    tokenizer, the same serialised tokenizer and the same special tokens)."""
+    from llamarl.models.tokenizer import CharTokenizer, HFTokenizer
+
+    if isinstance(a, CharTokenizer) and isinstance(b, CharTokenizer):
+        return True
+    if isinstance(a, HFTokenizer) and isinstance(b, HFTokenizer):
+        return (a._tok.to_str() == b._tok.to_str() and a.prefix_ids == b.prefix_ids
+                and (a.bos_id, a.eos_id, a.pad_id) == (b.bos_id, b.eos_id, b.pad_id))
+    return False
+
+
+def _own_tokenizer(path: Path) -> Any:
+    """The reward model directory's tokenizer, or None when it has none."""
+    from llamarl.models.tokenizer import TOKENIZER_CONFIG, TOKENIZER_JSON, load_tokenizer
+
+    if not ((path / TOKENIZER_JSON).is_file() or (path / TOKENIZER_CONFIG).is_file()):
+        return None
+    return load_tokenizer(path)
+
+
+class RewardModelScorer:
+    """A loaded reward model and the rule that turns a rollout into the ids it reads (module docstring)."""
+
+    def __init__(self, path: str | Path, *, policy_tokenizer: Any, dtype: str = "float32",
+                 device: str | torch.device = "cpu", batch_size: int = 16, threads: int | None = None):
+        from llamarl.models.reward_model import load_reward_model
+
+        if batch_size < 1:
+            raise ValueError(f"reward model batch_size must be >= 1, got {batch_size}")
+        self.path, self.batch_size, self.threads = Path(path), batch_size, threads
+        self.device = torch.device(device)
+        self.model = load_reward_model(self.path, dtype=DTYPES[dtype], device=self.device)
+        self.context = self.model.config.max_position_embeddings
+        pad = json.loads((self.path / "config.json").read_text()).get("pad_token_id")
+        self.pad_id = pad if isinstance(pad, int) and not isinstance(pad, bool) else None
+        self.policy_tokenizer = policy_tokenizer
+        own = _own_tokenizer(self.path)
+        self.tokenizer = None if own is None or same_tokenizer(own, policy_tokenizer) else own
+        vocab = self.model.config.vocab_size
+        reads = policy_tokenizer if self.tokenizer is None else self.tokenizer
+        if reads.vocab_size > vocab:
+            raise ValueError(
+                f"reward.model {self.path}: its embedding has {vocab} rows but the tokenizer it reads with has "
+                f"{reads.vocab_size} ids" + ("; save the reward model's own tokenizer in its directory"
+                                             if self.tokenizer is None else ""))
+
+    def sequence(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> list[int]:
+        """The ids the reward model reads for one rollout (module docstring)."""
+        ids = [*prompt_ids, *completion_ids]
+        if self.tokenizer is None:
+            return ids
+        return self.tokenizer.encode(self.policy_tokenizer.decode(ids, skip_special_tokens=False))
+
+    def _scored_length(self, ids: Sequence[int]) -> int:
+        """1 + the position whose hidden state is scored: transformers' choice, the last token that is not the
+        config's pad_token_id (the first token if all are), which the reward model was trained with; a
+        sequence that ends in eos where pad == eos is scored at the token before its trailing eos tokens."""
+        if self.pad_id is None:
+            return len(ids)
+        last = next((i for i in range(len(ids) - 1, -1, -1) if ids[i] != self.pad_id), 0)
+        return last + 1
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[float | str]:
+        """The score of each sequence, or the reason it has none (empty, too long, a non-finite score), in input
+        order."""
+        out: list[float | str] = [0.0] * len(sequences)
+        fit = []
+        for i, ids in enumerate(sequences):
+            if not ids:
+                out[i] = "reward model: empty sequence"
+            elif len(ids) > self.context:
+                out[i] = (f"reward model: the sequence has {len(ids)} tokens, more than the reward model's context "
+                          f"of {self.context}")
+            else:
+                fit.append(i)
+        fit.sort(key=lambda i: len(sequences[i]))
+        previous = torch.get_num_threads()
+        if self.threads and self.device.type == "cpu":
+            torch.set_num_threads(self.threads)
+        try:
+            with torch.inference_mode():
+                for start in range(0, len(fit), self.batch_size):
+                    rows = fit[start:start + self.batch_size]
+                    lengths = [len(sequences[i]) for i in rows]
+                    scored = [self._scored_length(sequences[i]) for i in rows]
+                    batch = torch.zeros(len(rows), max(lengths), dtype=torch.long)
+                    for b, i in enumerate(rows):
+                        batch[b, :lengths[b]] = torch.as_tensor(list(sequences[i]), dtype=torch.long)
+                    scores = self.model.scores(batch.to(self.device), torch.tensor(scored, device=self.device))
+                    for i, s in zip(rows, scores.float().cpu().tolist()):
+                        out[i] = s if math.isfinite(s) else f"reward model: non-finite score {s}"
+        finally:
+            torch.set_num_threads(previous)
+        return out
+
+    def score_pairs(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[float | str]:
+        """``score`` of the sequences of (prompt ids, completion ids) pairs."""
+        return self.score([self.sequence(p, c) for p, c in pairs])
+
+    async def score_rollouts(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[float | str]:
+        """``score_pairs`` in a worker thread (re-tokenising included): the event loop runs on meanwhile."""
+        return await asyncio.to_thread(self.score_pairs, pairs)
