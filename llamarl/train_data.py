@@ -111,7 +111,7 @@ class TrainData:
             self.longest_prompt = (len(text.encode("utf-8")) + self._task.max_prompt_chars + 1
                                    + len(self.formatter.encode(empty)))
             if eval_samples is not None:  # file prompts: measured
-                self.longest_prompt = max([self.longest_prompt, *map(len, self.encode(self.heldout))])
+                self.longest_prompt = max(self.longest_prompt, self._eval_longest)
             if max_prompt_tokens is not None:
                 self._check_synthetic_length(tokenizer, max_prompt_tokens)
         else:
@@ -131,7 +131,7 @@ class TrainData:
                 self.heldout, self._pool = _split_heldout(samples, cfg.eval_size, seed, cfg.dataset)
             else:
                 self.heldout, self._pool = self._eval_split(eval_samples, max_prompt_tokens), samples
-                lengths += map(len, self.encode(self.heldout))
+                lengths.append(self._eval_longest)
             self.longest_prompt = max(lengths)
         self.cursor = 0
         self._stream = self._new_stream()
@@ -140,16 +140,20 @@ class TrainData:
     def _eval_split(self, samples: list[Sample], max_prompt_tokens: int | None) -> list[Sample]:
         """The held-out split drawn from ``data.eval_dataset``'s ``samples``: those that fit ``max_prompt_tokens``
         (the others are counted in ``dropped``), then one sample of each of the first ``eval_size`` distinct
-        prompts of a seeded permutation, or of every prompt when there are fewer or ``eval_size`` is 0."""
+        prompts of a seeded permutation, or of every prompt when there are fewer or ``eval_size`` is 0. Sets
+        ``_eval_longest``, the most tokens one of them takes (each prompt is encoded once)."""
+        lengths = {id(s): len(self.formatter.encode(s)) for s in samples}  # (by object: ids may repeat)
         if max_prompt_tokens is not None:
-            kept = [s for s in samples if len(self.formatter.encode(s)) <= max_prompt_tokens]
+            kept = [s for s in samples if lengths[id(s)] <= max_prompt_tokens]
             self.dropped += len(samples) - len(kept)
             if not kept:
                 raise EvalDataError(f"{self.cfg.eval_dataset}: every one of its {len(samples)} prompts is longer "
                                     f"than {max_prompt_tokens} tokens, the model context minus "
                                     "generator.max_new_tokens; lower max_new_tokens or shorten data.template")
             samples = kept
-        return _draw_distinct(samples, self.cfg.eval_size, self._seed)
+        heldout = _draw_distinct(samples, self.cfg.eval_size, self._seed)
+        self._eval_longest = max(lengths[id(s)] for s in heldout)
+        return heldout
 
     def _check_synthetic_length(self, tokenizer, limit: int) -> None:
         """``PromptsTooLong`` if the synthetic task's prompts, formatted, take more than ``limit`` tokens,
