@@ -38,6 +38,7 @@ return identical samples (rank 0's are used, the others are checked against them
 from __future__ import annotations
 
 import asyncio
+import math
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -363,22 +364,38 @@ class Controller:
         """Held-out accuracy of the newest weights: the fraction of completions whose verifier (the first reward
         term, reward.reward) gives 1 or more. Greedy by default; with ``run.eval_samples`` = k > 1, k completions
         per problem drawn at ``run.eval_temperature`` (a seed of the step's own), whose mean is the accuracy
-        (mean@k), and ``pass@k``, the fraction of problems with a correct one among their k."""
+        (mean@k), and ``pass@k``, the fraction of problems with a correct one among their k. With a reward model
+        (``reward.model``), ``model_score``: its mean score of the completions it can score (a score that rises
+        while the accuracy does not is the reward model being gamed)."""
         run, held = self.cfg.run, self.data.heldout
         k = run.eval_samples
         seed = run.seed * 1_000_003 + step + EVAL_SEED_OFFSET if run.eval_temperature > 0 else None
         params = SamplingParams(max_new_tokens=self.cfg.generator.max_new_tokens, temperature=run.eval_temperature,
                                 n=k, stop=self.cfg.generator.stop, seed=seed)
-        outputs, _ = await self.generate(self.data.encode(held), params)  # prompt-major: problem i's at i*k..
-        scores = await self.ex.rewards.score_async(  # the verifier alone: other terms cannot fail a right answer
-            [(s.id if k == 1 else f"{s.id}#{j % k}", self.tok.decode(o["token_ids"]), s.answer, s.reward_info())
-             for j, (s, o) in enumerate(zip((s for s in held for _ in range(k)), outputs))],
-            verifier_only=True)
+        prompts = self.data.encode(held)
+        outputs, _ = await self.generate(prompts, params)  # prompt-major: problem i's at i*k..
+        rm = self.ex.reward_model  # its mean score of the completions, beside the accuracy (reward hacking shows)
+        model_scores = (asyncio.ensure_future(rm.score_rollouts([(prompts[j // k], o["token_ids"])
+                                                                 for j, o in enumerate(outputs)]))
+                        if rm is not None else None)
+        try:
+            scores = await self.ex.rewards.score_async(  # the verifier alone: other terms cannot fail a right answer
+                [(s.id if k == 1 else f"{s.id}#{j % k}", self.tok.decode(o["token_ids"]), s.answer, s.reward_info())
+                 for j, (s, o) in enumerate(zip((s for s in held for _ in range(k)), outputs))],
+                verifier_only=True)
+        except BaseException:
+            if model_scores is not None:
+                model_scores.cancel()
+            raise
         correct = [r.verifier >= 1.0 for r in scores]
         result = {"accuracy": sum(correct) / len(correct),
                   "policy_version": min(min(o["policy_versions"], default=-1) for o in outputs)}
         if k > 1:
             result[f"pass@{k}"] = sum(any(correct[i * k:(i + 1) * k]) for i in range(len(held))) / len(held)
+        if model_scores is not None:
+            scored = [x for x in await model_scores if not isinstance(x, str)]  # (too long for it: left out)
+            if scored:
+                result["model_score"] = math.fsum(scored) / len(scored)
         self.log.eval(step, result)
         return result
 

@@ -106,7 +106,7 @@ class RunLog:
         _append(self._fd, {k: _jsonable(v) for k, v in row.items()})
         for r in self.reporters:
             r.eval(step, row)
-        passes = "".join(f", {k} {v:.3f}" for k, v in row.items() if k.startswith("pass@"))
+        passes = "".join(f", {k} {v:.3f}" for k, v in row.items() if k.startswith("pass@") or k == "model_score")
         self.bar.write(f"eval @ step {step}: accuracy {row['accuracy']:.3f}{passes}")
 
     def warn(self, message: str) -> None:
@@ -273,6 +273,7 @@ def summary_table(summary: dict) -> str:
     passes = [(k, f"{k.replace('_', ' ')} RL") for k in summary if k.startswith("pass@")]
     keys = [("mode", "mode"), ("steps", "steps"), ("eval", "held-out evaluation"),
             ("accuracy_before", "held-out acc before RL"), ("accuracy_after", "held-out acc after RL"), *passes,
+            ("model_score_before", "reward model before RL"), ("model_score_after", "reward model after RL"),
             ("wall_s", "wall time (s)"),
             ("warm_start_s", "warm start (s)"), ("rl_s", "RL (s)"), ("step_s_mean", "step time (s)"),
             ("sync_s_mean", "weight sync (ms)"), ("max_staleness_seen", "max staleness seen"),

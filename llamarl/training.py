@@ -456,6 +456,9 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
             "accuracy_before": runlog.evals[0]["accuracy"], "accuracy_after": after["accuracy"],
             **({f"pass@{k}_before": runlog.evals[0].get(f"pass@{k}"), f"pass@{k}_after": after[f"pass@{k}"]}
                if (k := cfg.run.eval_samples) > 1 else {}),
+            # the reward model's mean held-out score (llamarl.controller.evaluate); None where none was measured
+            **({"model_score_before": runlog.evals[0].get("model_score"), "model_score_after": after.get("model_score")}
+               if cfg.reward.model else {}),
             "eval": ("greedy" if cfg.run.eval_temperature == 0 else
                      f"mean@{cfg.run.eval_samples}, temperature {cfg.run.eval_temperature:g}"),
             "resumed_from_step": start_step if resume else None,

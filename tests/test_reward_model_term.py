@@ -96,12 +96,12 @@ def test_a_run_adds_the_weighted_model_score_of_each_sequence_to_its_reward(tmp_
     transformers' score of the exact ids the run handed the reward model (prompt ids + completion ids)."""
     tok = CharTokenizer()
     ref = hf_reward_model(tmp_path / "rm", tok.vocab_size)
-    seen: list[tuple[list[int], float]] = []
+    calls: list[list[tuple[list[int], float]]] = []  # each call's (ids, score) pairs
     original = RewardModelScorer.score_pairs
 
     def recording(self, pairs):
         scores = original(self, pairs)
-        seen.extend((list(p) + list(c), s) for (p, c), s in zip(pairs, scores))
+        calls.append([(list(p) + list(c), s) for (p, c), s in zip(pairs, scores)])
         return scores
 
     monkeypatch.setattr(RewardModelScorer, "score_pairs", recording)
@@ -111,10 +111,15 @@ def test_a_run_adds_the_weighted_model_score_of_each_sequence_to_its_reward(tmp_
                                "--set", "run.log_samples=16"])
     summary = train(cfg)
     assert summary["steps"] == 2
-    assert len(seen) == 2 * 4 * 4  # every rollout of both steps (4 prompts x 4 samples), evaluations not
-    expected = hf_scores(ref, [ids for ids, _ in seen])
+    # the two steps' rollouts (4 prompts x 4 samples each) and the evaluations before and after RL (8 held-out
+    # problems each, greedy)
+    assert sorted(len(c) for c in calls) == [8, 8, 16, 16]
+    seen = [x for c in calls if len(c) == 16 for x in c]
+    evals = [c for c in calls if len(c) == 8]
+    every = [x for c in calls for x in c]
+    expected = hf_scores(ref, [ids for ids, _ in every])
+    assert [s for _, s in every] == pytest.approx(expected, abs=1e-5)
     got = [s for _, s in seen]
-    assert got == pytest.approx(expected, abs=1e-5)
     assert len(set(round(s, 4) for s in got)) > 1  # the term varies with the sequence
     samples = read_samples(out)
     assert len(samples) == len(seen)
@@ -124,11 +129,16 @@ def test_a_run_adds_the_weighted_model_score_of_each_sequence_to_its_reward(tmp_
         assert set(terms) == {"exact", "model"}
         assert round(terms["model"], 5) in by_score
         assert r["reward"] == pytest.approx(terms["exact"] + 0.5 * terms["model"], abs=1e-6)
-    steps, _ = read_metrics(out)
+    steps, eval_rows = read_metrics(out)
     for row in steps:
         rows = [r for r in samples if r["step"] == row["step"]]
         assert row["reward/model"] == pytest.approx(sum(r["reward_terms"]["model"] for r in rows) / len(rows),
                                                     abs=1e-5)
+    # each evaluation logs the reward model's mean score of its completions, and the summary the first and last
+    assert [r["model_score"] for r in eval_rows] == pytest.approx([sum(s for _, s in c) / 8 for c in evals],
+                                                                  abs=1e-6)
+    assert (summary["model_score_before"], summary["model_score_after"]) == (eval_rows[0]["model_score"],
+                                                                              eval_rows[-1]["model_score"])
 
 
 def test_bad_reward_model_settings_are_refused_before_anything_starts(tmp_path, capsys):
