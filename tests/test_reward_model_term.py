@@ -153,3 +153,18 @@ def test_bad_reward_model_settings_are_refused_before_anything_starts(tmp_path, 
         (["--set", "reward.model_batch_size=0"], r"reward.model_batch_size: must be > 0"),
     ]
     assert_refused_before_start(cases, tmp_path, capsys)
+
+
+@pytest.mark.gpu
+def test_the_scorer_on_cuda_in_bf16_matches_transformers_fp32(tmp_path):
+    """The controller's reward model on the GPU (run.device=cuda, policy.dtype=bfloat16): the scores of a
+    ragged set of sequences, batched, within bf16 rounding of transformers' fp32 scores on the CPU."""
+    tok = CharTokenizer()
+    ref = hf_reward_model(tmp_path / "rm", tok.vocab_size, context=64)
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(3, tok.vocab_size, (n,), generator=g).tolist() for n in (7, 64, 1, 33, 20)]
+    expected = hf_scores(ref, seqs)
+    scorer = RewardModelScorer(tmp_path / "rm", policy_tokenizer=tok, dtype="bfloat16", device="cuda", batch_size=2)
+    got = scorer.score(seqs)
+    scale = max(abs(x) for x in expected)
+    assert got == pytest.approx(expected, abs=0.03 * scale + 1e-3), (got, expected)
