@@ -234,8 +234,8 @@ class Controller:
         n = self.sampling.n
         infos = [s.reward_info() for s in samples]  # (the pool sends on what the function asks for)
         rm = self.ex.reward_model  # scores in a thread meanwhile (llamarl.rewards.model)
-        model_scores = (asyncio.ensure_future(rm.score_rollouts([(r.prompt_ids, r.completion_ids) for r in rollouts]))
-                        if rm is not None else None)
+        model_scores = (asyncio.ensure_future(rm.score_rollouts(self._model_inputs(
+            rm, samples, [(r.prompt_ids, r.completion_ids) for r in rollouts]))) if rm is not None else None)
         try:
             scores = await self.ex.rewards.score_async(
                 [(r.sample_id, r.text, r.answer, infos[i // n]) for i, r in enumerate(rollouts)])
@@ -375,9 +375,9 @@ class Controller:
         prompts = self.data.encode(held)
         outputs, _ = await self.generate(prompts, params)  # prompt-major: problem i's at i*k..
         rm = self.ex.reward_model  # its mean score of the completions, beside the accuracy (reward hacking shows)
-        model_scores = (asyncio.ensure_future(rm.score_rollouts([(prompts[j // k], o["token_ids"])
-                                                                 for j, o in enumerate(outputs)]))
-                        if rm is not None else None)
+        model_scores = (asyncio.ensure_future(rm.score_rollouts(self._model_inputs(
+            rm, held, [(prompts[j // k], o["token_ids"]) for j, o in enumerate(outputs)])))
+            if rm is not None else None)
         try:
             scores = await self.ex.rewards.score_async(  # the verifier alone: other terms cannot fail a right answer
                 [(s.id if k == 1 else f"{s.id}#{j % k}", self.tok.decode(o["token_ids"]), s.answer, s.reward_info())
@@ -400,6 +400,14 @@ class Controller:
         return result
 
     # ------------------------------------------------------------------ helpers
+    def _model_inputs(self, rm: Any, samples: list, pairs: list[tuple]) -> list[tuple]:
+        """The reward model's input for each (prompt ids, completion ids) pair (``len(samples)`` groups of
+        equal size, prompt-major): the pair and the prompt's chat messages, or None where the reward model
+        does not render them with its own chat template (llamarl.rewards.model)."""
+        n = len(pairs) // len(samples)
+        msgs = [self.data.formatter.messages(s) for s in samples] if rm.wants_messages else None
+        return [(p, c, msgs[i // n] if msgs else None) for i, (p, c) in enumerate(pairs)]
+
     def _warn_if_cut(self, row: dict) -> None:
         """Once per run: most completions of a step ran into the token budget, so their answers were cut
         off (e.g. a preset's budget left in place for a longer task)."""

@@ -36,7 +36,7 @@ from llamarl.models.hf_io import check_checkpoint
 from llamarl.parallel.tensor_parallel import check_tp_size
 from llamarl.rewards import RewardPool, RewardPoolError, load_reward
 from llamarl.rewards.data_checks import missing_fields, verifier_data_problems
-from llamarl.rewards.model import RewardModelScorer
+from llamarl.rewards.model import RewardModelScorer, check_reader
 from llamarl.reporting import make_reporters, parse_report_to
 from llamarl.run_files import START_CONFIG, resume_file, resume_run_dir
 from llamarl.run_warnings import config_warnings, resume_warnings
@@ -158,7 +158,8 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
     """(tokenizer, TrainData), checked against the policy before anything is written or started:
     unreadable files (the model's weights too: names, shapes, dtypes, file sizes), a tokenizer larger than
     the model's vocabulary, a generation length that fills the context, synthetic prompts longer than the
-    context leaves (``data.few_shot``, a long ``data.template``) and dataset errors raise ConfigError. Prompts
+    context leaves (``data.few_shot``, a long ``data.template``), dataset errors and a reward model that cannot
+    read the run's text (llamarl.rewards.model.check_reader) raise ConfigError. Prompts
     longer than the context minus ``generator.max_new_tokens`` are dropped from a file dataset (and counted)."""
     model = model_config_dict(cfg)
     if cfg.policy.model not in LLAMA_CONFIGS:  # a directory: its weights must load (headers and sizes only)
@@ -205,6 +206,11 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
         raise ConfigError(f"data.eval_dataset: {e}") from None
     except (OSError, ValueError, ImportError) as e:
         raise ConfigError(f"data.dataset: {e}") from None
+    if cfg.reward.model is not None:  # what the reward model reads with, against its vocabulary (no weights read)
+        try:
+            check_reader(cfg.reward.model, tokenizer, chat=cfg.data.chat)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"reward.model: {e}") from None
     for path, spec in cfg.reward.user_functions():  # the keyword arguments it asks for must exist for every sample
         problem = missing_fields(spec, data.info_fields)
         if problem:
@@ -419,8 +425,9 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
             env={"LLAMARL_EXECUTOR": "trainer"}, wait=False)
         # the reward model loads in a thread meanwhile (llamarl.rewards.model: it scores in this process)
         reward_model = (asyncio.ensure_future(asyncio.to_thread(
-            RewardModelScorer, cfg.reward.model, policy_tokenizer=tokenizer, dtype=cfg.policy.dtype,
-            device=cfg.device, batch_size=cfg.reward.model_batch_size, threads=threads))
+            RewardModelScorer, cfg.reward.model, policy_tokenizer=tokenizer, chat=cfg.data.chat,
+            eos_ids=eos_ids(tokenizer, policy_config, policy_dir), dtype=cfg.policy.dtype, device=cfg.device,
+            batch_size=cfg.reward.model_batch_size, threads=threads))
             if cfg.reward.model else None)
         await rt.await_ready([*gens, trainer])  # the loop runs meanwhile: a Ctrl-C stops the start at once
         if reward_model is not None:

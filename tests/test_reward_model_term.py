@@ -62,53 +62,101 @@ def test_scores_equal_transformers_in_input_order_at_any_batch_size(tmp_path):
     assert padded == pytest.approx(hf_scores(ref, [seqs[1] + [0, 0], [0, 0]]), abs=1e-5)
 
 
-def test_a_reward_model_with_another_tokenizer_reads_the_text_again(tmp_path):
-    """The policy's ids are decoded (special tokens kept) and encoded with the reward model's tokenizer; with
-    no tokenizer in its directory, or the policy's, it reads the policy's ids as they are."""
+def _word_tokenizer(path: Path, words: list[str], chat_template: str | None = None) -> None:
+    """A one-token-per-character tokenizers.Tokenizer over ``words`` (specials <unk> <s> </s> first), saved."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", *words])}
+    hf = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    hf.add_special_tokens(["<s>", "</s>"])
+    hf.save(str(path / "tokenizer.json"))
+    config = {"eos_token": "</s>", "bos_token": "<s>", **({"chat_template": chat_template} if chat_template else {})}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+WORDS = ["1", "+", "2", "=", "3", "u", "a", ":", "|"]  # ids 3..11
+
+
+def test_a_reward_model_with_another_tokenizer_reads_the_text_as_trl_presents_it(tmp_path):
+    """Another tokenizer: the prompt and completion text without the policy's special tokens, with the reward
+    model's BOS, and its EOS where the completion ended in the policy's; chat data in its own chat template.
+    With no tokenizer in its directory, or the policy's, it reads the policy's ids as they are."""
     from llamarl.models import load_tokenizer
 
     policy = CharTokenizer()
-    words = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "1", "+", "2", "=", "3", "12"])}
-    hf = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
-    hf.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")  # one token per character
-    ref = hf_reward_model(tmp_path / "rm", len(words))
-    hf.save(str(tmp_path / "rm" / "tokenizer.json"))
-    (tmp_path / "rm" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+    ref = hf_reward_model(tmp_path / "rm", 3 + len(WORDS))
+    _word_tokenizer(tmp_path / "rm", WORDS, chat_template="{{ bos_token }}{% for m in messages %}"
+                    "{{ m['role'][0] }}:{{ m['content'] }}|{% endfor %}")
     scorer = RewardModelScorer(tmp_path / "rm", policy_tokenizer=policy)
-    prompt, completion = policy.encode("1+2="), policy.encode("3")
-    assert scorer.sequence(prompt, completion) == [3, 4, 5, 6, 7]
-    assert scorer.score_pairs([(prompt, completion)]) == pytest.approx(hf_scores(ref, [[3, 4, 5, 6, 7]]), abs=1e-5)
+    prompt = [policy.bos_id, *policy.encode("1+2=")]
+    assert scorer.sequence(prompt, policy.encode("3")) == [1, 3, 4, 5, 6, 7]  # <s> 1 + 2 = 3
+    ended = [*policy.encode("3"), policy.eos_id]
+    assert scorer.sequence(prompt, ended) == [1, 3, 4, 5, 6, 7, 2]  # ... </s>
+    assert scorer.score_pairs([(prompt, ended, None)]) == pytest.approx(hf_scores(ref, [[1, 3, 4, 5, 6, 7, 2]]),
+                                                                        abs=1e-5)
+    chat = RewardModelScorer(tmp_path / "rm", policy_tokenizer=policy, chat=True)
+    assert chat.wants_messages and not scorer.wants_messages
+    messages = [{"role": "user", "content": "1+2="}]
+    # <s> u : 1 + 2 = | a : 3 |   (the completion as the assistant's turn; the policy's EOS is not spelled out)
+    assert chat.sequence(prompt, ended, messages) == [1, 8, 10, 3, 4, 5, 6, 11, 9, 10, 7, 11]
     own = load_tokenizer(tmp_path / "rm")
     assert same_tokenizer(own, load_tokenizer(tmp_path / "rm")) and not same_tokenizer(own, policy)
     assert same_tokenizer(policy, CharTokenizer())
+    plain = RewardModelScorer(tmp_path / "rm", policy_tokenizer=own)  # the policy's tokenizer: its ids as they are
+    assert plain.tokenizer is None and plain.sequence([1, 3], [4, 2]) == [1, 3, 4, 2]
 
 
-def test_a_reward_model_whose_vocabulary_is_too_small_for_the_policy_ids_is_refused(tmp_path):
-    hf_reward_model(tmp_path / "rm", 10)  # no tokenizer of its own: it would read the char ids (up to ~100)
-    with pytest.raises(ValueError, match=r"its embedding has 10 rows but the tokenizer it reads with has"):
-        RewardModelScorer(tmp_path / "rm", policy_tokenizer=CharTokenizer())
+def test_what_the_reward_model_cannot_read_costs_one_sample_or_is_refused_up_front(tmp_path):
+    """An id beyond its embedding (a policy embedding padded past its tokenizer) costs that sample; a tokenizer
+    larger than its embedding, or chat data for a tokenizer without a chat template, is refused by check_reader
+    (which llamarl.train runs before anything starts)."""
+    from llamarl.rewards.model import check_reader
 
-
-def test_a_run_adds_the_weighted_model_score_of_each_sequence_to_its_reward(tmp_path, monkeypatch):
-    """Every logged sample's reward is its verifier's plus 0.5 x the model term, and each model term is
-    transformers' score of the exact ids the run handed the reward model (prompt ids + completion ids)."""
     tok = CharTokenizer()
     ref = hf_reward_model(tmp_path / "rm", tok.vocab_size)
-    calls: list[list[tuple[list[int], float]]] = []  # each call's (ids, score) pairs
-    original = RewardModelScorer.score_pairs
+    scorer = RewardModelScorer(tmp_path / "rm", policy_tokenizer=tok)
+    got = scorer.score([[5, 6], [5, tok.vocab_size + 3], [7]])
+    assert got[0] == pytest.approx(hf_scores(ref, [[5, 6]])[0], abs=1e-5)
+    assert f"token id {tok.vocab_size + 3} lies outside its vocabulary [0, {tok.vocab_size})" in got[1]
+    assert got[2] == pytest.approx(hf_scores(ref, [[7]])[0], abs=1e-5)
+    hf_reward_model(tmp_path / "small", 10)  # no tokenizer of its own: it would read the char ids (up to ~100)
+    with pytest.raises(ValueError, match=r"its embedding has 10 rows but the tokenizer it reads with \(the "
+                                         r"policy's: the directory has none of its own\) has"):
+        check_reader(tmp_path / "small", tok)
+    with pytest.raises(ValueError, match=r"its embedding has 10 rows"):
+        RewardModelScorer(tmp_path / "small", policy_tokenizer=tok)
+    hf_reward_model(tmp_path / "nochat", 3 + len(WORDS))
+    _word_tokenizer(tmp_path / "nochat", WORDS)
+    check_reader(tmp_path / "nochat", tok)
+    with pytest.raises(ValueError, match=r"data.chat.*chat template cannot render a conversation"):
+        check_reader(tmp_path / "nochat", tok, chat=True)
 
-    def recording(self, pairs):
-        scores = original(self, pairs)
-        calls.append([(list(p) + list(c), s) for (p, c), s in zip(pairs, scores)])
+
+@pytest.mark.parametrize("reads", ["policy_ids", "own_chat_template"])
+def test_a_run_adds_the_weighted_model_score_of_each_sequence_to_its_reward(tmp_path, monkeypatch, reads):
+    """Every logged sample's reward is its verifier's plus 0.5 x the model term, and each model term is
+    transformers' score of the exact ids the run handed the reward model: the policy's prompt + completion
+    ids, or (chat data, a reward model with its own tokenizer) the conversation in its chat template."""
+    tok = CharTokenizer()
+    chars = list("0123456789+-*=ua:|")
+    ref = hf_reward_model(tmp_path / "rm", tok.vocab_size if reads == "policy_ids" else 3 + len(chars))
+    if reads == "own_chat_template":
+        _word_tokenizer(tmp_path / "rm", chars, chat_template="{{ bos_token }}{% for m in messages %}"
+                        "{{ m['role'][0] }}:{{ m['content'] }}|{% endfor %}")
+    calls: list[list[tuple[list[int], float]]] = []  # each call's (ids scored, score) pairs
+    original = RewardModelScorer.score
+
+    def recording(self, sequences):
+        scores = original(self, sequences)
+        calls.append([(list(ids), s) for ids, s in zip(sequences, scores)])
         return scores
 
-    monkeypatch.setattr(RewardModelScorer, "score_pairs", recording)
+    monkeypatch.setattr(RewardModelScorer, "score", recording)
     out = tmp_path / "run"
     cfg = load_config(SMOKE + ["--out", str(out), "--max-steps", "2", "--set", f"reward.model={tmp_path / 'rm'}",
                                "--set", "reward.model_weight=0.5", "--set", "generator.samples_per_prompt=4",
-                               "--set", "run.log_samples=16"])
+                               "--set", "run.log_samples=16", "--set", f"data.chat={reads != 'policy_ids'}"])
     summary = train(cfg)
     assert summary["steps"] == 2
     # the two steps' rollouts (4 prompts x 4 samples each) and the evaluations before and after RL (8 held-out
@@ -120,6 +168,9 @@ def test_a_run_adds_the_weighted_model_score_of_each_sequence_to_its_reward(tmp_
     expected = hf_scores(ref, [ids for ids, _ in every])
     assert [s for _, s in every] == pytest.approx(expected, abs=1e-5)
     got = [s for _, s in seen]
+    if reads == "own_chat_template":  # <s> u : <the prompt> | a : <the completion> |
+        assert all(ids[:3] == [1, 3 + chars.index("u"), 3 + chars.index(":")] for ids, _ in every)
+        assert all(ids[-1] == 3 + chars.index("|") for ids, _ in every)
     assert len(set(round(s, 4) for s in got)) > 1  # the term varies with the sequence
     samples = read_samples(out)
     assert len(samples) == len(seen)
@@ -146,7 +197,14 @@ def test_bad_reward_model_settings_are_refused_before_anything_starts(tmp_path, 
 
     causal = tmp_path / "causal"
     Llama(LLAMA_CONFIGS["tiny"]).save_pretrained(causal)
+    small = tmp_path / "small"  # no tokenizer: it would read the char ids, beyond its 10 rows
+    hf_reward_model(small, 10)
+    slow = tmp_path / "slow"  # a tokenizer_config.json of a slow tokenizer, no tokenizer.json
+    hf_reward_model(slow, CharTokenizer().vocab_size)
+    (slow / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
     cases = [
+        (["--set", f"reward.model={small}"], r"reward.model: its embedding has 10 rows but the tokenizer it reads"),
+        (["--set", f"reward.model={slow}"], r"reward.model: its tokenizer cannot be read: .*tokenizer.json"),
         (["--set", f"reward.model={tmp_path / 'none'}"], r"reward.model: no such directory"),
         (["--set", f"reward.model={causal}"], r"reward.model: .*score"),
         (["--set", "reward.model_weight=nan"], r"reward.model_weight: must be a finite number"),

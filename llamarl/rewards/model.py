@@ -9,19 +9,23 @@ RewardTrainer writes; llamarl.models.reward_model) adds the term "model" to ever
 where the r_i are the reward functions' (the verifier first, which alone decides correctness: held-out
 accuracy never reads s). A sample whose verifier failed has no reward and is not scored here.
 
-What the reward model reads: the sequence the policy saw and wrote, as token ids.
+What the reward model reads (``sequence``):
   * The reward model's directory has no tokenizer, or one equal to the policy's (same vocabulary, merges,
     specials): the policy's ids as they are, prompt ids (template, few-shot prefix, chat format) followed by
     the sampled completion ids (with the EOS token when one was sampled).
-  * Another tokenizer: that sequence is decoded with the policy's tokenizer, special tokens kept as text, and
-    encoded with the reward model's (OpenRLHF's rule for a reward model of another family). Chat markup the
-    two tokenizers spell differently is read as text by the reward model; give it the policy's tokenizer where
-    that matters.
+  * Another tokenizer (a reward model of another family), as TRL's GRPOTrainer and RewardTrainer present
+    text to one: with chat-formatted data (``data.chat``), the conversation (``PromptFormatter.messages``, the
+    few-shot turns included) plus the completion as the assistant's turn, rendered by the reward model's own
+    chat template; otherwise the prompt's and the completion's text, decoded without special tokens,
+    encoded by the reward model's tokenizer with its BOS prefix, and its EOS appended when the completion
+    ended in one of the policy's (``eos_ids``): the form it was trained on, not the policy's markup.
 The scored position is transformers' (``LlamaForSequenceClassification`` and so TRL's RewardTrainer): the last
 token that is not the reward model's ``pad_token_id``, so where pad == eos a completion that ends in eos is
-scored at the token before it, as the model was trained. A sequence longer than the reward model's context
-costs that sample (its reward is an error, counted like a
-failed verifier, kept out of its group's advantages), not the run.
+scored at the token before it, as the model was trained. A sequence longer than the reward model's context,
+or holding an id beyond its vocabulary (a policy whose embedding has more rows than its tokenizer has ids can
+sample one), costs that sample (its reward is an error, counted like a failed verifier, kept out of its
+group's advantages), not the run. What can be known before the run (the checkpoint, the tokenizer it reads
+with against its vocabulary, a chat template for chat data) is checked by ``check_reader`` up front.
 
 Batching: the sequences are sorted by length and scored ``batch_size`` at a time, each batch right-padded
 (causal attention: a row's last real token never sees the padding after it), so padding stays small; the
@@ -64,41 +68,85 @@ def _own_tokenizer(path: Path) -> Any:
 
     if not ((path / TOKENIZER_JSON).is_file() or (path / TOKENIZER_CONFIG).is_file()):
         return None
-    return load_tokenizer(path)
+    try:
+        return load_tokenizer(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"its tokenizer cannot be read: {e}") from None
+
+
+def check_reader(path: str | Path, policy_tokenizer: Any, *, chat: bool = False) -> tuple[Any, Any]:
+    """(the reward model's LlamaConfig, the tokenizer it reads with or None for the policy's ids), after the
+    checks that need no weights: the checkpoint (config.json and tensor headers), its own tokenizer if it has
+    one, that tokenizer's ids (or the policy tokenizer's, when it reads the policy's ids) within its embedding,
+    and, for chat data read through its own tokenizer, a chat template that renders a conversation. Raises
+    ValueError saying what to change."""
+    from llamarl.models.reward_model import check_reward_model
+
+    path = Path(path)
+    config = check_reward_model(path)
+    own = _own_tokenizer(path)
+    tokenizer = None if own is None or same_tokenizer(own, policy_tokenizer) else own
+    reads = policy_tokenizer if tokenizer is None else tokenizer
+    if reads.vocab_size > config.vocab_size:
+        raise ValueError(
+            f"its embedding has {config.vocab_size} rows but the tokenizer it reads with ("
+            + ("the policy's: the directory has none of its own" if own is None else "its own")
+            + f") has {reads.vocab_size} ids; " + ("save the reward model's own tokenizer in its directory"
+                                                   if own is None else "its tokenizer does not fit its embedding"))
+    if tokenizer is not None and chat:
+        try:
+            tokenizer.apply_chat_template([{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}],
+                                          add_generation_prompt=False)
+        except Exception as e:  # no template, or a template error of any kind
+            raise ValueError(f"the data is chat-formatted (data.chat) and the reward model reads it through its own "
+                             f"tokenizer, whose chat template cannot render a conversation: {e}") from None
+    return config, tokenizer
 
 
 class RewardModelScorer:
     """A loaded reward model and the rule that turns a rollout into the ids it reads (module docstring)."""
 
-    def __init__(self, path: str | Path, *, policy_tokenizer: Any, dtype: str = "float32",
-                 device: str | torch.device = "cpu", batch_size: int = 16, threads: int | None = None):
+    def __init__(self, path: str | Path, *, policy_tokenizer: Any, eos_ids: Sequence[int] = (), chat: bool = False,
+                 dtype: str = "float32", device: str | torch.device = "cpu", batch_size: int = 16,
+                 threads: int | None = None):
         from llamarl.models.reward_model import load_reward_model
 
         if batch_size < 1:
             raise ValueError(f"reward model batch_size must be >= 1, got {batch_size}")
         self.path, self.batch_size, self.threads = Path(path), batch_size, threads
+        self.policy_tokenizer, self.chat = policy_tokenizer, chat
+        self.eos_ids = frozenset(eos_ids) | {policy_tokenizer.eos_id}
+        _, self.tokenizer = check_reader(self.path, policy_tokenizer, chat=chat)
         self.device = torch.device(device)
         self.model = load_reward_model(self.path, dtype=DTYPES[dtype], device=self.device)
-        self.context = self.model.config.max_position_embeddings
+        self.context, self.vocab_size = self.model.config.max_position_embeddings, self.model.config.vocab_size
         pad = json.loads((self.path / "config.json").read_text()).get("pad_token_id")
         self.pad_id = pad if isinstance(pad, int) and not isinstance(pad, bool) else None
-        self.policy_tokenizer = policy_tokenizer
-        own = _own_tokenizer(self.path)
-        self.tokenizer = None if own is None or same_tokenizer(own, policy_tokenizer) else own
-        vocab = self.model.config.vocab_size
-        reads = policy_tokenizer if self.tokenizer is None else self.tokenizer
-        if reads.vocab_size > vocab:
-            raise ValueError(
-                f"reward.model {self.path}: its embedding has {vocab} rows but the tokenizer it reads with has "
-                f"{reads.vocab_size} ids" + ("; save the reward model's own tokenizer in its directory"
-                                             if self.tokenizer is None else ""))
 
-    def sequence(self, prompt_ids: Sequence[int], completion_ids: Sequence[int]) -> list[int]:
-        """The ids the reward model reads for one rollout (module docstring)."""
-        ids = [*prompt_ids, *completion_ids]
+    @property
+    def wants_messages(self) -> bool:
+        """Whether ``sequence`` renders chat messages (chat data read through the reward model's tokenizer)."""
+        return self.chat and self.tokenizer is not None
+
+    def sequence(self, prompt_ids: Sequence[int], completion_ids: Sequence[int],
+                 messages: Sequence[dict] | None = None) -> list[int]:
+        """The ids the reward model reads for one rollout (module docstring); ``messages``: the prompt's chat
+        messages, used when ``wants_messages``."""
         if self.tokenizer is None:
-            return ids
-        return self.tokenizer.encode(self.policy_tokenizer.decode(ids, skip_special_tokens=False))
+            return [*prompt_ids, *completion_ids]
+        rm, policy = self.tokenizer, self.policy_tokenizer
+        completion = policy.decode(completion_ids, skip_special_tokens=True)
+        if self.wants_messages:
+            if messages is None:
+                raise ValueError("the reward model renders chat data with its own template: pass the messages")
+            text = rm.apply_chat_template([*messages, {"role": "assistant", "content": completion}],
+                                          add_generation_prompt=False)
+            return rm.encode(text)  # (the template writes its special tokens, BOS included, as text)
+        ids = rm.encode(policy.decode(prompt_ids, skip_special_tokens=True) + completion,
+                        add_bos=bool(rm.prefix_ids) or rm.bos_id is not None)
+        if completion_ids and completion_ids[-1] in self.eos_ids:
+            ids.append(rm.eos_id)
+        return ids
 
     def _scored_length(self, ids: Sequence[int]) -> int:
         """1 + the position whose hidden state is scored: transformers' choice, the last token that is not the
@@ -120,6 +168,9 @@ class RewardModelScorer:
             elif len(ids) > self.context:
                 out[i] = (f"reward model: the sequence has {len(ids)} tokens, more than the reward model's context "
                           f"of {self.context}")
+            elif max(ids) >= self.vocab_size or min(ids) < 0:
+                out[i] = (f"reward model: token id {max(ids) if max(ids) >= self.vocab_size else min(ids)} lies "
+                          f"outside its vocabulary [0, {self.vocab_size})")
             else:
                 fit.append(i)
         fit.sort(key=lambda i: len(sequences[i]))
@@ -142,10 +193,10 @@ class RewardModelScorer:
             torch.set_num_threads(previous)
         return out
 
-    def score_pairs(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[float | str]:
-        """``score`` of the sequences of (prompt ids, completion ids) pairs."""
-        return self.score([self.sequence(p, c) for p, c in pairs])
+    def score_pairs(self, pairs: Sequence[tuple]) -> list[float | str]:
+        """``score`` of the sequences of (prompt ids, completion ids[, chat messages]) tuples."""
+        return self.score([self.sequence(*p) for p in pairs])
 
-    async def score_rollouts(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[float | str]:
+    async def score_rollouts(self, pairs: Sequence[tuple]) -> list[float | str]:
         """``score_pairs`` in a worker thread (re-tokenising included): the event loop runs on meanwhile."""
         return await asyncio.to_thread(self.score_pairs, pairs)
