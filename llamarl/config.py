@@ -69,6 +69,9 @@ class TrainConfig:
             if not isinstance(getattr(self, name), cls):
                 fail(name, f"must be a {cls.__name__}", getattr(self, name))
         g, t = self.generator, self.trainer
+        if not self.reward.verified and self.data.few_shot:
+            fail("data.few_shot", "shows solved examples, which need reference answers, and reward.reward=none runs "
+                 "read none", self.data.few_shot)
         if g.samples_per_prompt < 2:
             fail("generator.samples_per_prompt", f"must be >= 2: the '{t.advantage}' advantage compares the "
                  f"samples of one prompt", g.samples_per_prompt)
@@ -138,8 +141,8 @@ class TrainConfig:
     def with_absolute_paths(self) -> TrainConfig:
         """This config with ``policy.model``, ``policy.tokenizer``, ``data.dataset`` and ``data.eval_dataset``,
         reward function files (``path/to/file.py:function`` in ``reward.reward`` and ``reward.extra``),
-        ``reward.model`` and ``run.resume`` absolute where they name an existing path (built-in names, synthetic datasets and importable
-        modules stay as they are), and ``run.out`` absolute."""
+        ``reward.model`` and ``run.resume`` absolute where they name an existing path (built-in names, synthetic
+        datasets and importable modules stay as they are), and ``run.out`` absolute."""
         def absolute(value: str | None) -> str | None:
             return str(Path(value).resolve()) if value and Path(value).exists() else value
 

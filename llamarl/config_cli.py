@@ -60,7 +60,8 @@ NAMED_FLAGS: dict[str, tuple[str, str]] = {
     "--dataset": ("data.dataset", "synthetic:NAME[:options] or a .jsonl/.parquet file"),
     "--eval-dataset": ("data.eval_dataset", "a .jsonl/.parquet file of held-out problems (default: drawn from "
                        "--dataset)"),
-    "--reward": ("reward.reward", f"{'|'.join(REWARD_NAMES)}, module:function or file.py:function"),
+    "--reward": ("reward.reward", f"{'|'.join(REWARD_NAMES)}, module:function or file.py:function; none: "
+                                  "reward.model alone"),
     "--resume": ("run.resume", "run (or checkpoint) directory to continue from"),
     "--layout": ("run.layout", "placement, e.g. trainer=2,generator=2x1,reward=2 (generator = TP x replicas)"),
     "--seed": ("run.seed", "random seed"),

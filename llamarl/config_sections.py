@@ -26,6 +26,7 @@ from llamarl.runtime.placement import Layout, LayoutError
 BUILTIN_MODELS = ("tiny",)  # more names are looked up in LLAMA_CONFIGS when needed
 SYNTHETIC_DATASETS = ("arithmetic",)  # "synthetic:arithmetic[:options]"
 REWARD_NAMES = ("exact", "gsm8k", "math", "code")  # the built-in verifiers
+NO_VERIFIER = "none"  # reward.reward=none: the reward model alone
 # the built-in extra terms (llamarl.rewards.format)
 FORMAT_REWARD_NAMES = ("format_exact", "format_gsm8k", "format_math", "format_code")
 DATASET_SUFFIXES = (".jsonl", ".parquet")
@@ -226,7 +227,8 @@ class TrainerConfig(_Section):
 class RewardConfig(_Section):
     SECTION = "reward"
     # the verifier: a built-in name or "module:function" taking (completion, answer) -> float; it alone decides
-    # correctness (held-out accuracy counts its reward >= 1)
+    # correctness (held-out accuracy counts its reward >= 1). "none": no verifier, the reward model alone
+    # (reward.model; RLHF on prompts without reference answers: no accuracy, evaluations report its score)
     reward: str = "exact"
     # more reward functions added to the verifier's reward (TRL's reward_funcs): built-in format_exact |
     # format_gsm8k | format_math (1 if the answer is in the form the verifier reads) or module:function; a
@@ -256,7 +258,18 @@ class RewardConfig(_Section):
         self._positive("workers", strict=False)
         self._positive("timeout_s")
         self._positive("max_failed_steps", strict=False)
-        _check_reward_spec("reward.reward", self.reward, REWARD_NAMES)
+        if self.reward == NO_VERIFIER:
+            if self.model is None:
+                fail("reward.reward", "none (no verifier) needs a reward model to score with: set reward.model=DIR",
+                     self.reward)
+            if self.extra:
+                fail("reward.extra", "needs a verifier in reward.reward: with reward.reward=none the reward model "
+                     "alone scores", list(self.extra))
+            if self.weights:
+                fail("reward.weights", "weigh reward functions, and reward.reward=none has none (reward.model_weight "
+                     "weighs the reward model)", list(self.weights))
+        else:
+            _check_reward_spec("reward.reward", self.reward, REWARD_NAMES)
         for i, spec in enumerate(self.extra):
             _check_reward_spec(f"reward.extra[{i}]", spec, REWARD_NAMES + FORMAT_REWARD_NAMES)
         if self.weights and len(self.weights) != 1 + len(self.extra):
@@ -274,8 +287,13 @@ class RewardConfig(_Section):
 
     @property
     def specs(self) -> tuple[str, ...]:
-        """The reward functions, the verifier first."""
-        return (self.reward, *self.extra)
+        """The reward functions, the verifier first (none with reward.reward=none)."""
+        return () if self.reward == NO_VERIFIER else (self.reward, *self.extra)
+
+    @property
+    def verified(self) -> bool:
+        """Whether a verifier scores the samples (reward.reward is not none): accuracy exists."""
+        return self.reward != NO_VERIFIER
 
     def user_functions(self) -> list[tuple[str, str]]:
         """(field, spec) of each spec that names a user's function, not a built-in: the field is

@@ -82,7 +82,7 @@ class Sampled(NamedTuple):
 class Executors:
     generators: list[ExecutorGroup]  # one group per generator replica (its ranks are TP shards)
     trainer: ExecutorGroup
-    rewards: RewardPool
+    rewards: RewardPool | None  # None: no reward functions (reward.reward=none), the reward model alone
     reward_model: Any = None  # a llamarl.rewards.model.RewardModelScorer when reward.model is set
 
 
@@ -237,14 +237,18 @@ class Controller:
         model_scores = (asyncio.ensure_future(rm.score_rollouts(self._model_inputs(
             rm, samples, [(r.prompt_ids, r.completion_ids) for r in rollouts]))) if rm is not None else None)
         try:
-            scores = await self.ex.rewards.score_async(
-                [(r.sample_id, r.text, r.answer, infos[i // n]) for i, r in enumerate(rollouts)])
+            if self.ex.rewards is not None:
+                scores = await self.ex.rewards.score_async(
+                    [(r.sample_id, r.text, r.answer, infos[i // n]) for i, r in enumerate(rollouts)])
+                for r, s in zip(rollouts, scores):
+                    r.reward, r.reward_error, r.reward_terms = s.reward, s.error, s.terms
+            else:  # reward.reward=none: no reward functions, the reward model's term alone
+                for r in rollouts:
+                    r.reward, r.reward_error, r.reward_terms = 0.0, None, ()
         except BaseException:
             if model_scores is not None:
                 model_scores.cancel()
             raise
-        for r, s in zip(rollouts, scores):
-            r.reward, r.reward_error, r.reward_terms = s.reward, s.error, s.terms
         rw = self.cfg.reward
         if rw.overlong_buffer:
             for r in rollouts:
@@ -378,20 +382,21 @@ class Controller:
         model_scores = (asyncio.ensure_future(rm.score_rollouts(self._model_inputs(
             rm, held, [(prompts[j // k], o["token_ids"]) for j, o in enumerate(outputs)])))
             if rm is not None else None)
+        result = {"policy_version": min(min(o["policy_versions"], default=-1) for o in outputs)}
         try:
-            scores = await self.ex.rewards.score_async(  # the verifier alone: other terms cannot fail a right answer
-                [(s.id if k == 1 else f"{s.id}#{j % k}", self.tok.decode(o["token_ids"]), s.answer, s.reward_info())
-                 for j, (s, o) in enumerate(zip((s for s in held for _ in range(k)), outputs))],
-                verifier_only=True)
+            if self.ex.rewards is not None:  # (reward.reward=none: no verifier, no accuracy)
+                scores = await self.ex.rewards.score_async(  # the verifier alone: other terms cannot fail a right one
+                    [(s.id if k == 1 else f"{s.id}#{j % k}", self.tok.decode(o["token_ids"]), s.answer,
+                      s.reward_info()) for j, (s, o) in enumerate(zip((s for s in held for _ in range(k)), outputs))],
+                    verifier_only=True)
+                correct = [r.verifier >= 1.0 for r in scores]
+                result["accuracy"] = sum(correct) / len(correct)
+                if k > 1:
+                    result[f"pass@{k}"] = sum(any(correct[i * k:(i + 1) * k]) for i in range(len(held))) / len(held)
         except BaseException:
             if model_scores is not None:
                 model_scores.cancel()
             raise
-        correct = [r.verifier >= 1.0 for r in scores]
-        result = {"accuracy": sum(correct) / len(correct),
-                  "policy_version": min(min(o["policy_versions"], default=-1) for o in outputs)}
-        if k > 1:
-            result[f"pass@{k}"] = sum(any(correct[i * k:(i + 1) * k]) for i in range(len(held))) / len(held)
         if model_scores is not None:
             scored = [x for x in await model_scores if not isinstance(x, str)]  # (too long for it: left out)
             if scored:

@@ -92,8 +92,8 @@ class RunLog:
         _append(self._fd, {k: _jsonable(v) for k, v in row.items()})
         for r in self.reporters:
             r.step(row)
-        acc = self.evals[-1]["accuracy"] if self.evals else float("nan")
-        post = dict(reward=f"{row['reward_mean']:.3f}", acc=f"{acc:.3f}", stale=row["staleness"],
+        name, value = _headline(self.evals[-1]) if self.evals else ("acc", float("nan"))
+        post = dict(reward=f"{row['reward_mean']:.3f}", **{name: f"{value:.3f}"}, stale=row["staleness"],
                     tok_s=f"{row.get('tokens_per_s', 0):.0f}", sync_ms=f"{1e3 * row['sync_s']:.1f}")
         self.bar.set_postfix(post, refresh=False)
         self.bar.update(1)
@@ -106,8 +106,8 @@ class RunLog:
         _append(self._fd, {k: _jsonable(v) for k, v in row.items()})
         for r in self.reporters:
             r.eval(step, row)
-        passes = "".join(f", {k} {v:.3f}" for k, v in row.items() if k.startswith("pass@") or k == "model_score")
-        self.bar.write(f"eval @ step {step}: accuracy {row['accuracy']:.3f}{passes}")
+        shown = [k for k in row if k == "accuracy" or k.startswith("pass@") or k == "model_score"]
+        self.bar.write(f"eval @ step {step}: " + ", ".join(f"{k} {row[k]:.3f}" for k in shown))
 
     def warn(self, message: str) -> None:
         """A warning on stderr, above the progress bar."""
@@ -141,11 +141,13 @@ class RunLog:
         fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
         ax.plot([r["step"] for r in self.rows], [r["reward_mean"] for r in self.rows], lw=1, alpha=0.6,
                 label="train reward (mean)")
-        if self.evals:
-            ax.plot([e["step"] for e in self.evals], [e["accuracy"] for e in self.evals], "o-", lw=2,
-                    label="held-out accuracy")
+        if self.evals:  # the accuracy, or without a verifier (reward.reward=none) the reward model's score
+            verified = "accuracy" in self.evals[-1]
+            ax.plot([e["step"] for e in self.evals], [_headline(e)[1] for e in self.evals], "o-", lw=2,
+                    label="held-out accuracy" if verified else "held-out reward model score")
         ax.set_xlabel("step")
-        if all(0.0 <= r["reward_mean"] <= 1.0 for r in self.rows if math.isfinite(r["reward_mean"])):
+        shown = [r["reward_mean"] for r in self.rows] + [_headline(e)[1] for e in self.evals]
+        if all(0.0 <= v <= 1.0 for v in shown if math.isfinite(v)):
             ax.set_ylim(-0.02, 1.02)  # else (a reward of several terms, or beyond [0, 1]): matplotlib's range
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
@@ -153,6 +155,14 @@ class RunLog:
         fig.savefig(path)
         plt.close(fig)
         return path
+
+
+def _headline(evaluation: dict) -> tuple[str, float]:
+    """An evaluation's measure, as the progress bar names it: the accuracy, or where there is none (no
+    verifier: reward.reward=none) the reward model's mean score."""
+    if "accuracy" in evaluation:
+        return "acc", evaluation["accuracy"]
+    return "rm", evaluation.get("model_score", float("nan"))
 
 
 def claim_run_dir(out: Path, config_yaml: str, *, resume_step: int | None = None,
@@ -282,7 +292,7 @@ def summary_table(summary: dict) -> str:
             ("skipped_updates", "skipped updates"), ("empty_updates", "updates with no token")]
     lines = []
     for k, label in keys:
-        if k not in summary:
+        if summary.get(k) is None:  # (no accuracy without a verifier: reward.reward=none)
             continue
         v = summary[k]
         if k == "sync_s_mean":

@@ -58,17 +58,18 @@ class TrainData:
     """``max_prompt_tokens``: file samples whose formatted prompt is longer are dropped up front (counted in
     ``dropped``; an error if none is left), so one over-long prompt cannot stop a run mid-way. ``fork``
     gives another stream over the same training pool (the warm start's, the probe's) without loading,
-    encoding or splitting the file again."""
+    encoding or splitting the file again. ``answers=False`` (a run scored by its reward model alone,
+    reward.reward=none): file samples need no reference answer (``load_dataset(require_answers=False)``)."""
 
     def __init__(self, cfg: DataConfig, tokenizer, *, seed: int = 0, cursor: int = 0,
-                 max_prompt_tokens: int | None = None):
+                 max_prompt_tokens: int | None = None, answers: bool = True):
         self.cfg = cfg
         self.dropped = 0  # prompts too long for max_prompt_tokens (training and held out)
         # training samples whose prompt is in data.eval_dataset (None for the synthetic task's endless stream,
         # which skips them)
         self.excluded: int | None = None if cfg.dataset.startswith(SYNTHETIC_PREFIX) else 0
         self._seed = seed
-        eval_samples = _load_eval(cfg) if cfg.eval_dataset is not None else None
+        eval_samples = _load_eval(cfg, answers) if cfg.eval_dataset is not None else None
         eval_prompts = {shot_key(s) for s in eval_samples or ()}
         self._task, self._pool = None, None  # the training stream's source: the synthetic task or the file's pool
         if cfg.dataset.startswith(SYNTHETIC_PREFIX):
@@ -84,7 +85,7 @@ class TrainData:
             shots = _pick_shots(candidates, cfg.few_shot, seed, cfg.dataset)
         else:
             samples = load_dataset(cfg.dataset, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field,
-                                   id_field=cfg.id_field)
+                                   id_field=cfg.id_field, require_answers=answers)
             if eval_prompts:
                 kept = [s for s in samples if shot_key(s) not in eval_prompts]
                 self.excluded = len(samples) - len(kept)
@@ -310,11 +311,11 @@ def _skipping(stream: Iterator[Sample], skip: set[str], cfg: DataConfig) -> Iter
                              "hold out fewer problems or enlarge the task (digits, n_terms, ops)")
 
 
-def _load_eval(cfg: DataConfig) -> list[Sample]:
+def _load_eval(cfg: DataConfig, answers: bool = True) -> list[Sample]:
     """``data.eval_dataset``'s samples, read with the training file's field names."""
     try:
         return load_dataset(cfg.eval_dataset, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field,
-                            id_field=cfg.id_field)
+                            id_field=cfg.id_field, require_answers=answers)
     except (OSError, ValueError, ImportError) as e:
         raise EvalDataError(str(e)) from None
 

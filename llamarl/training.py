@@ -34,7 +34,7 @@ from llamarl.generation.engine import cache_slots
 from llamarl.models import CharTokenizer, Llama, LlamaConfig, LLAMA_CONFIGS, load_tokenizer
 from llamarl.models.hf_io import check_checkpoint
 from llamarl.parallel.tensor_parallel import check_tp_size
-from llamarl.rewards import RewardPool, RewardPoolError, load_reward
+from llamarl.rewards import RewardPool, RewardPoolError, RewardStats, load_reward
 from llamarl.rewards.data_checks import missing_fields, verifier_data_problems
 from llamarl.rewards.model import RewardModelScorer, check_reader
 from llamarl.reporting import make_reporters, parse_report_to
@@ -162,6 +162,10 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
     read the run's text (llamarl.rewards.model.check_reader) raise ConfigError. Prompts
     longer than the context minus ``generator.max_new_tokens`` are dropped from a file dataset (and counted)."""
     model = model_config_dict(cfg)
+    if not cfg.reward.verified and cfg.policy.model in LLAMA_CONFIGS:
+        raise ConfigError(f"reward.reward: none (no verifier) needs policy.model=DIR, a Hugging Face policy: the "
+                          f"built-in {cfg.policy.model!r} starts from a warm start trained on reference answers and "
+                          "probed by the verifier")
     if cfg.policy.model not in LLAMA_CONFIGS:  # a directory: its weights must load (headers and sizes only)
         try:
             check_checkpoint(cfg.policy.model)
@@ -197,7 +201,8 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
         raise ConfigError(f"generator.max_new_tokens: {cfg.generator.max_new_tokens} leaves no room for a prompt in "
                           f"the model's context of {context} tokens")
     try:
-        data = TrainData(cfg.data, tokenizer, seed=cfg.run.seed, cursor=cursor, max_prompt_tokens=max_prompt)
+        data = TrainData(cfg.data, tokenizer, seed=cfg.run.seed, cursor=cursor, max_prompt_tokens=max_prompt,
+                         answers=cfg.reward.verified)
     except PromptsTooLong as e:
         raise ConfigError(f"{e.field}: {e}, but the model context of {context} tokens minus generator.max_new_tokens="
                           f"{cfg.generator.max_new_tokens} leaves {max_prompt}; change {e.field} or lower "
@@ -223,7 +228,7 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
                    else "the training stream skips them")
         log(f"data: {len(data.heldout)} held-out prompts drawn from data.eval_dataset, whose prompts never reach "
             f"training ({dropped})")
-    error, warning = verifier_data_problems(cfg.reward.reward, data.samples)
+    error, warning = verifier_data_problems(cfg.reward.reward, data.samples) if cfg.reward.verified else (None, None)
     if error:
         raise ConfigError(f"reward.reward: {cfg.reward.reward}, but {error}")
     if warning:
@@ -441,8 +446,8 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
             position = {"position": cursor, "stream": data.stream_id}
             await trainer.acall("save_checkpoint", str(out), step, version, position, cfg.run.keep_checkpoints)
 
-        with RewardPool(cfg.reward.specs, num_workers=max(1, cfg.reward.workers), timeout_s=cfg.reward.timeout_s,
-                        weights=cfg.reward.weights) as pool:
+        with (RewardPool(cfg.reward.specs, num_workers=max(1, cfg.reward.workers), timeout_s=cfg.reward.timeout_s,
+                         weights=cfg.reward.weights) if cfg.reward.specs else contextlib.nullcontext()) as pool:
             ctrl = Controller(cfg, data, Executors(gens, trainer, pool, reward_model), runlog, tokenizer=tokenizer,
                               start_step=start_step, start_version=start_version, on_checkpoint=checkpoint)
             try:
@@ -454,13 +459,14 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
                 await checkpoint(ctrl.step, ctrl.version, data.cursor)
             finally:
                 runlog.close()
-            reward_stats = pool.stats
+            reward_stats = pool.stats if pool is not None else RewardStats()  # (reward.reward=none: no pool)
         rows = runlog.rows  # a resumed run's include the steps before the checkpoint: the summary covers them
         per_step = cfg.trainer.mini_batches * cfg.trainer.epochs  # updates
         plot = runlog.plot(out / "plot.png")
         return {
             "mode": cfg.run.mode, "max_staleness": cfg.run.max_staleness, "steps": len(rows),
-            "accuracy_before": runlog.evals[0]["accuracy"], "accuracy_after": after["accuracy"],
+            # (None without a verifier, reward.reward=none: its model_score is the measure)
+            "accuracy_before": runlog.evals[0].get("accuracy"), "accuracy_after": after.get("accuracy"),
             **({f"pass@{k}_before": runlog.evals[0].get(f"pass@{k}"), f"pass@{k}_after": after[f"pass@{k}"]}
                if (k := cfg.run.eval_samples) > 1 else {}),
             # the reward model's mean held-out score (llamarl.controller.evaluate); None where none was measured

@@ -226,3 +226,63 @@ def test_the_scorer_on_cuda_in_bf16_matches_transformers_fp32(tmp_path):
     got = scorer.score(seqs)
     scale = max(abs(x) for x in expected)
     assert got == pytest.approx(expected, abs=0.03 * scale + 1e-3), (got, expected)
+
+
+def test_a_run_scored_by_the_reward_model_alone_on_prompts_without_answers(tmp_path, monkeypatch):
+    """reward.reward=none: RLHF on a prompt-only file with a Hugging Face policy; every reward is
+    model_weight x the reward model's score, evaluations report its mean score instead of an accuracy."""
+    from llamarl.models import LLAMA_CONFIGS, Llama
+
+    tok = CharTokenizer()
+    policy = tmp_path / "policy"
+    torch.manual_seed(0)
+    Llama(LLAMA_CONFIGS["tiny"]).save_pretrained(policy)
+    tok.save(policy)
+    data = tmp_path / "prompts.jsonl"  # no answer field at all
+    data.write_text("".join(json.dumps({"question": f"{a}+{b}="}) + "\n" for a in range(10) for b in range(8)))
+    ref = hf_reward_model(tmp_path / "rm", tok.vocab_size)
+    calls: list[list[tuple[list[int], float]]] = []
+    original = RewardModelScorer.score
+
+    def recording(self, sequences):
+        scores = original(self, sequences)
+        calls.append([(list(ids), s) for ids, s in zip(sequences, scores)])
+        return scores
+
+    monkeypatch.setattr(RewardModelScorer, "score", recording)
+    out = tmp_path / "run"
+    cfg = load_config(SMOKE + ["--out", str(out), "--max-steps", "2", "--model", str(policy), "--dataset", str(data),
+                               "--set", "reward.reward=none", "--set", f"reward.model={tmp_path / 'rm'}",
+                               "--set", "reward.model_weight=0.5", "--set", "run.log_samples=16",
+                               "--set", "generator.samples_per_prompt=4"])
+    summary = train(cfg)
+    assert summary["accuracy_before"] is None and summary["accuracy_after"] is None
+    steps, eval_rows = read_metrics(out)
+    assert [r["step"] for r in steps] == [1, 2] and all("accuracy" not in e for e in eval_rows)
+    assert sorted(len(c) for c in calls) == [8, 8, 16, 16]  # 8 held-out prompts before and after; 2 steps of 4x4
+    evals = [c for c in calls if len(c) == 8]
+    assert [e["model_score"] for e in eval_rows] == pytest.approx([sum(s for _, s in c) / 8 for c in evals], abs=1e-6)
+    assert summary["model_score_after"] == eval_rows[-1]["model_score"]
+    every = [x for c in calls for x in c]
+    assert [s for _, s in every] == pytest.approx(hf_scores(ref, [ids for ids, _ in every]), abs=1e-5)
+    trained = {round(s, 6) for c in calls if len(c) == 16 for _, s in c}
+    samples = read_samples(out)
+    assert len(samples) == 32
+    for r in samples:
+        assert r["answer"] == "" and r["reward_error"] is None
+        assert round(r["reward"] / 0.5, 6) in trained  # the reward is 0.5 x a score the reward model gave
+
+
+def test_reward_reward_none_settings_that_cannot_work_are_refused(tmp_path, capsys):
+    from llamarl.config import ConfigError
+
+    hf_reward_model(tmp_path / "rm", CharTokenizer().vocab_size)
+    rm = ["--set", f"reward.model={tmp_path / 'rm'}"]
+    for extra, message in [([], r"reward.reward: none \(no verifier\) needs a reward model"),
+                           (rm + ["--set", "reward.extra=[format_exact]"], r"reward.extra: needs a verifier"),
+                           (rm + ["--set", "reward.weights=[1.0]"], r"reward.weights: weigh reward functions"),
+                           (rm + ["--set", "data.few_shot=2"], r"data.few_shot: shows solved examples")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(SMOKE + ["--set", "reward.reward=none", *extra])
+    assert_refused_before_start([(["--set", "reward.reward=none", *rm],
+                                  r"reward.reward: none \(no verifier\) needs policy.model=DIR")], tmp_path, capsys)

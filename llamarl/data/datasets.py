@@ -152,8 +152,11 @@ def load_dataset(
     id_field: str | None = "id",
     reduce_answers: bool = True,
     limit: int | None = None,
+    require_answers: bool = True,
 ) -> list[Sample]:
-    """Read ``path`` (.jsonl or .parquet) into samples; see the module docstring for the conventions."""
+    """Read ``path`` (.jsonl or .parquet) into samples; see the module docstring for the conventions.
+    ``require_answers=False`` (a run scored by a reward model alone): a record may lack the answer field, or
+    hold an empty or non-text one; its answer is then "" (text or a number is still read, for the logs)."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"dataset file {str(p)!r} does not exist")
@@ -177,7 +180,7 @@ def load_dataset(
     samples: list[Sample] = []
     seen: dict[str, str] = {}
     for index, (where, rec) in enumerate(records):
-        for name in (prompt_field, answer_field):
+        for name in (prompt_field, answer_field) if require_answers else (prompt_field,):
             if name not in rec:
                 raise ValueError(
                     f"{p} {where}: missing field {name!r}; fields present: {sorted(rec)}. "
@@ -187,9 +190,12 @@ def load_dataset(
         messages = _as_messages(rec[prompt_field], prompt_field, where, p)
         prompt = ("\n".join(f"{role}: {content}" for role, content in messages) if messages is not None
                   else _as_text(rec[prompt_field], prompt_field, where, p, numbers_ok=False))
-        written = _as_text(rec[answer_field], answer_field, where, p, numbers_ok=True)
+        raw = rec.get(answer_field, "")
+        if not require_answers and (isinstance(raw, bool) or not isinstance(raw, (str, int, float))):
+            raw = ""
+        written = _as_text(raw, answer_field, where, p, numbers_ok=True)
         answer = reduce_answer(written) if reduce_answers else written
-        if not answer.strip():
+        if require_answers and not answer.strip():
             raise ValueError(f"{p} {where}: field {answer_field!r} is empty" + (" after the final '####'" if
                              reduce_answers and GSM8K_MARKER in rec[answer_field] else "") +
                              "; every sample needs a reference answer to be scored against")
