@@ -36,6 +36,20 @@ def hf_reward_model(path: Path, vocab_size: int, context: int = 128, seed: int =
     return model
 
 
+def record_scores(monkeypatch) -> list[list[tuple[list[int], float]]]:
+    """Every ``RewardModelScorer.score`` call of the run, as a list of (ids scored, score) pairs."""
+    calls: list[list[tuple[list[int], float]]] = []
+    original = RewardModelScorer.score
+
+    def recording(self, sequences):
+        scores = original(self, sequences)
+        calls.append([(list(ids), s) for ids, s in zip(sequences, scores)])
+        return scores
+
+    monkeypatch.setattr(RewardModelScorer, "score", recording)
+    return calls
+
+
 def hf_scores(model, sequences) -> list[float]:
     with torch.no_grad():
         return [model(torch.tensor([list(s)])).logits[0, 0].item() for s in sequences]
@@ -144,15 +158,7 @@ def test_a_run_adds_the_weighted_model_score_of_each_sequence_to_its_reward(tmp_
     if reads == "own_chat_template":
         _word_tokenizer(tmp_path / "rm", chars, chat_template="{{ bos_token }}{% for m in messages %}"
                         "{{ m['role'][0] }}:{{ m['content'] }}|{% endfor %}")
-    calls: list[list[tuple[list[int], float]]] = []  # each call's (ids scored, score) pairs
-    original = RewardModelScorer.score
-
-    def recording(self, sequences):
-        scores = original(self, sequences)
-        calls.append([(list(ids), s) for ids, s in zip(sequences, scores)])
-        return scores
-
-    monkeypatch.setattr(RewardModelScorer, "score", recording)
+    calls = record_scores(monkeypatch)
     out = tmp_path / "run"
     cfg = load_config(SMOKE + ["--out", str(out), "--max-steps", "2", "--set", f"reward.model={tmp_path / 'rm'}",
                                "--set", "reward.model_weight=0.5", "--set", "generator.samples_per_prompt=4",
@@ -241,15 +247,7 @@ def test_a_run_scored_by_the_reward_model_alone_on_prompts_without_answers(tmp_p
     data = tmp_path / "prompts.jsonl"  # no answer field at all
     data.write_text("".join(json.dumps({"question": f"{a}+{b}="}) + "\n" for a in range(10) for b in range(8)))
     ref = hf_reward_model(tmp_path / "rm", tok.vocab_size)
-    calls: list[list[tuple[list[int], float]]] = []
-    original = RewardModelScorer.score
-
-    def recording(self, sequences):
-        scores = original(self, sequences)
-        calls.append([(list(ids), s) for ids, s in zip(sequences, scores)])
-        return scores
-
-    monkeypatch.setattr(RewardModelScorer, "score", recording)
+    calls = record_scores(monkeypatch)
     out = tmp_path / "run"
     cfg = load_config(SMOKE + ["--out", str(out), "--max-steps", "2", "--model", str(policy), "--dataset", str(data),
                                "--set", "reward.reward=none", "--set", f"reward.model={tmp_path / 'rm'}",
