@@ -269,7 +269,7 @@ class RewardConfig(_Section):
                 fail("reward.weights", "weigh reward functions, and reward.reward=none has none (reward.model_weight "
                      "weighs the reward model)", list(self.weights))
         else:
-            _check_reward_spec("reward.reward", self.reward, REWARD_NAMES)
+            _check_reward_spec("reward.reward", self.reward, (*REWARD_NAMES, f"{NO_VERIFIER} (reward.model alone)"))
         for i, spec in enumerate(self.extra):
             _check_reward_spec(f"reward.extra[{i}]", spec, REWARD_NAMES + FORMAT_REWARD_NAMES)
         if self.weights and len(self.weights) != 1 + len(self.extra):

@@ -428,6 +428,10 @@ class Controller:
         limit = self.cfg.reward.max_failed_steps
         self._failed_steps = self._failed_steps + 1 if all(e is not None for e in errors) else 0
         if limit and self._failed_steps >= limit:
+            if self.ex.rewards is None:  # reward.reward=none: the reward model's errors alone
+                raise RewardPoolError(f"the reward model could score no sample of {limit} steps in a row (steps "
+                                      f"{step + 2 - limit}-{step + 1}); the last error: {errors[-1]}; "
+                                      "reward.max_failed_steps=0 never stops")
             raise RewardPoolError(f"the reward function failed on every sample of {limit} steps in a row (steps "
                                   f"{step + 2 - limit}-{step + 1}); the last error: {errors[-1]}. Fix it (or raise "
                                   f"reward.timeout_s if these are timeouts); reward.max_failed_steps=0 never stops")

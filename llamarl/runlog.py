@@ -107,7 +107,8 @@ class RunLog:
         for r in self.reporters:
             r.eval(step, row)
         shown = [k for k in row if k == "accuracy" or k.startswith("pass@") or k == "model_score"]
-        self.bar.write(f"eval @ step {step}: " + ", ".join(f"{k} {row[k]:.3f}" for k in shown))
+        self.bar.write(f"eval @ step {step}: " + (", ".join(f"{k} {row[k]:.3f}" for k in shown) or
+                                                  "nothing measured (the reward model could score no completion)"))
 
     def warn(self, message: str) -> None:
         """A warning on stderr, above the progress bar."""
@@ -141,12 +142,11 @@ class RunLog:
         fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
         ax.plot([r["step"] for r in self.rows], [r["reward_mean"] for r in self.rows], lw=1, alpha=0.6,
                 label="train reward (mean)")
-        if self.evals:  # the accuracy, or without a verifier (reward.reward=none) the reward model's score
-            verified = "accuracy" in self.evals[-1]
-            ax.plot([e["step"] for e in self.evals], [_headline(e)[1] for e in self.evals], "o-", lw=2,
-                    label="held-out accuracy" if verified else "held-out reward model score")
+        label, measured = eval_curve(self.evals)
+        if self.evals:
+            ax.plot([e["step"] for e in self.evals], measured, "o-", lw=2, label=label)
         ax.set_xlabel("step")
-        shown = [r["reward_mean"] for r in self.rows] + [_headline(e)[1] for e in self.evals]
+        shown = [r["reward_mean"] for r in self.rows] + measured
         if all(0.0 <= v <= 1.0 for v in shown if math.isfinite(v)):
             ax.set_ylim(-0.02, 1.02)  # else (a reward of several terms, or beyond [0, 1]): matplotlib's range
         ax.grid(alpha=0.3)
@@ -155,6 +155,15 @@ class RunLog:
         fig.savefig(path)
         plt.close(fig)
         return path
+
+
+def eval_curve(evals: list[dict]) -> tuple[str, list[float]]:
+    """The plot's held-out line: (label, one value per evaluation) of one measure for the whole line, the
+    accuracy, or where an evaluation has none (no verifier: reward.reward=none, perhaps only since a resume)
+    the reward model's score (NaN where an evaluation lacks it)."""
+    key = "accuracy" if all("accuracy" in e for e in evals) else "model_score"
+    label = "held-out accuracy" if key == "accuracy" else "held-out reward model score"
+    return label, [e.get(key, math.nan) for e in evals]
 
 
 def _headline(evaluation: dict) -> tuple[str, float]:

@@ -235,7 +235,8 @@ def _run_main(cfg: TrainConfig) -> int:
         print(f"llamarl.train: an executor failed, the run stopped: {e}", file=sys.stderr)
         return 1
     except RewardPoolError as e:  # e.g. no reward worker can start: the reward function fails to load there
-        print(f"llamarl.train: the reward workers failed, the run stopped: {e}", file=sys.stderr)
+        who = "the reward workers" if cfg.reward.specs else "the reward model"  # (reward.reward=none: no workers)
+        print(f"llamarl.train: {who} failed, the run stopped: {e}", file=sys.stderr)
         return 1
     print("\nllamarl run summary\n" + summary_table(summary) + f"\n  outputs in {summary['out']}")
     return 0

@@ -213,9 +213,19 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
         raise ConfigError(f"data.dataset: {e}") from None
     if cfg.reward.model is not None:  # what the reward model reads with, against its vocabulary (no weights read)
         try:
-            check_reader(cfg.reward.model, tokenizer, chat=cfg.data.chat)
+            rm_config, rm_tokenizer = check_reader(cfg.reward.model, tokenizer, chat=cfg.data.chat)
         except (OSError, ValueError) as e:
             raise ConfigError(f"reward.model: {e}") from None
+        rm_context = rm_config.max_position_embeddings
+        if rm_tokenizer is None:  # it reads the policy's ids, whose lengths are known
+            shortest = min(map(len, data.encode(data.heldout)))
+            if shortest + 1 > rm_context:
+                raise ConfigError(f"reward.model: its context of {rm_context} tokens holds no prompt with a completion "
+                                  f"(the shortest held-out prompt has {shortest} tokens): it could score nothing")
+            if data.longest_prompt + cfg.generator.max_new_tokens > rm_context:
+                log(f"warning: reward.model: its context of {rm_context} tokens is shorter than the longest prompt "
+                    f"({data.longest_prompt} tokens) plus generator.max_new_tokens={cfg.generator.max_new_tokens}; "
+                    "a sequence beyond it costs its sample (counted in reward_errors)")
     for path, spec in cfg.reward.user_functions():  # the keyword arguments it asks for must exist for every sample
         problem = missing_fields(spec, data.info_fields)
         if problem:
@@ -467,8 +477,8 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
             "mode": cfg.run.mode, "max_staleness": cfg.run.max_staleness, "steps": len(rows),
             # (None without a verifier, reward.reward=none: its model_score is the measure)
             "accuracy_before": runlog.evals[0].get("accuracy"), "accuracy_after": after.get("accuracy"),
-            **({f"pass@{k}_before": runlog.evals[0].get(f"pass@{k}"), f"pass@{k}_after": after[f"pass@{k}"]}
-               if (k := cfg.run.eval_samples) > 1 else {}),
+            **({f"pass@{k}_before": runlog.evals[0].get(f"pass@{k}"), f"pass@{k}_after": after.get(f"pass@{k}")}
+               if (k := cfg.run.eval_samples) > 1 and cfg.reward.verified else {}),
             # the reward model's mean held-out score (llamarl.controller.evaluate); None where none was measured
             **({"model_score_before": runlog.evals[0].get("model_score"), "model_score_after": after.get("model_score")}
                if cfg.reward.model else {}),

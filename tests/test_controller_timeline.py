@@ -88,7 +88,8 @@ class FakeRewards:
 
 def _run(run: dict, *, generator: dict = None, trainer_delay: float = 0.1, fail_every: int = 0,
          rewards: FakeRewards | None = None, reward: RewardConfig = RewardConfig(), sampling: dict = None,
-         controller: list | None = None, trainer: dict | None = None) -> RunLog:
+         controller: list | None = None, trainer: dict | None = None, reward_model=None,
+         no_verifier: bool = False) -> RunLog:
     cfg = TrainConfig(generator=GeneratorConfig(prompts_per_step=2, samples_per_prompt=2, max_new_tokens=4,
                                                 **(sampling or {})),
                       data=DataConfig(eval_size=4), run=RunConfig(checkpoint_every=0, **run), reward=reward,
@@ -99,7 +100,7 @@ def _run(run: dict, *, generator: dict = None, trainer_delay: float = 0.1, fail_
     log.bar.write = lambda *a, **k: None
     gen = FakeGenerator(world, **(generator or {}))
     ex = Executors([gen], FakeTrainer(world, trainer_delay),
-                   rewards or FakeRewards(fail_every))
+                   None if no_verifier else rewards or FakeRewards(fail_every), reward_model)
     ctrl = Controller(cfg, TrainData(cfg.data, tok, seed=0), ex, log, tokenizer=tok)
     if controller is not None:
         controller.append(ctrl)
@@ -330,3 +331,23 @@ def test_a_sampled_evaluation_reports_mean_and_pass_at_k():
     assert [(e["accuracy"], "pass@1" in e) for e in greedy.evals] == [(0.0, False)]  # ids without '#j': none right
     assert [(p.n, p.temperature, p.seed) for p in ctrl[1].ex.generators[0].params if p.temperature == 0] == \
         [(1, 0.0, None)]
+
+
+class FailingRewardModel:
+    """A reward model that can score no sequence (each is too long for its context)."""
+
+    wants_messages = False
+
+    async def score_rollouts(self, pairs):
+        return ["reward model: the sequence has 9 tokens, more than the reward model's context of 8"] * len(pairs)
+
+
+def test_a_run_without_a_verifier_whose_reward_model_scores_nothing_stops_naming_the_reward_model():
+    """reward.reward=none: the reward model's errors alone fail the samples; after reward.max_failed_steps
+    steps of nothing scored the run stops, and the message names the reward model, not reward functions."""
+    reward = RewardConfig(reward="none", model="rm", max_failed_steps=2)
+    with pytest.raises(RewardPoolError, match=r"the reward model could score no sample of 2 steps in a row "
+                                              r"\(steps 1-2\).*context of 8") as e:
+        _run(dict(mode="sync", max_staleness=0, max_steps=4, eval_every=0), reward=reward, no_verifier=True,
+             reward_model=FailingRewardModel())
+    assert "reward.timeout_s" not in str(e.value)

@@ -93,8 +93,9 @@ WORDS = ["1", "+", "2", "=", "3", "u", "a", ":", "|"]  # ids 3..11
 
 
 def test_a_reward_model_with_another_tokenizer_reads_the_text_as_trl_presents_it(tmp_path):
-    """Another tokenizer: the prompt and completion text without the policy's special tokens, with the reward
-    model's BOS, and its EOS where the completion ended in the policy's; chat data in its own chat template.
+    """Another tokenizer: the prompt and completion text without the policy's special tokens, as its tokenizer
+    encodes a text, and its EOS where the completion ended in the policy's (TRL's RewardTrainer form); chat
+    data in its own chat template (TRL's GRPOTrainer form).
     With no tokenizer in its directory, or the policy's, it reads the policy's ids as they are."""
     from llamarl.models import load_tokenizer
 
@@ -104,10 +105,11 @@ def test_a_reward_model_with_another_tokenizer_reads_the_text_as_trl_presents_it
                     "{{ m['role'][0] }}:{{ m['content'] }}|{% endfor %}")
     scorer = RewardModelScorer(tmp_path / "rm", policy_tokenizer=policy)
     prompt = [policy.bos_id, *policy.encode("1+2=")]
-    assert scorer.sequence(prompt, policy.encode("3")) == [1, 3, 4, 5, 6, 7]  # <s> 1 + 2 = 3
+    # 1 + 2 = 3: its tokenizer adds nothing before a text (no post-processor), so no BOS
+    assert scorer.sequence(prompt, policy.encode("3")) == [3, 4, 5, 6, 7]
     ended = [*policy.encode("3"), policy.eos_id]
-    assert scorer.sequence(prompt, ended) == [1, 3, 4, 5, 6, 7, 2]  # ... </s>
-    assert scorer.score_pairs([(prompt, ended, None)]) == pytest.approx(hf_scores(ref, [[1, 3, 4, 5, 6, 7, 2]]),
+    assert scorer.sequence(prompt, ended) == [3, 4, 5, 6, 7, 2]  # ... </s>
+    assert scorer.score_pairs([(prompt, ended, None)]) == pytest.approx(hf_scores(ref, [[3, 4, 5, 6, 7, 2]]),
                                                                         abs=1e-5)
     chat = RewardModelScorer(tmp_path / "rm", policy_tokenizer=policy, chat=True)
     assert chat.wants_messages and not scorer.wants_messages
@@ -208,7 +210,9 @@ def test_bad_reward_model_settings_are_refused_before_anything_starts(tmp_path, 
     slow = tmp_path / "slow"  # a tokenizer_config.json of a slow tokenizer, no tokenizer.json
     hf_reward_model(slow, CharTokenizer().vocab_size)
     (slow / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    hf_reward_model(tmp_path / "short", CharTokenizer().vocab_size, context=4)  # no prompt + completion fits
     cases = [
+        (["--set", f"reward.model={tmp_path / 'short'}"], r"reward.model: its context of 4 tokens holds no prompt"),
         (["--set", f"reward.model={small}"], r"reward.model: its embedding has 10 rows but the tokenizer it reads"),
         (["--set", f"reward.model={slow}"], r"reward.model: its tokenizer cannot be read: .*tokenizer.json"),
         (["--set", f"reward.model={tmp_path / 'none'}"], r"reward.model: no such directory"),
@@ -252,14 +256,18 @@ def test_a_run_scored_by_the_reward_model_alone_on_prompts_without_answers(tmp_p
     cfg = load_config(SMOKE + ["--out", str(out), "--max-steps", "2", "--model", str(policy), "--dataset", str(data),
                                "--set", "reward.reward=none", "--set", f"reward.model={tmp_path / 'rm'}",
                                "--set", "reward.model_weight=0.5", "--set", "run.log_samples=16",
-                               "--set", "generator.samples_per_prompt=4"])
+                               "--set", "generator.samples_per_prompt=4", "--set", "run.eval_samples=3",
+                               "--set", "run.eval_temperature=1.0"])
     summary = train(cfg)
     assert summary["accuracy_before"] is None and summary["accuracy_after"] is None
+    assert not [k for k in summary if k.startswith("pass@")]  # (no verifier: no pass@k either)
     steps, eval_rows = read_metrics(out)
     assert [r["step"] for r in steps] == [1, 2] and all("accuracy" not in e for e in eval_rows)
-    assert sorted(len(c) for c in calls) == [8, 8, 16, 16]  # 8 held-out prompts before and after; 2 steps of 4x4
-    evals = [c for c in calls if len(c) == 8]
-    assert [e["model_score"] for e in eval_rows] == pytest.approx([sum(s for _, s in c) / 8 for c in evals], abs=1e-6)
+    # 8 held-out prompts x 3 samples before and after; 2 steps of 4 prompts x 4 samples
+    assert sorted(len(c) for c in calls) == [16, 16, 24, 24]
+    evals = [c for c in calls if len(c) == 24]
+    assert [e["model_score"] for e in eval_rows] == pytest.approx([sum(s for _, s in c) / 24 for c in evals],
+                                                                  abs=1e-6)
     assert summary["model_score_after"] == eval_rows[-1]["model_score"]
     every = [x for c in calls for x in c]
     assert [s for _, s in every] == pytest.approx(hf_scores(ref, [ids for ids, _ in every]), abs=1e-5)
@@ -276,6 +284,8 @@ def test_reward_reward_none_settings_that_cannot_work_are_refused(tmp_path, caps
 
     hf_reward_model(tmp_path / "rm", CharTokenizer().vocab_size)
     rm = ["--set", f"reward.model={tmp_path / 'rm'}"]
+    with pytest.raises(ConfigError, match=r"reward.reward: must be one of .*none \(reward.model alone\)"):
+        load_config(SMOKE + ["--set", "reward.reward=nonee"])
     for extra, message in [([], r"reward.reward: none \(no verifier\) needs a reward model"),
                            (rm + ["--set", "reward.extra=[format_exact]"], r"reward.extra: needs a verifier"),
                            (rm + ["--set", "reward.weights=[1.0]"], r"reward.weights: weigh reward functions"),

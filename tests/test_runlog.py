@@ -154,3 +154,31 @@ def test_a_file_system_without_flock_runs_unlocked_with_a_warning(tmp_path, monk
     monkeypatch.setattr(fcntl, "flock", broken)
     with pytest.raises(ConfigError, match="run.out: cannot write the run directory"):
         runlog_module.claim_run_dir(tmp_path / "other", "a: 1\n")
+
+
+def test_the_eval_curve_keeps_one_measure_when_a_resume_drops_the_verifier():
+    """A run that evaluated with a verifier and a reward model, resumed with reward.reward=none: the plot's
+    line is the reward model's score throughout (the earlier evaluations' too), never a mix of accuracy and
+    score; a run whose every evaluation has an accuracy plots the accuracy."""
+    from llamarl.runlog import eval_curve
+
+    mixed = [{"step": 0, "accuracy": 0.0, "model_score": 0.25}, {"step": 2, "model_score": 0.5}]
+    assert eval_curve(mixed) == ("held-out reward model score", [0.25, 0.5])
+    label, values = eval_curve([{"step": 0, "accuracy": 0.5}, {"step": 2, "model_score": 0.75}])
+    assert label == "held-out reward model score" and math.isnan(values[0]) and values[1] == 0.75
+    assert eval_curve([{"accuracy": 0.5, "model_score": 3.0}, {"accuracy": 0.75}]) == ("held-out accuracy",
+                                                                                      [0.5, 0.75])
+
+
+def test_an_evaluation_that_measured_nothing_says_so():
+    """reward.reward=none and a reward model that could score no held-out completion: no accuracy, no score;
+    the line says what happened instead of ending after 'eval @ step N:'."""
+    from llamarl.runlog import RunLog
+
+    log = RunLog(None, 4, progress=False)
+    lines = []
+    log.bar.write = lambda text, **kwargs: lines.append(text)
+    log.eval(2, {"policy_version": 2})
+    log.eval(4, {"policy_version": 4, "model_score": 0.5})
+    assert lines == ["eval @ step 2: nothing measured (the reward model could score no completion)",
+                     "eval @ step 4: model_score 0.500"]

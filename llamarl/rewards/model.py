@@ -13,12 +13,13 @@ What the reward model reads (``sequence``):
   * The reward model's directory has no tokenizer, or one equal to the policy's (same vocabulary, merges,
     specials): the policy's ids as they are, prompt ids (template, few-shot prefix, chat format) followed by
     the sampled completion ids (with the EOS token when one was sampled).
-  * Another tokenizer (a reward model of another family), as TRL's GRPOTrainer and RewardTrainer present
-    text to one: with chat-formatted data (``data.chat``), the conversation (``PromptFormatter.messages``, the
-    few-shot turns included) plus the completion as the assistant's turn, rendered by the reward model's own
-    chat template; otherwise the prompt's and the completion's text, decoded without special tokens,
-    encoded by the reward model's tokenizer with its BOS prefix, and its EOS appended when the completion
-    ended in one of the policy's (``eos_ids``): the form it was trained on, not the policy's markup.
+  * Another tokenizer (a reward model of another family): with chat-formatted data (``data.chat``), as TRL's
+    GRPOTrainer presents it, the conversation (``PromptFormatter.messages``, the few-shot turns included) plus
+    the completion as the assistant's turn, rendered by the reward model's own chat template; otherwise, in
+    the form TRL's RewardTrainer trains on, the prompt's and the completion's text, decoded without the
+    policy's special tokens, encoded by the reward model's tokenizer as it encodes a text (with the prefix
+    its post-processor adds, if any), and its EOS appended when the completion ended in one of the policy's
+    (``eos_ids``). (GRPOTrainer adds neither; a reward model trained on text + EOS scores at its EOS.)
 The scored position is transformers' (``LlamaForSequenceClassification`` and so TRL's RewardTrainer): the last
 token that is not the reward model's ``pad_token_id``, so where pad == eos a completion that ends in eos is
 scored at the token before it, as the model was trained. A sequence longer than the reward model's context,
@@ -143,7 +144,7 @@ class RewardModelScorer:
                                           add_generation_prompt=False)
             return rm.encode(text)  # (the template writes its special tokens, BOS included, as text)
         ids = rm.encode(policy.decode(prompt_ids, skip_special_tokens=True) + completion,
-                        add_bos=bool(rm.prefix_ids) or rm.bos_id is not None)
+                        add_bos=bool(rm.prefix_ids))  # what its tokenizer puts before a text, if anything
         if completion_ids and completion_ids[-1] in self.eos_ids:
             ids.append(rm.eos_id)
         return ids
