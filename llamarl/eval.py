@@ -8,7 +8,10 @@ Metrics, over P prompts with n completions each, c_i of them correct (reward >= 
   * accuracy   = sum_i c_i / (P n)                       (the mean correctness of a single sample)
   * pass@k     = mean_i [1 - C(n - c_i, k) / C(n, k)]    (Chen et al. 2021, unbiased for k <= n),
                  computed as 1 - prod_{j = n - c + 1}^{n} (1 - k / j), which never forms a binomial;
-  * mean_reward, and the number of reward errors/timeouts.
+  * mean_reward, and the number of reward errors/timeouts;
+  * model_score, with a reward model (``--reward-model DIR``, llamarl.rewards.model): the mean of its scores
+    of the completions it can score (each record holds its own). ``--reward none`` scores with the reward
+    model alone: no verifier, no accuracy or pass@k, and the dataset needs no answer field.
 
 Flow: samples -> ``PromptFormatter`` (template, few-shot, chat template) -> token ids -> batches of
 ``batch_size`` prompts through one ``GenerationEngine`` (KV cache reused across batches) -> decoded
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import contextlib
 import json
 import math
 import os
@@ -78,19 +82,22 @@ class SampleRecord:
     error: str | None
     finish_reason: str
     num_tokens: int
+    model_score: float | None = None  # the reward model's (--reward-model), or None: none, or it could not score
+    model_error: str | None = None  # why it could not
 
 
 @dataclass(frozen=True)
 class EvalResult:
-    accuracy: float
+    accuracy: float | None  # None (and no pass@k, mean_reward) without a verifier: reward_fn None
     pass_at_k: dict[int, float]
-    mean_reward: float
+    mean_reward: float | None
     num_prompts: int
     n: int
     num_errors: int
     wall_s: float
     records: list[SampleRecord] = field(repr=False)
     dropped_ids: list[str] = field(default_factory=list)  # samples left out: no room to generate (drop_long)
+    model_score: float | None = None  # the mean reward-model score of the completions it could score
 
     def summary(self) -> dict[str, Any]:
         """Everything but the per-sample records, JSON-ready."""
@@ -100,13 +107,12 @@ class EvalResult:
         return out
 
     def format(self) -> str:
-        ks = "  ".join(f"pass@{k}={v:.4f}" for k, v in self.pass_at_k.items())
-        dropped = f"  dropped={len(self.dropped_ids)}" if self.dropped_ids else ""
-        return (
-            f"accuracy={self.accuracy:.4f}  {ks}  mean_reward={self.mean_reward:.4f}  "
-            f"prompts={self.num_prompts}{dropped}  n={self.n}  reward_errors={self.num_errors}  "
-            f"wall={self.wall_s:.1f}s"
-        )
+        parts = ([f"accuracy={self.accuracy:.4f}", *(f"pass@{k}={v:.4f}" for k, v in self.pass_at_k.items()),
+                  f"mean_reward={self.mean_reward:.4f}"] if self.accuracy is not None else [])
+        parts += [f"model_score={self.model_score:.4f}"] if self.model_score is not None else []
+        parts += [f"prompts={self.num_prompts}", *([f"dropped={len(self.dropped_ids)}"] if self.dropped_ids else []),
+                  f"n={self.n}", f"reward_errors={self.num_errors}", f"wall={self.wall_s:.1f}s"]
+        return "  ".join(parts)
 
     def write_jsonl(self, path: str | os.PathLike) -> Path:
         p = Path(path)
@@ -165,6 +171,7 @@ def evaluate(
     engine: Any = None,
     progress: bool = False,
     drop_long: bool = False,
+    reward_model: Any = None,
 ) -> EvalResult:
     """Generate ``n`` completions per sample, score them with ``reward_fn``, compute the metrics.
 
@@ -175,6 +182,8 @@ def evaluate(
     ``drop_long``: leave out the samples whose rendered prompt fills the model's context (one line on stderr
     names them; the result's ``dropped_ids`` lists them) instead of refusing the whole evaluation. An
     error all the same if no sample is left.
+    ``reward_model``: a ``llamarl.rewards.model.RewardModelScorer`` scoring every completion (``model_score``);
+    ``reward_fn`` may then be None: no verifier (no accuracy, pass@k or mean_reward).
     """
     import torch
     from tqdm import tqdm
@@ -189,10 +198,12 @@ def evaluate(
         raise ValueError(f"every k must satisfy 1 <= k <= n={n} (samples per prompt), got k={list(k)}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if reward_fn is None and reward_model is None:
+        raise ValueError("evaluate needs a reward_fn, a reward_model or both")
     if isinstance(reward_fn, str):
         reward_fn = load_reward(reward_fn)
     # the sample fields an in-process function takes, read from its signature once
-    fn_params = None if isinstance(reward_fn, RewardPool) else info_params(reward_fn)
+    fn_params = None if isinstance(reward_fn, RewardPool) or reward_fn is None else info_params(reward_fn)
     params = SamplingParams(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, n=n,
         stop_token_ids=tuple(stop_token_ids), seed=seed, stop=tuple(stop),
@@ -237,8 +248,8 @@ def evaluate(
 
     eos = eos_ids(tokenizer, config)
     start = time.perf_counter()
-    # (prompt index, sample index, (reward, error) or Future, completion, num tokens, finish reason)
-    pending: list[tuple[int, int, Any, str, int, str]] = []
+    # (prompt index, sample index, (reward, error) or Future, completion, token ids, finish reason)
+    pending: list[tuple[int, int, Any, str, list[int], str]] = []
     bar = tqdm(total=len(samples), desc="eval", unit="prompt", disable=not progress, file=sys.stderr)
     for b0 in range(0, len(samples), batch_size):
         batch = token_ids[b0 : b0 + batch_size]
@@ -251,15 +262,22 @@ def evaluate(
             completion = tokenizer.decode(out.token_ids)
             if isinstance(reward_fn, RewardPool):
                 scored: Any = reward_fn.submit(s.id, completion, s.answer, s.reward_info(), verifier_only=True)
-            else:
+            elif reward_fn is not None:
                 scored = _score_in_process(reward_fn, fn_params, s, completion)
-            pending.append((i, out.sample_index, scored, completion, len(out.token_ids), out.finish_reason))
+            else:
+                scored = (0.0, None)
+            pending.append((i, out.sample_index, scored, completion, list(out.token_ids), out.finish_reason))
         bar.update(len(batch))
     bar.close()
 
+    model_scores: list[Any] = [None] * len(pending)
+    if reward_model is not None:
+        model_scores = reward_model.score_pairs([(token_ids[i], ids, formatter.messages(samples[i])
+                                                  if reward_model.wants_messages else None)
+                                                 for i, _, _, _, ids, _ in pending])
     records: list[SampleRecord] = []
     correct_per_prompt = [0] * len(samples)
-    for i, j, scored, completion, num_tokens, finish_reason in pending:
+    for (i, j, scored, completion, ids, finish_reason), ms in zip(pending, model_scores):
         if isinstance(scored, Future):
             res = scored.result()
             reward, error = res.reward, res.error
@@ -269,12 +287,17 @@ def evaluate(
         correct = reward >= correct_threshold
         correct_per_prompt[i] += int(correct)
         records.append(SampleRecord(s.id, j, texts[i], completion, s.answer, reward, correct, error,
-                                    finish_reason, num_tokens))
+                                    finish_reason, len(ids), None if isinstance(ms, str) else ms,
+                                    ms if isinstance(ms, str) else None))
     total = len(records)
+    verified = reward_fn is not None
+    scored_by_model = [r.model_score for r in records if r.model_score is not None]
     return EvalResult(
-        accuracy=sum(correct_per_prompt) / total,
-        pass_at_k={kk: sum(pass_at_k(n, c, kk) for c in correct_per_prompt) / len(samples) for kk in ks},
-        mean_reward=sum(r.reward for r in records) / total,
+        accuracy=sum(correct_per_prompt) / total if verified else None,
+        pass_at_k={kk: sum(pass_at_k(n, c, kk) for c in correct_per_prompt) / len(samples) for kk in ks}
+        if verified else {},
+        mean_reward=sum(r.reward for r in records) / total if verified else None,
+        model_score=math.fsum(scored_by_model) / len(scored_by_model) if scored_by_model else None,
         num_prompts=len(samples),
         n=n,
         num_errors=sum(r.error is not None for r in records),
@@ -315,7 +338,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="tokenizer directory or 'char' (default: the model directory)")
     p.add_argument("--dataset", required=True, help=f"a .jsonl/.parquet file or '{SYNTHETIC_PREFIX}[:opts]'")
     p.add_argument("--reward", help="gsm8k | math | exact | module:function | file.py:function "
-                                    "(default: exact for the synthetic task)")
+                                    "(default: exact for the synthetic task); none: --reward-model alone")
+    p.add_argument("--reward-model", default=None,
+                   help="a reward model (Hugging Face LlamaForSequenceClassification, one label) that scores every "
+                        "completion too: per-sample model_score, and its mean")
     p.add_argument("-n", "--num-samples", dest="n", type=int, default=1, help="completions per prompt (default: 1)")
     p.add_argument("-k", dest="k", default=None, help="comma-separated k for pass@k (default: 1 and n)")
     p.add_argument("--temperature", type=float, default=None,
@@ -409,6 +435,7 @@ def run(args: argparse.Namespace) -> EvalResult:
 
     from llamarl.models import Llama, load_tokenizer
     from llamarl.models.hf_io import generation_eos_ids
+    from llamarl.rewards.model import RewardModelScorer, check_reader
 
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1 (samples to evaluate), got {args.limit}")
@@ -437,11 +464,20 @@ def run(args: argparse.Namespace) -> EvalResult:
     if args.dataset.startswith("synthetic:") and not args.dataset.startswith(SYNTHETIC_PREFIX):
         raise ValueError(f"--dataset {args.dataset}: unknown synthetic dataset; known: {SYNTHETIC_PREFIX}[:options]")
     synthetic = args.dataset.startswith(SYNTHETIC_PREFIX)
+    verified = args.reward != "none"  # none: the reward model alone (no verifier, no answers needed)
+    if not verified and args.reward_model is None:
+        raise ValueError("--reward none scores with the reward model alone: pass --reward-model DIR")
+    if not verified and args.few_shot:
+        raise ValueError("--few-shot shows solved examples, which need answers; --reward none reads none")
+    if args.reward_model is not None and not Path(args.reward_model).is_dir():
+        raise ValueError(f"--reward-model {args.reward_model}: no such directory (pass a Hugging Face "
+                         "LlamaForSequenceClassification directory)")
     if synthetic:
         task, count = parse_synthetic_spec(args.dataset)
         samples = task.heldout_samples(count if args.limit is None else min(count, args.limit))
     else:
-        samples = load_dataset(args.dataset, args.prompt_field, args.answer_field, id_field=args.id_field)
+        samples = load_dataset(args.dataset, args.prompt_field, args.answer_field, id_field=args.id_field,
+                               require_answers=verified)
     if args.few_shot_file:
         shot_pool = load_dataset(args.few_shot_file, args.prompt_field, args.answer_field, id_field=args.id_field)
     elif synthetic:
@@ -456,10 +492,12 @@ def run(args: argparse.Namespace) -> EvalResult:
         samples = samples[: args.limit]
     reward_spec = args.reward or ("exact" if synthetic else None)
     if reward_spec is None:
-        raise ValueError("--reward is required for a dataset file (gsm8k, math, exact or module:function)")
-    load_reward(reward_spec)  # a bad spec fails here, before the model is loaded
+        raise ValueError("--reward is required for a dataset file (gsm8k, math, exact or module:function; none "
+                         "with --reward-model)")
+    if verified:
+        load_reward(reward_spec)  # a bad spec fails here, before the model is loaded
+        _check_reward_on(reward_spec, samples)
     args.reward = reward_spec
-    _check_reward_on(reward_spec, samples)
     n = args.n
     if n < 1:
         raise ValueError(f"-n must be >= 1 (completions per prompt), got {n}")
@@ -485,17 +523,26 @@ def run(args: argparse.Namespace) -> EvalResult:
     if hint:
         raise ValueError(f"--model {args.model}: {hint}")
     tokenizer = load_tokenizer(args.tokenizer or args.model)
+    if args.reward_model is not None:  # what it reads with, against its vocabulary: before any weights are read
+        try:
+            check_reader(args.reward_model, tokenizer, chat=args.chat)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--reward-model {args.reward_model}: {e}") from None
     stops = args.stop if args.stop is not None else (["\\n"] if synthetic else [])
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     model = Llama.from_pretrained(args.model, dtype=dtype, device=args.device).eval()
     fmt = PromptFormat(template=args.template, chat=args.chat, system=args.system)
-    with RewardPool(reward_spec, num_workers=args.reward_workers, timeout_s=args.reward_timeout) as pool:
+    scorer = None if args.reward_model is None else RewardModelScorer(
+        args.reward_model, policy_tokenizer=tokenizer, eos_ids=list(generation_eos_ids(args.model)), chat=args.chat,
+        dtype="bfloat16" if args.dtype == "bfloat16" else "float32", device=args.device, batch_size=args.batch_size)
+    with (RewardPool(reward_spec, num_workers=args.reward_workers, timeout_s=args.reward_timeout) if verified
+          else contextlib.nullcontext()) as pool:
         return evaluate(
             model, tokenizer, samples, pool, n=n, k=ks, temperature=temperature, max_new_tokens=max_new,
             batch_size=args.batch_size, fmt=fmt, shots=shots, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
             stop_token_ids=list(generation_eos_ids(args.model)), stop=_stop_strings(stops),
             correct_threshold=args.correct_threshold,
-            progress=not args.no_progress, drop_long=args.drop_long,
+            progress=not args.no_progress, drop_long=args.drop_long, reward_model=scorer,
         )
 
 
@@ -515,7 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = result.write_jsonl(args.output)
         summary_path = out.with_name(out.stem + ".summary.json")
         summary_path.write_text(json.dumps({"dataset": args.dataset, "model": args.model, "reward": args.reward,
-                                            **result.summary()}, indent=2))
+                                            "reward_model": args.reward_model, **result.summary()}, indent=2))
     except OSError as e:  # (checked before the evaluation; e.g. the disk filled meanwhile): the metrics are printed
         print(f"llamarl.eval: error: cannot write --output {args.output}: {e.strerror or e}", file=sys.stderr)
         return 2

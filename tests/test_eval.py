@@ -520,3 +520,49 @@ def test_a_write_that_fails_after_the_evaluation_still_prints_the_metrics(checkp
     out, err = capsys.readouterr()
     assert out.startswith("accuracy=") and "pass@1=" in out
     assert f"cannot write --output {tmp_path / 'o.jsonl'}: No space left on device" in err
+
+
+def test_cli_reward_model_scores_every_completion_with_or_without_a_verifier(checkpoint, tmp_path, capsys,
+                                                                            monkeypatch):
+    """--reward-model: each record's model_score is transformers' score of the exact sequence scored (the
+    prompt's ids, then the completion's), the summary's is their mean; --reward none scores with it alone on
+    a file without answers: no accuracy, pass@k or mean_reward."""
+    from test_reward_model_term import hf_reward_model, hf_scores, record_scores
+
+    _, path = checkpoint
+    tok = CharTokenizer()
+    rm = hf_reward_model(tmp_path / "rm", tok.vocab_size)
+    calls = record_scores(monkeypatch)
+    prompts = ["12+30=", "7*8=", "99-1="]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"question": p, "answer": "1"}) + "\n" for p in prompts))
+    base = ["--model", str(path), "--reward-model", str(tmp_path / "rm"), "--max-new-tokens", "6", "-n", "2",
+            "--temperature", "1.0", "--reward-workers", "1", "--no-progress"]
+    assert main(base + ["--dataset", str(data), "--reward", "exact", "--output", str(tmp_path / "a.jsonl")]) == 0
+    records = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    (scored,) = calls
+    assert [s for _, s in scored] == pytest.approx(hf_scores(rm, [ids for ids, _ in scored]), abs=1e-5)
+    assert [r["model_score"] for r in records] == [s for _, s in scored]
+    for r, (ids, _) in zip(records, scored):
+        prompt = [tok.bos_id, *tok.encode(r["prompt"])]
+        assert ids[:len(prompt)] == prompt and len(ids) == len(prompt) + r["num_tokens"]
+    summary = json.loads((tmp_path / "a.summary.json").read_text())
+    assert summary["model_score"] == pytest.approx(sum(r["model_score"] for r in records) / 6)
+    assert summary["accuracy"] is not None and summary["reward_model"] == str(tmp_path / "rm")
+    capsys.readouterr()
+
+    prompt_only = tmp_path / "p.jsonl"
+    prompt_only.write_text("".join(json.dumps({"question": p}) + "\n" for p in prompts))
+    assert main(base + ["--dataset", str(prompt_only), "--reward", "none", "--output", str(tmp_path / "b.jsonl")]) == 0
+    summary = json.loads((tmp_path / "b.summary.json").read_text())
+    assert (summary["accuracy"], summary["mean_reward"], summary["pass_at_k"]) == (None, None, {})
+    records = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    assert summary["model_score"] == pytest.approx(sum(r["model_score"] for r in records) / 6)
+    out = capsys.readouterr().out
+    assert "model_score=" in out and "accuracy" not in out
+    for extra, message in [(["--reward", "none"], "--reward none scores with the reward model alone: pass "
+                                                  "--reward-model DIR"),
+                           (["--reward", "exact", "--reward-model", str(tmp_path / "no")],
+                            f"--reward-model {tmp_path / 'no'}: no such directory")]:
+        args = ["--model", str(path), "--dataset", str(data), "--no-progress", *extra]
+        assert main(args) == 2 and message in capsys.readouterr().err
