@@ -77,8 +77,8 @@ class SampleRecord:
     prompt: str
     completion: str
     answer: str
-    reward: float
-    correct: bool
+    reward: float | None  # None without a verifier (--reward none)
+    correct: bool | None
     error: str | None
     finish_reason: str
     num_tokens: int
@@ -98,6 +98,7 @@ class EvalResult:
     records: list[SampleRecord] = field(repr=False)
     dropped_ids: list[str] = field(default_factory=list)  # samples left out: no room to generate (drop_long)
     model_score: float | None = None  # the mean reward-model score of the completions it could score
+    num_model_errors: int = 0  # completions the reward model could not score (model_error on their lines)
 
     def summary(self) -> dict[str, Any]:
         """Everything but the per-sample records, JSON-ready."""
@@ -109,7 +110,9 @@ class EvalResult:
     def format(self) -> str:
         parts = ([f"accuracy={self.accuracy:.4f}", *(f"pass@{k}={v:.4f}" for k, v in self.pass_at_k.items()),
                   f"mean_reward={self.mean_reward:.4f}"] if self.accuracy is not None else [])
-        parts += [f"model_score={self.model_score:.4f}"] if self.model_score is not None else []
+        if self.model_score is not None or self.num_model_errors:
+            parts.append("model_score=" + ("n/a" if self.model_score is None else f"{self.model_score:.4f}"))
+        parts += [f"model_errors={self.num_model_errors}"] if self.num_model_errors else []
         parts += [f"prompts={self.num_prompts}", *([f"dropped={len(self.dropped_ids)}"] if self.dropped_ids else []),
                   f"n={self.n}", f"reward_errors={self.num_errors}", f"wall={self.wall_s:.1f}s"]
         return "  ".join(parts)
@@ -284,8 +287,9 @@ def evaluate(
         else:
             reward, error = scored
         s = samples[i]
-        correct = reward >= correct_threshold
-        correct_per_prompt[i] += int(correct)
+        correct = reward >= correct_threshold if reward_fn is not None else None
+        correct_per_prompt[i] += int(bool(correct))
+        reward = reward if reward_fn is not None else None
         records.append(SampleRecord(s.id, j, texts[i], completion, s.answer, reward, correct, error,
                                     finish_reason, len(ids), None if isinstance(ms, str) else ms,
                                     ms if isinstance(ms, str) else None))
@@ -297,6 +301,7 @@ def evaluate(
         pass_at_k={kk: sum(pass_at_k(n, c, kk) for c in correct_per_prompt) / len(samples) for kk in ks}
         if verified else {},
         mean_reward=sum(r.reward for r in records) / total if verified else None,
+        num_model_errors=sum(r.model_error is not None for r in records),
         model_score=math.fsum(scored_by_model) / len(scored_by_model) if scored_by_model else None,
         num_prompts=len(samples),
         n=n,
@@ -523,18 +528,20 @@ def run(args: argparse.Namespace) -> EvalResult:
     if hint:
         raise ValueError(f"--model {args.model}: {hint}")
     tokenizer = load_tokenizer(args.tokenizer or args.model)
+    fmt = PromptFormat(template=args.template, chat=args.chat, system=args.system)
     if args.reward_model is not None:  # what it reads with, against its vocabulary: before any weights are read
+        messages = PromptFormatter(fmt, shots=shots, tokenizer=tokenizer).messages(samples[0]) if samples else None
         try:
-            check_reader(args.reward_model, tokenizer, chat=args.chat)
+            check_reader(args.reward_model, tokenizer, chat=args.chat, messages=messages)
         except (OSError, ValueError) as e:
             raise ValueError(f"--reward-model {args.reward_model}: {e}") from None
     stops = args.stop if args.stop is not None else (["\\n"] if synthetic else [])
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     model = Llama.from_pretrained(args.model, dtype=dtype, device=args.device).eval()
-    fmt = PromptFormat(template=args.template, chat=args.chat, system=args.system)
-    scorer = None if args.reward_model is None else RewardModelScorer(
-        args.reward_model, policy_tokenizer=tokenizer, eos_ids=list(generation_eos_ids(args.model)), chat=args.chat,
-        dtype="bfloat16" if args.dtype == "bfloat16" else "float32", device=args.device, batch_size=args.batch_size)
+    scorer = None if args.reward_model is None else RewardModelScorer(  # (training's end-of-text ids: eos_ids)
+        args.reward_model, policy_tokenizer=tokenizer, eos_ids=eos_ids(tokenizer, model.config, args.model),
+        chat=args.chat, dtype="bfloat16" if args.dtype == "bfloat16" else "float32", device=args.device,
+        batch_size=args.batch_size)
     with (RewardPool(reward_spec, num_workers=args.reward_workers, timeout_s=args.reward_timeout) if verified
           else contextlib.nullcontext()) as pool:
         return evaluate(
@@ -567,6 +574,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"llamarl.eval: error: cannot write --output {args.output}: {e.strerror or e}", file=sys.stderr)
         return 2
     print(f"per-sample results: {out}\nsummary: {summary_path}")
+    if args.reward == "none" and result.model_score is None:  # nothing was measured: not a success
+        print("llamarl.eval: error: the reward model could score no completion (see model_error in the "
+              "per-sample results)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -213,7 +213,8 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
         raise ConfigError(f"data.dataset: {e}") from None
     if cfg.reward.model is not None:  # what the reward model reads with, against its vocabulary (no weights read)
         try:
-            rm_config, rm_tokenizer = check_reader(cfg.reward.model, tokenizer, chat=cfg.data.chat)
+            rm_config, rm_tokenizer = check_reader(cfg.reward.model, tokenizer, chat=cfg.data.chat,
+                                                   messages=data.formatter.messages(data.heldout[0]))
         except (OSError, ValueError) as e:
             raise ConfigError(f"reward.model: {e}") from None
         rm_context = rm_config.max_position_embeddings

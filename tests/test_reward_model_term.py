@@ -294,3 +294,24 @@ def test_reward_reward_none_settings_that_cannot_work_are_refused(tmp_path, caps
             load_config(SMOKE + ["--set", "reward.reward=none", *extra])
     assert_refused_before_start([(["--set", "reward.reward=none", *rm],
                                   r"reward.reward: none \(no verifier\) needs policy.model=DIR")], tmp_path, capsys)
+
+
+def test_a_chat_template_that_refuses_a_conversation_costs_that_sample_and_is_probed_up_front(tmp_path):
+    """A reward model whose template refuses system messages (as Gemma's and Mistral's do): check_reader, given
+    a prompt's real messages, refuses the run up front; a pair it cannot render anyway costs that sample."""
+    from llamarl.rewards.model import check_reader
+
+    policy = CharTokenizer()
+    hf_reward_model(tmp_path / "rm", 3 + len(WORDS))
+    _word_tokenizer(tmp_path / "rm", WORDS, chat_template=(
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}|{% endfor %}"))
+    system = [{"role": "system", "content": "1"}, {"role": "user", "content": "1+2="}]
+    check_reader(tmp_path / "rm", policy, chat=True)  # (a lone user turn renders)
+    with pytest.raises(ValueError, match="System role not supported"):
+        check_reader(tmp_path / "rm", policy, chat=True, messages=system)
+    scorer = RewardModelScorer(tmp_path / "rm", policy_tokenizer=policy, chat=True)
+    got = scorer.score_pairs([(policy.encode("1+2="), policy.encode("3"), system),
+                              (policy.encode("1+2="), policy.encode("3"), system[1:])])
+    assert "its chat template cannot render this conversation: chat template error: System role not" in got[0]
+    assert isinstance(got[1], float)

@@ -75,11 +75,14 @@ def _own_tokenizer(path: Path) -> Any:
         raise ValueError(f"its tokenizer cannot be read: {e}") from None
 
 
-def check_reader(path: str | Path, policy_tokenizer: Any, *, chat: bool = False) -> tuple[Any, Any]:
+def check_reader(path: str | Path, policy_tokenizer: Any, *, chat: bool = False,
+                 messages: Sequence[dict] | None = None) -> tuple[Any, Any]:
     """(the reward model's LlamaConfig, the tokenizer it reads with or None for the policy's ids), after the
     checks that need no weights: the checkpoint (config.json and tensor headers), its own tokenizer if it has
     one, that tokenizer's ids (or the policy tokenizer's, when it reads the policy's ids) within its embedding,
-    and, for chat data read through its own tokenizer, a chat template that renders a conversation. Raises
+    and, for chat data read through its own tokenizer, a chat template that renders a conversation (``messages``,
+    a prompt's as the run renders them, system message and few-shot turns included, plus an answer; by default
+    one user turn). Raises
     ValueError saying what to change."""
     from llamarl.models.reward_model import check_reward_model
 
@@ -96,8 +99,8 @@ def check_reader(path: str | Path, policy_tokenizer: Any, *, chat: bool = False)
                                                    if own is None else "its tokenizer does not fit its embedding"))
     if tokenizer is not None and chat:
         try:
-            tokenizer.apply_chat_template([{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}],
-                                          add_generation_prompt=False)
+            probe = list(messages) if messages is not None else [{"role": "user", "content": "1+1="}]
+            tokenizer.apply_chat_template([*probe, {"role": "assistant", "content": "2"}], add_generation_prompt=False)
         except Exception as e:  # no template, or a template error of any kind
             raise ValueError(f"the data is chat-formatted (data.chat) and the reward model reads it through its own "
                              f"tokenizer, whose chat template cannot render a conversation: {e}") from None
@@ -195,8 +198,19 @@ class RewardModelScorer:
         return out
 
     def score_pairs(self, pairs: Sequence[tuple]) -> list[float | str]:
-        """``score`` of the sequences of (prompt ids, completion ids[, chat messages]) tuples."""
-        return self.score([self.sequence(*p) for p in pairs])
+        """``score`` of the sequences of (prompt ids, completion ids[, chat messages]) tuples; a pair whose
+        sequence cannot be built (its chat template raises on those messages) gets the reason instead."""
+        sequences: list[Any] = []
+        for p in pairs:
+            try:
+                sequences.append(self.sequence(*p))
+            except Exception as e:  # noqa: BLE001 - jinja2's or raise_exception's: that sample's, not the run's
+                sequences.append(f"reward model: its chat template cannot render this conversation: {e}")
+        built = [i for i, q in enumerate(sequences) if not isinstance(q, str)]
+        out: list[float | str] = list(sequences)
+        for i, s in zip(built, self.score([sequences[i] for i in built])):
+            out[i] = s
+        return out
 
     async def score_rollouts(self, pairs: Sequence[tuple]) -> list[float | str]:
         """``score_pairs`` in a worker thread (re-tokenising included): the event loop runs on meanwhile."""
