@@ -213,12 +213,12 @@ def load_inputs(cfg: TrainConfig, cursor: int = 0):
         raise ConfigError(f"data.dataset: {e}") from None
     if cfg.reward.model is not None:  # what the reward model reads with, against its vocabulary (no weights read)
         try:
-            rm_config, rm_tokenizer = check_reader(cfg.reward.model, tokenizer, chat=cfg.data.chat,
-                                                   messages=data.formatter.messages(data.heldout[0]))
+            rm_config, rm_tokenizer = check_reader(cfg.reward.model, tokenizer, chat=cfg.data.chat, messages=(
+                data.formatter.messages(data.heldout[0]) if data.heldout else None))
         except (OSError, ValueError) as e:
             raise ConfigError(f"reward.model: {e}") from None
         rm_context = rm_config.max_position_embeddings
-        if rm_tokenizer is None:  # it reads the policy's ids, whose lengths are known
+        if rm_tokenizer is None and data.heldout:  # it reads the policy's ids, whose lengths are known
             shortest = min(map(len, data.encode(data.heldout)))
             if shortest + 1 > rm_context:
                 raise ConfigError(f"reward.model: its context of {rm_context} tokens holds no prompt with a completion "
