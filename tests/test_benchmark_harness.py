@@ -39,3 +39,24 @@ def test_train_step_benchmark_runs_and_its_variants_agree(tmp_path, monkeypatch)
     assert set(rows) == {"padded", "trimmed", "grouped", "budget"}
     assert rows["padded"]["positions"] > rows["trimmed"]["positions"] >= rows["grouped"]["positions"]
     assert all(r["max_weight_diff"] < 1e-5 for r in rows.values())
+
+
+def test_reward_model_benchmark_runs_and_its_variants_agree(tmp_path, monkeypatch):
+    """benchmarks.reward_model on the tiny trunk: sorted batches run no more positions than batches in the
+    given order, one sequence at a time runs exactly the real tokens, and every variant's scores are the
+    one-at-a-time ones up to summation order (the padding never reaches a row's last real token)."""
+    import json
+
+    from benchmarks import reward_model
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    args = ["--model", "tiny", "--iters", "1", "--sequences", "12", "--batch-size", "4", "--prompt-len", "16",
+            "--max-new-tokens", "48", "--median-new-tokens", "8"]
+    reward_model.main(args)
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "reward_model.json").read_text())["rows"]}
+    assert set(rows) == {"single", "ordered", "sorted"}
+    lengths = [len(s) for s in reward_model.make_sequences(reward_model.argparse.Namespace(
+        seed=0, sequences=12, prompt_len=16, max_new_tokens=48, median_new_tokens=8), 100)]
+    assert rows["single"]["positions"] == sum(lengths) and rows["single"]["real_frac"] == 1.0
+    assert rows["ordered"]["positions"] >= rows["sorted"]["positions"] >= sum(lengths)
+    assert all(r["max_abs_diff_vs_single"] < 1e-5 for r in rows.values())
