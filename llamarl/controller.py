@@ -38,8 +38,8 @@ return identical samples (rank 0's are used, the others are checked against them
 from __future__ import annotations
 
 import asyncio
-import math
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, NamedTuple
@@ -233,22 +233,16 @@ class Controller:
         """Fill in the rewards of ``rollouts`` (prompt-major, n per sample), or the verifier's error."""
         n = self.sampling.n
         infos = [s.reward_info() for s in samples]  # (the pool sends on what the function asks for)
-        rm = self.ex.reward_model  # scores in a thread meanwhile (llamarl.rewards.model)
-        model_scores = (asyncio.ensure_future(rm.score_rollouts(self._model_inputs(
-            rm, samples, [(r.prompt_ids, r.completion_ids) for r in rollouts]))) if rm is not None else None)
-        try:
-            if self.ex.rewards is not None:
-                scores = await self.ex.rewards.score_async(
-                    [(r.sample_id, r.text, r.answer, infos[i // n]) for i, r in enumerate(rollouts)])
-                for r, s in zip(rollouts, scores):
-                    r.reward, r.reward_error, r.reward_terms = s.reward, s.error, s.terms
-            else:  # reward.reward=none: no reward functions, the reward model's term alone
-                for r in rollouts:
-                    r.reward, r.reward_error, r.reward_terms = 0.0, None, ()
-        except BaseException:
-            if model_scores is not None:
-                model_scores.cancel()
-            raise
+        scores, model_scores = await self._verify_beside_model(
+            samples, [(r.prompt_ids, r.completion_ids) for r in rollouts],
+            lambda pool: pool.score_async([(r.sample_id, r.text, r.answer, infos[i // n])
+                                           for i, r in enumerate(rollouts)]))
+        if scores is None:  # reward.reward=none: no reward functions, the reward model's term alone
+            for r in rollouts:
+                r.reward, r.reward_error, r.reward_terms = 0.0, None, ()
+        else:
+            for r, s in zip(rollouts, scores):
+                r.reward, r.reward_error, r.reward_terms = s.reward, s.error, s.terms
         rw = self.cfg.reward
         if rw.overlong_buffer:
             for r in rollouts:
@@ -257,7 +251,7 @@ class Controller:
                                                rw.overlong_buffer, rw.overlong_penalty)
                     r.reward, r.reward_terms = r.reward + penalty, (*r.reward_terms, penalty)
         if model_scores is not None:  # r += model_weight * s; a sample it cannot score costs that sample
-            for r, s in zip(rollouts, await model_scores):
+            for r, s in zip(rollouts, model_scores):
                 if r.reward_error is not None:
                     continue
                 if isinstance(s, str):
@@ -378,40 +372,47 @@ class Controller:
                                 n=k, stop=self.cfg.generator.stop, seed=seed)
         prompts = self.data.encode(held)
         outputs, _ = await self.generate(prompts, params)  # prompt-major: problem i's at i*k..
-        rm = self.ex.reward_model  # its mean score of the completions, beside the accuracy (reward hacking shows)
-        model_scores = (asyncio.ensure_future(rm.score_rollouts(self._model_inputs(
-            rm, held, [(prompts[j // k], o["token_ids"]) for j, o in enumerate(outputs)])))
-            if rm is not None else None)
+        # the verifier alone (other terms cannot fail a right answer); with a reward model, its mean score of the
+        # completions beside the accuracy (reward hacking shows)
+        scores, model_scores = await self._verify_beside_model(
+            held, [(prompts[j // k], o["token_ids"]) for j, o in enumerate(outputs)],
+            lambda pool: pool.score_async(
+                [(s.id if k == 1 else f"{s.id}#{j % k}", self.tok.decode(o["token_ids"]), s.answer, s.reward_info())
+                 for j, (s, o) in enumerate(zip((s for s in held for _ in range(k)), outputs))], verifier_only=True))
         result = {"policy_version": min(min(o["policy_versions"], default=-1) for o in outputs)}
-        try:
-            if self.ex.rewards is not None:  # (reward.reward=none: no verifier, no accuracy)
-                scores = await self.ex.rewards.score_async(  # the verifier alone: other terms cannot fail a right one
-                    [(s.id if k == 1 else f"{s.id}#{j % k}", self.tok.decode(o["token_ids"]), s.answer,
-                      s.reward_info()) for j, (s, o) in enumerate(zip((s for s in held for _ in range(k)), outputs))],
-                    verifier_only=True)
-                correct = [r.verifier >= 1.0 for r in scores]
-                result["accuracy"] = sum(correct) / len(correct)
-                if k > 1:
-                    result[f"pass@{k}"] = sum(any(correct[i * k:(i + 1) * k]) for i in range(len(held))) / len(held)
-        except BaseException:
-            if model_scores is not None:
-                model_scores.cancel()
-            raise
+        if scores is not None:  # (reward.reward=none: no verifier, no accuracy)
+            correct = [r.verifier >= 1.0 for r in scores]
+            result["accuracy"] = sum(correct) / len(correct)
+            if k > 1:
+                result[f"pass@{k}"] = sum(any(correct[i * k:(i + 1) * k]) for i in range(len(held))) / len(held)
         if model_scores is not None:
-            scored = [x for x in await model_scores if not isinstance(x, str)]  # (too long for it: left out)
+            scored = [x for x in model_scores if not isinstance(x, str)]  # (too long for it: left out)
             if scored:
                 result["model_score"] = math.fsum(scored) / len(scored)
         self.log.eval(step, result)
         return result
 
     # ------------------------------------------------------------------ helpers
-    def _model_inputs(self, rm: Any, samples: list, pairs: list[tuple]) -> list[tuple]:
-        """The reward model's input for each (prompt ids, completion ids) pair (``len(samples)`` groups of
-        equal size, prompt-major): the pair and the prompt's chat messages, or None where the reward model
-        does not render them with its own chat template (llamarl.rewards.model)."""
-        n = len(pairs) // len(samples)
-        msgs = [self.data.formatter.messages(s) for s in samples] if rm.wants_messages else None
-        return [(p, c, msgs[i // n] if msgs else None) for i, (p, c) in enumerate(pairs)]
+    async def _verify_beside_model(self, samples: list, pairs: list[tuple],
+                                   verify: Callable[[RewardPool], Awaitable[list]]) -> tuple[list | None, list | None]:
+        """(``verify(pool)``'s results, or None without reward functions (reward.reward=none); the reward model's
+        scores of ``pairs``, or None without one). ``pairs``: (prompt ids, completion ids), ``len(samples)``
+        groups of equal size, prompt-major. The reward model scores in a thread while the pool verifies (with
+        the prompts' chat messages only where it renders them with its own template, llamarl.rewards.model); an
+        exception out of ``verify`` drops its scores."""
+        rm, model_scores = self.ex.reward_model, None
+        if rm is not None:
+            n = len(pairs) // len(samples)
+            msgs = [self.data.formatter.messages(s) for s in samples] if rm.wants_messages else None
+            model_scores = asyncio.ensure_future(rm.score_rollouts(
+                [(p, c, msgs[i // n] if msgs else None) for i, (p, c) in enumerate(pairs)]))
+        try:
+            verified = await verify(self.ex.rewards) if self.ex.rewards is not None else None
+        except BaseException:
+            if model_scores is not None:
+                model_scores.cancel()
+            raise
+        return verified, (await model_scores if model_scores is not None else None)
 
     def _warn_if_cut(self, row: dict) -> None:
         """Once per run: most completions of a step ran into the token budget, so their answers were cut
