@@ -422,12 +422,13 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
 
     async def main(rt) -> dict:
         _dump_tasks_on_sigusr1()
+        stops = eos_ids(tokenizer, policy_config, policy_dir)  # where generation ends: the reward model's EOS too
         gens = rt.spawn_role("generator", "llamarl.executors.generator:GeneratorExecutor", init_kwargs=dict(
             model_config=model_config, dtype=cfg.policy.dtype, trainer_ranks=cfg.trainer.ranks,
             replicas=g.replicas,  # (an evaluation of more rows runs in batches of this many)
             max_batch_size=max(g.prompts_per_step * g.samples_per_prompt, cfg.data.eval_size, cfg.run.eval_samples),
             max_seq_len=kv_slots, pad_id=tokenizer.pad_id, threads=threads, quantization=g.quantization,
-            eos_token_ids=eos_ids(tokenizer, policy_config, policy_dir), tokenizer=tokenizer),
+            eos_token_ids=stops, tokenizer=tokenizer),
             env={"LLAMARL_EXECUTOR": "generator"}, wait=False)
         # the trainer starts alongside (each process spends seconds importing torch and loading the model)
         # and attaches to the generators' buckets once they are up
@@ -442,7 +443,7 @@ def _train_in(out: Path, cfg: TrainConfig, resume, tokenizer, data: TrainData, t
         # the reward model loads in a thread meanwhile (llamarl.rewards.model: it scores in this process)
         reward_model = (asyncio.ensure_future(asyncio.to_thread(
             RewardModelScorer, cfg.reward.model, policy_tokenizer=tokenizer, chat=cfg.data.chat,
-            eos_ids=eos_ids(tokenizer, policy_config, policy_dir), dtype=cfg.policy.dtype, device=cfg.device,
+            eos_ids=stops, dtype=cfg.policy.dtype, device=cfg.device,
             batch_size=cfg.reward.model_batch_size, threads=threads))
             if cfg.reward.model else None)
         await rt.await_ready([*gens, trainer])  # the loop runs meanwhile: a Ctrl-C stops the start at once

@@ -39,7 +39,6 @@ failure of the forward itself (out of memory, ...) is raised: it is not one samp
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 from pathlib import Path
 from typing import Any, Sequence
@@ -82,8 +81,7 @@ def check_reader(path: str | Path, policy_tokenizer: Any, *, chat: bool = False,
     one, that tokenizer's ids (or the policy tokenizer's, when it reads the policy's ids) within its embedding,
     and, for chat data read through its own tokenizer, a chat template that renders a conversation (``messages``,
     a prompt's as the run renders them, system message and few-shot turns included, plus an answer; by default
-    one user turn). Raises
-    ValueError saying what to change."""
+    one user turn). Raises ValueError saying what to change."""
     from llamarl.models.reward_model import check_reward_model
 
     path = Path(path)
@@ -123,9 +121,9 @@ class RewardModelScorer:
         _, self.tokenizer = check_reader(self.path, policy_tokenizer, chat=chat)
         self.device = torch.device(device)
         self.model = load_reward_model(self.path, dtype=DTYPES[dtype], device=self.device)
-        self.context, self.vocab_size = self.model.config.max_position_embeddings, self.model.config.vocab_size
-        pad = json.loads((self.path / "config.json").read_text()).get("pad_token_id")
-        self.pad_id = pad if isinstance(pad, int) and not isinstance(pad, bool) else None
+        config = self.model.config  # (a pad_token_id outside the vocabulary is None there: it matches no id either)
+        self.context, self.vocab_size = config.max_position_embeddings, config.vocab_size
+        self.pad_id = config.pad_token_id
 
     @property
     def wants_messages(self) -> bool:
