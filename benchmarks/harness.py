@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import statistics
@@ -68,6 +69,12 @@ def quantile(xs: Sequence[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def completion_length(median: int, cap: int, g: torch.Generator) -> int:
+    """One RL completion length as the benchmarks draw them: lognormal (median ``median``, sigma 0.8), rounded,
+    in [1, ``cap``] (most completions end early, a few run to the budget)."""
+    return max(1, min(cap, round(math.exp(math.log(median) + 0.8 * float(torch.randn((), generator=g))))))
 
 
 def synchronize(device: torch.device | str | None = None) -> None:

@@ -21,12 +21,11 @@ never reaches it).
 from __future__ import annotations
 
 import argparse
-import math
 import tempfile
 
 import torch
 
-from benchmarks.harness import Report, measure, positive_int
+from benchmarks.harness import Report, completion_length, measure, positive_int
 from llamarl.models import LLAMA_CONFIGS, CharTokenizer, LlamaRewardModel
 from llamarl.rewards.model import RewardModelScorer
 
@@ -35,10 +34,10 @@ def make_sequences(args, vocab: int) -> list[list[int]]:
     """``sequences`` prompt + completion id lists: prompt lengths uniform in [P/2, P], completion lengths
     lognormal (median ``median_new_tokens``, sigma 0.8) capped at ``max_new_tokens``; no pad id (0)."""
     g = torch.Generator().manual_seed(args.seed)
-    mu, out = math.log(args.median_new_tokens), []
+    out = []
     for _ in range(args.sequences):
         n_prompt = int(torch.randint(args.prompt_len // 2, args.prompt_len + 1, (), generator=g))
-        n_new = max(1, min(args.max_new_tokens, round(math.exp(mu + 0.8 * float(torch.randn((), generator=g))))))
+        n_new = completion_length(args.median_new_tokens, args.max_new_tokens, g)
         out.append(torch.randint(3, vocab, (n_prompt + n_new,), generator=g).tolist())
     return out
 

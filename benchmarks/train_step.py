@@ -27,13 +27,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import math
 import tempfile
 from pathlib import Path
 
 import torch
 
-from benchmarks.harness import Report, measure, positive_int
+from benchmarks.harness import Report, completion_length, measure, positive_int
 from llamarl import micro_batches
 from llamarl.config import TrainerConfig
 from llamarl.executors import trainer as trainer_module
@@ -47,13 +46,11 @@ def make_batch(args, vocab: int) -> dict[str, torch.Tensor]:
     lognormal (median ``median_new_tokens``, sigma 0.8) capped at ``max_new_tokens``."""
     g = torch.Generator().manual_seed(args.seed)
     rollouts = []
-    mu = math.log(args.median_new_tokens)
     for p in range(args.prompts):
         n_prompt = int(torch.randint(args.prompt_len // 2, args.prompt_len + 1, (), generator=g))
         prompt = torch.randint(3, vocab, (n_prompt,), generator=g).tolist()
         for s in range(args.samples):
-            length = math.exp(mu + 0.8 * float(torch.randn((), generator=g)))
-            c = max(1, min(args.max_new_tokens, round(length)))
+            c = completion_length(args.median_new_tokens, args.max_new_tokens, g)
             completion = torch.randint(3, vocab, (c,), generator=g).tolist()
             logprobs = (-9.0 + 0.3 * torch.randn(c, generator=g)).tolist()
             rollouts.append(Rollout(f"p{p}s{s}", p, prompt, completion, logprobs, [0] * c, "", "length"))
