@@ -31,3 +31,23 @@ def pytest_collection_modifyitems(config, items):
 def device():
     """The device kernel tests run on: CUDA when present, else CPU (Triton interpreted)."""
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny random Llama over the CharTokenizer vocabulary, saved by transformers (the reference): (the
+    transformers model, its directory). For the llamarl.eval tests."""
+    transformers = pytest.importorskip("transformers")
+    from llamarl.models import CharTokenizer
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=CharTokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.3,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("eval_model")
+    hf.save_pretrained(path)
+    CharTokenizer().save(path)
+    return hf, path
