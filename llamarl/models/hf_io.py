@@ -305,12 +305,18 @@ def load_llama(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
     model = model.to(dtype=dtype).to_empty(device=torch.device(device))
     if config.tie_word_embeddings:  # to_empty re-creates Parameters: restore the tie
         model.lm_head.weight = model.model.embed_tokens.weight
+    return fill(model, tensors)
+
+
+def fill(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """``model`` (materialised, e.g. by ``to_empty``) with each checkpoint tensor copied into the parameter of
+    its name (converted to the parameter's dtype and device), in eval mode; the loaders of Llama and of the
+    reward model share it."""
     params = dict(model.named_parameters())
     with torch.no_grad():
         for k, t in tensors.items():
             params[k].copy_(t)
-    model.eval()
-    return model
+    return model.eval()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

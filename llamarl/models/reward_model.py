@@ -172,9 +172,4 @@ def load_reward_model(
     tensors = hf_io.load_state_dict(path, config, reward_shapes(config))
     with torch.device("meta"):
         model = LlamaRewardModel(config)
-    model = model.to(dtype=dtype).to_empty(device=torch.device(device))
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for k, t in tensors.items():
-            params[k].copy_(t)
-    return model.eval()
+    return hf_io.fill(model.to(dtype=dtype).to_empty(device=torch.device(device)), tensors)
